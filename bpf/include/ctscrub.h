@@ -1,0 +1,63 @@
+/* Shared between ctscrub's BPF programs and scrubd/recorder/record.go. */
+#ifndef CTSCRUB_H
+#define CTSCRUB_H
+
+#include <linux/types.h>
+
+/* Cilium's tuple flags (TUPLE_F_*). */
+#define CT_F_OUT 0
+#define CT_F_IN 1
+#define CT_F_RELATED 2
+#define CT_F_SERVICE 4
+
+/* struct ipv4_ct_tuple / ipv6_ct_tuple, packed, network byte order:
+ * daddr = initiator, saddr = responder, sport = initiator's port,
+ * dport = responder's port. */
+struct ct_key4 {
+	__be32 daddr;
+	__be32 saddr;
+	__be16 dport;
+	__be16 sport;
+	__u8 nexthdr;
+	__u8 flags;
+} __attribute__((packed));
+
+struct ct_key6 {
+	__u8 daddr[16];
+	__u8 saddr[16];
+	__be16 dport;
+	__be16 sport;
+	__u8 nexthdr;
+	__u8 flags;
+} __attribute__((packed));
+
+/* struct ct_entry, 56 bytes; only lifetime is read by ctscrub. */
+struct ct_entry {
+	__u64 reserved0;
+	__u64 backend_id;
+	__u64 packets;
+	__u64 bytes;
+	__u32 lifetime;
+	__u16 flag_bits;
+	__u16 rev_nat_index;
+	__u16 ifindex;
+	__u8 tx_flags_seen;
+	__u8 rx_flags_seen;
+	__u32 src_sec_id;
+	__u32 last_tx_report;
+	__u32 last_rx_report;
+};
+
+/* One recorder record, sent through the ring buffer for each new flow. */
+#define REC_FLOW 0    /* key is the CT key Cilium creates for the flow */
+#define REC_SERVICE 1 /* flow to a service VIP: keys unknowable, mark IP incomplete */
+
+struct record {
+	__u8 family; /* 4 or 6 */
+	__u8 kind;   /* REC_* */
+	__u8 pad[2];
+	__u32 ifindex;
+	__u8 key[40]; /* ct_key4 (14 bytes) or ct_key6 (38 bytes), zero padded */
+};
+
+#endif

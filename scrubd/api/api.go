@@ -1,0 +1,147 @@
+// Package api defines scrubd's HTTP/JSON API on its unix socket. The client
+// package and the server are its only users; the plugin and the CLI share the
+// client.
+//
+// The caller's deadline travels in the DeadlineHeader of every request, and the
+// server also cancels work when the caller disconnects.
+package api
+
+import (
+	"net/netip"
+	"time"
+
+	"github.com/ctscrub/ctscrub/scrubd/scrub"
+)
+
+// DefaultSocket is where scrubd listens.
+const DefaultSocket = "/run/ctscrub/scrubd.sock"
+
+// DeadlineHeader carries the caller's deadline (RFC 3339, nanoseconds).
+const DeadlineHeader = "X-Ctscrub-Deadline"
+
+// Paths.
+const (
+	PathScrub      = "/v1/scrub"
+	PathIndexStart = "/v1/index/start"
+	PathIndexStop  = "/v1/index/stop"
+	PathIndexList  = "/v1/index"
+	PathIndexIP    = "/v1/index/ip" // ?ip=X
+	PathStatus     = "/v1/status"
+	PathGC         = "/v1/gc"
+	PathCTStats    = "/v1/ct/stats"
+)
+
+// Attachment names one pod interface as CNI does.
+type Attachment struct {
+	ContainerID string `json:"container_id"`
+	IfName      string `json:"ifname"`
+}
+
+// ScrubRequest asks for every CT entry of IPs to be deleted.
+type ScrubRequest struct {
+	IPs         []netip.Addr `json:"ips"`
+	Reason      scrub.Reason `json:"reason"` // add, del, gc
+	ContainerID string       `json:"container_id,omitempty"`
+	Netns       string       `json:"netns,omitempty"`
+	IfName      string       `json:"ifname,omitempty"`
+	DryRun      bool         `json:"dry_run,omitempty"`
+}
+
+// ScrubResponse is the outcome of a scrub, one per backend that ran.
+type ScrubResponse struct {
+	Results []scrub.Result `json:"results"`
+}
+
+// IndexStartRequest asks scrubd to attach the recorder to a pod interface.
+type IndexStartRequest struct {
+	Attachment
+	Netns string       `json:"netns"`
+	IPs   []netip.Addr `json:"ips"`
+}
+
+// IndexStopRequest detaches the recorder. Netns may be gone.
+type IndexStopRequest struct {
+	Attachment
+}
+
+// IndexedPod is one attachment scrubd records flows of.
+type IndexedPod struct {
+	Attachment
+	Netns   string       `json:"netns"`
+	IPs     []netip.Addr `json:"ips"`
+	Ifindex int          `json:"ifindex"`
+	Since   time.Time    `json:"since"`
+}
+
+// IndexList is the answer to GET PathIndexList.
+type IndexList struct {
+	Pods []IndexedPod `json:"pods"`
+}
+
+// IPState is the answer to GET PathIndexIP.
+type IPState struct {
+	IP         netip.Addr  `json:"ip"`
+	Keys       int         `json:"keys"`
+	Complete   bool        `json:"complete"`
+	Incomplete string      `json:"incomplete,omitempty"`
+	Owner      *Attachment `json:"owner,omitempty"`
+}
+
+// GCRequest carries cni.dev/valid-attachments: scrubd drops state for every
+// attachment not listed.
+type GCRequest struct {
+	ValidAttachments []Attachment `json:"valid_attachments"`
+}
+
+// GCResponse lists the attachments dropped.
+type GCResponse struct {
+	Dropped []Attachment `json:"dropped"`
+}
+
+// MapStats is one CT map's occupancy.
+type MapStats struct {
+	Backend    string `json:"backend"`
+	Map        string `json:"map"`
+	Entries    int64  `json:"entries"`
+	MaxEntries int64  `json:"max_entries"`
+}
+
+// CTStats is the answer to GET PathCTStats.
+type CTStats struct {
+	Maps []MapStats `json:"maps"`
+}
+
+// Status is the answer to GET PathStatus.
+type Status struct {
+	Version       string         `json:"version"`
+	Backends      []string       `json:"backends"`
+	Ready         bool           `json:"ready"`
+	PodCIDRs      []netip.Prefix `json:"pod_cidrs"`
+	IndexedPods   int            `json:"indexed_pods"`
+	IndexKeys     int64          `json:"index_keys"`
+	IncompleteIPs int64          `json:"incomplete_ips"`
+	InFlight      int            `json:"in_flight"`
+	QueueLimit    int            `json:"queue_limit"`
+	Uptime        string         `json:"uptime"`
+	Metrics       string         `json:"metrics"`
+}
+
+// Error codes in Error.Code. The plugin maps them to CNI error codes.
+const (
+	CodeBadRequest = "bad_request" // malformed request; CNI 7 / 4
+	CodeNotPodIP   = "not_pod_ip"  // IP outside the pod CIDRs
+	CodeTryAgain   = "try_again"   // queue full: try again later (CNI 11)
+	CodeCancelled  = "cancelled"   // caller's deadline passed or it went away
+	CodeInternal   = "internal"    // backend failure
+	CodeNotFound   = "not_found"   // unknown attachment
+)
+
+// Error is every non-2xx answer's body.
+type Error struct {
+	Code    string `json:"code"`
+	Message string `json:"error"`
+	// Partial results of a cancelled or failed scrub, if any.
+	Results []scrub.Result `json:"results,omitempty"`
+}
+
+func (e *Error) Error() string { return e.Message }

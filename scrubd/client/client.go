@@ -1,0 +1,150 @@
+// Package client is the one client of scrubd's API, shared by the CNI plugin
+// and the operator CLI.
+package client
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"net/netip"
+	"net/url"
+	"syscall"
+	"time"
+
+	"github.com/ctscrub/ctscrub/scrubd/api"
+)
+
+// Client talks to scrubd over its unix socket.
+type Client struct {
+	Socket string
+	hc     *http.Client
+}
+
+// New returns a client for the socket (api.DefaultSocket when empty).
+func New(socket string) *Client {
+	if socket == "" {
+		socket = api.DefaultSocket
+	}
+	return &Client{
+		Socket: socket,
+		hc: &http.Client{Transport: &http.Transport{
+			DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {
+				var d net.Dialer
+				return d.DialContext(ctx, "unix", socket)
+			},
+			DisableKeepAlives: true,
+		}},
+	}
+}
+
+// ErrUnavailable wraps every failure to reach the daemon (socket missing,
+// connection refused): the daemon is down or not installed.
+var ErrUnavailable = errors.New("scrubd unavailable")
+
+// IsUnavailable reports whether err means the daemon could not be reached.
+func IsUnavailable(err error) bool { return errors.Is(err, ErrUnavailable) }
+
+// APIError returns the daemon's error answer inside err, if any.
+func APIError(err error) (*api.Error, bool) {
+	var e *api.Error
+	ok := errors.As(err, &e)
+	return e, ok
+}
+
+func (c *Client) do(ctx context.Context, method, path string, in, out any) error {
+	var body io.Reader
+	if in != nil {
+		b, err := json.Marshal(in)
+		if err != nil {
+			return err
+		}
+		body = bytes.NewReader(b)
+	}
+	req, err := http.NewRequestWithContext(ctx, method, "http://scrubd"+path, body)
+	if err != nil {
+		return err
+	}
+	req.Header.Set("Content-Type", "application/json")
+	if dl, ok := ctx.Deadline(); ok {
+		req.Header.Set(api.DeadlineHeader, dl.UTC().Format(time.RFC3339Nano))
+	}
+	resp, err := c.hc.Do(req)
+	if err != nil {
+		if ctx.Err() != nil {
+			return fmt.Errorf("scrubd at %s: %w", c.Socket, ctx.Err())
+		}
+		if errors.Is(err, syscall.ENOENT) || errors.Is(err, syscall.ECONNREFUSED) || errors.Is(err, syscall.EACCES) {
+			return fmt.Errorf("%w: %s: %v (is the ctscrub DaemonSet running on this node?)", ErrUnavailable, c.Socket, err)
+		}
+		return fmt.Errorf("%w: %s: %v", ErrUnavailable, c.Socket, err)
+	}
+	defer resp.Body.Close()
+	data, err := io.ReadAll(resp.Body)
+	if err != nil {
+		return fmt.Errorf("scrubd at %s: read answer: %w", c.Socket, err)
+	}
+	if resp.StatusCode/100 != 2 {
+		e := &api.Error{}
+		if json.Unmarshal(data, e) != nil || e.Message == "" {
+			e = &api.Error{Code: api.CodeInternal, Message: fmt.Sprintf("scrubd answered %s: %s", resp.Status, bytes.TrimSpace(data))}
+		}
+		return e
+	}
+	if out != nil {
+		if err := json.Unmarshal(data, out); err != nil {
+			return fmt.Errorf("scrubd at %s: decode answer: %w", c.Socket, err)
+		}
+	}
+	return nil
+}
+
+// Scrub asks for every CT entry of req.IPs to be deleted.
+func (c *Client) Scrub(ctx context.Context, req api.ScrubRequest) (*api.ScrubResponse, error) {
+	out := &api.ScrubResponse{}
+	return out, c.do(ctx, http.MethodPost, api.PathScrub, req, out)
+}
+
+// IndexStart attaches the recorder to a pod interface.
+func (c *Client) IndexStart(ctx context.Context, req api.IndexStartRequest) error {
+	return c.do(ctx, http.MethodPost, api.PathIndexStart, req, nil)
+}
+
+// IndexStop detaches the recorder from a pod interface.
+func (c *Client) IndexStop(ctx context.Context, req api.IndexStopRequest) error {
+	return c.do(ctx, http.MethodPost, api.PathIndexStop, req, nil)
+}
+
+// IndexList lists the indexed pod interfaces.
+func (c *Client) IndexList(ctx context.Context) (*api.IndexList, error) {
+	out := &api.IndexList{}
+	return out, c.do(ctx, http.MethodGet, api.PathIndexList, nil, out)
+}
+
+// IndexIP tells what the index holds for one IP.
+func (c *Client) IndexIP(ctx context.Context, ip netip.Addr) (*api.IPState, error) {
+	out := &api.IPState{}
+	return out, c.do(ctx, http.MethodGet, api.PathIndexIP+"?ip="+url.QueryEscape(ip.String()), nil, out)
+}
+
+// Status returns the daemon's status.
+func (c *Client) Status(ctx context.Context) (*api.Status, error) {
+	out := &api.Status{}
+	return out, c.do(ctx, http.MethodGet, api.PathStatus, nil, out)
+}
+
+// GC drops state for every attachment not in valid.
+func (c *Client) GC(ctx context.Context, valid []api.Attachment) (*api.GCResponse, error) {
+	out := &api.GCResponse{}
+	return out, c.do(ctx, http.MethodPost, api.PathGC, api.GCRequest{ValidAttachments: valid}, out)
+}
+
+// CTStats returns entries and capacity per CT map.
+func (c *Client) CTStats(ctx context.Context) (*api.CTStats, error) {
+	out := &api.CTStats{}
+	return out, c.do(ctx, http.MethodGet, api.PathCTStats, nil, out)
+}

@@ -1,0 +1,186 @@
+package ctmap
+
+import (
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+
+	"github.com/cilium/ebpf"
+)
+
+// DefaultRoot is where Cilium pins its global maps.
+const DefaultRoot = "/sys/fs/bpf/tc/globals"
+
+// Kind names one of Cilium's four global CT maps.
+type Kind int
+
+const (
+	TCP4 Kind = iota
+	Any4
+	TCP6
+	Any6
+	NumKinds
+)
+
+// Kinds lists the four global maps in the order Cilium's scrub visits them.
+var Kinds = [NumKinds]Kind{TCP4, Any4, TCP6, Any6}
+
+// Name is the map's pin name.
+func (k Kind) Name() string {
+	switch k {
+	case TCP4:
+		return "cilium_ct4_global"
+	case Any4:
+		return "cilium_ct_any4_global"
+	case TCP6:
+		return "cilium_ct6_global"
+	case Any6:
+		return "cilium_ct_any6_global"
+	}
+	return fmt.Sprintf("ctmap.Kind(%d)", int(k))
+}
+
+func (k Kind) String() string { return k.Name() }
+
+// IPv6 reports whether the map holds CTKey6 keys.
+func (k Kind) IPv6() bool { return k == TCP6 || k == Any6 }
+
+// KeySize is the key size the map must have.
+func (k Kind) KeySize() uint32 {
+	if k.IPv6() {
+		return KeySize6
+	}
+	return KeySize4
+}
+
+// Spec is the layout Cilium gives the map; tests and benchmarks use it to make
+// maps of their own with maxEntries entries.
+func (k Kind) Spec(maxEntries uint32) *ebpf.MapSpec {
+	return &ebpf.MapSpec{
+		Name:       k.Name(),
+		Type:       ebpf.LRUHash,
+		KeySize:    k.KeySize(),
+		ValueSize:  EntrySize,
+		MaxEntries: maxEntries,
+	}
+}
+
+// Maps holds Cilium's global CT maps, opened from their pins. A family whose
+// maps are not pinned (IPv6 disabled in Cilium) has nil entries.
+type Maps struct {
+	Root string
+	maps [NumKinds]*ebpf.Map
+	max  [NumKinds]uint32
+}
+
+// Open opens the global CT maps under root (DefaultRoot when empty) and checks
+// their type, key and value sizes. The IPv4 maps must be present; the IPv6 maps
+// are optional as a pair (Cilium creates them only with IPv6 enabled).
+func Open(root string) (*Maps, error) {
+	if root == "" {
+		root = DefaultRoot
+	}
+	m := &Maps{Root: root}
+	for _, k := range Kinds {
+		mp, err := openOne(root, k)
+		if err != nil {
+			if k.IPv6() && errors.Is(err, os.ErrNotExist) {
+				continue
+			}
+			m.Close()
+			return nil, err
+		}
+		m.maps[k] = mp
+		m.max[k] = mp.MaxEntries()
+	}
+	if (m.maps[TCP6] == nil) != (m.maps[Any6] == nil) {
+		m.Close()
+		return nil, fmt.Errorf("open CT maps under %s: only one of %s and %s is pinned (is Cilium mid-upgrade? both or neither must exist)",
+			root, TCP6.Name(), Any6.Name())
+	}
+	return m, nil
+}
+
+// MapError is returned by Open for a missing or mismatched map.
+type MapError struct {
+	Path string
+	Err  error
+}
+
+func (e *MapError) Error() string { return e.Path + ": " + e.Err.Error() }
+func (e *MapError) Unwrap() error { return e.Err }
+
+func openOne(root string, k Kind) (*ebpf.Map, error) {
+	path := filepath.Join(root, k.Name())
+	mp, err := ebpf.LoadPinnedMap(path, nil)
+	if err != nil {
+		if errors.Is(err, os.ErrNotExist) {
+			return nil, &MapError{path, fmt.Errorf("open CT map: %w (is Cilium running on this node, and is the bpffs root %q right? set --ct-root)", os.ErrNotExist, root)}
+		}
+		return nil, &MapError{path, fmt.Errorf("open CT map: %w (is bpffs mounted at /sys/fs/bpf and are we root?)", err)}
+	}
+	if err := Check(k, mp); err != nil {
+		mp.Close()
+		return nil, &MapError{path, err}
+	}
+	return mp, nil
+}
+
+// ErrLayout marks a map whose type or sizes are not Cilium's CT layout.
+var ErrLayout = errors.New("not a Cilium CT map layout")
+
+// Check verifies that mp has the type, key and value size Cilium gives map k.
+func Check(k Kind, mp *ebpf.Map) error {
+	if t := mp.Type(); t != ebpf.LRUHash && t != ebpf.Hash {
+		return fmt.Errorf("%w: map type %s, expected LRU_HASH (is this pin really %s?)", ErrLayout, t, k.Name())
+	}
+	if ks := mp.KeySize(); ks != k.KeySize() {
+		return fmt.Errorf("%w: key size %d, expected %d (struct ipv%d_ct_tuple; unsupported Cilium version?)", ErrLayout, ks, k.KeySize(), map[bool]int{false: 4, true: 6}[k.IPv6()])
+	}
+	if vs := mp.ValueSize(); vs != EntrySize {
+		return fmt.Errorf("%w: value size %d, expected %d (struct ct_entry; unsupported Cilium version?)", ErrLayout, vs, EntrySize)
+	}
+	return nil
+}
+
+// FromMaps wraps maps that are already open (tests, benchmarks). Entries may
+// be nil for an absent family. Each non-nil map is checked.
+func FromMaps(maps [NumKinds]*ebpf.Map) (*Maps, error) {
+	m := &Maps{}
+	for _, k := range Kinds {
+		if maps[k] == nil {
+			continue
+		}
+		if err := Check(k, maps[k]); err != nil {
+			return nil, fmt.Errorf("%s: %w", k.Name(), err)
+		}
+		m.maps[k] = maps[k]
+		m.max[k] = maps[k].MaxEntries()
+	}
+	if m.maps[TCP4] == nil && m.maps[TCP6] == nil {
+		return nil, errors.New("no CT map given")
+	}
+	return m, nil
+}
+
+// Map returns the map of kind k, or nil when that family is not present.
+func (m *Maps) Map(k Kind) *ebpf.Map { return m.maps[k] }
+
+// MaxEntries is the map's max_entries as read from the kernel (0 if absent).
+func (m *Maps) MaxEntries(k Kind) uint32 { return m.max[k] }
+
+// HasIPv6 reports whether the IPv6 maps are present.
+func (m *Maps) HasIPv6() bool { return m.maps[TCP6] != nil }
+
+// Close closes every map. Pins are left alone.
+func (m *Maps) Close() error {
+	var errs []error
+	for i, mp := range m.maps {
+		if mp != nil {
+			errs = append(errs, mp.Close())
+			m.maps[i] = nil
+		}
+	}
+	return errors.Join(errs...)
+}

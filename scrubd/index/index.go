@@ -1,0 +1,361 @@
+// Package index keeps, for every local pod IP, the set of Cilium CT keys that
+// contain it, so a scrub deletes exactly those keys instead of walking the map.
+//
+// The kernel side (the recorder, bpf/recorder.c) sees each new flow of a pod on
+// the pod's own interface and sends one record per flow through a ring buffer;
+// Add is the one path every record takes into this index. Each key is indexed
+// under every address of the key that lies in the pod CIDRs (a same-node
+// pod-to-pod entry is found from either pod).
+//
+// Why user space: a Go set of 14-byte keys costs about 20-30 bytes per key per
+// address (see docs/design.md for the measured figure), a kernel hash keyed by
+// (pod IP, CT key) costs over 100 with its htab_elem header and buckets.
+//
+// Locking: one small lock per shard of IPs and one per IP; scrubs of different
+// IPs never wait on each other.
+package index
+
+import (
+	"hash/maphash"
+	"net/netip"
+	"slices"
+	"sync"
+	"sync/atomic"
+
+	"github.com/ctscrub/ctscrub/scrubd/ctmap"
+)
+
+// Reasons an IP's index cannot prove completeness.
+const (
+	ReasonUnknown   = "not tracked since the index started"
+	ReasonFull      = "index full for this IP"
+	ReasonLost      = "recorder events lost"
+	ReasonService   = "flow to a load-balanced service VIP"
+	ReasonCancelled = "scrub cancelled before it finished"
+	ReasonRestart   = "daemon restarted without a consistent snapshot"
+)
+
+// Config bounds the index.
+type Config struct {
+	// PodCIDRs: only addresses inside them are indexed. Empty means all.
+	PodCIDRs []netip.Prefix
+	// MaxKeysPerIP caps one IP's set; past it the IP is marked incomplete
+	// (ReasonFull) and its next scrub sweeps. 0 means 1<<20.
+	MaxKeysPerIP int
+}
+
+// Index is the IP-to-CT-key index.
+type Index struct {
+	cfg    Config
+	seed   maphash.Seed
+	shards [64]shard
+
+	keys       atomic.Int64 // indexed (ip, key) pairs
+	incomplete atomic.Int64 // IPs marked incomplete
+}
+
+type shard struct {
+	mu  sync.RWMutex
+	ips map[netip.Addr]*IPEntry
+}
+
+// IPEntry is one IP's slot. Its lock is held by a scrub of that IP while it
+// takes the keys, never across another IP's work.
+type IPEntry struct {
+	mu         sync.Mutex
+	ip         netip.Addr
+	keys4      map[ctmap.CTKey4]struct{}
+	keys6      map[ctmap.CTKey6]struct{}
+	tracked    bool   // swept (or created fresh) since the index started
+	incomplete string // first reason it cannot prove completeness; "" when complete
+	pruneAt    int    // size at which the set is checked for stale keys
+}
+
+// New returns an empty index.
+func New(cfg Config) *Index {
+	if cfg.MaxKeysPerIP == 0 {
+		cfg.MaxKeysPerIP = 1 << 20
+	}
+	ix := &Index{cfg: cfg, seed: maphash.MakeSeed()}
+	for i := range ix.shards {
+		ix.shards[i].ips = make(map[netip.Addr]*IPEntry)
+	}
+	return ix
+}
+
+// Owns reports whether ip lies in the configured pod CIDRs.
+func (ix *Index) Owns(ip netip.Addr) bool {
+	if len(ix.cfg.PodCIDRs) == 0 {
+		return true
+	}
+	ip = ip.Unmap()
+	for _, p := range ix.cfg.PodCIDRs {
+		if p.Contains(ip) {
+			return true
+		}
+	}
+	return false
+}
+
+func (ix *Index) shard(ip netip.Addr) *shard {
+	b := ip.As16()
+	return &ix.shards[maphash.Bytes(ix.seed, b[:])%uint64(len(ix.shards))]
+}
+
+// entry returns ip's slot, creating it (untracked) when create is set.
+func (ix *Index) entry(ip netip.Addr, create bool) *IPEntry {
+	sh := ix.shard(ip)
+	sh.mu.RLock()
+	e := sh.ips[ip]
+	sh.mu.RUnlock()
+	if e != nil || !create {
+		return e
+	}
+	sh.mu.Lock()
+	defer sh.mu.Unlock()
+	if e = sh.ips[ip]; e == nil {
+		e = &IPEntry{ip: ip, pruneAt: 1024}
+		sh.ips[ip] = e
+	}
+	return e
+}
+
+// Add indexes a CT key (and, for the recorder's keys, its related ICMP key is
+// added by the caller as a key of its own). It is the single path by which the
+// recorder's records and the benchmark's fills enter the index.
+func (ix *Index) Add4(k ctmap.CTKey4) {
+	for _, ip := range [2]netip.Addr{k.DAddr(), k.SAddr()} {
+		if !ix.Owns(ip) {
+			continue
+		}
+		e := ix.entry(ip, true)
+		e.mu.Lock()
+		if e.keys4 == nil {
+			e.keys4 = make(map[ctmap.CTKey4]struct{})
+		}
+		if _, ok := e.keys4[k]; !ok {
+			if len(e.keys4)+len(e.keys6) >= ix.cfg.MaxKeysPerIP {
+				ix.markLocked(e, ReasonFull)
+			} else {
+				e.keys4[k] = struct{}{}
+				ix.keys.Add(1)
+			}
+		}
+		e.mu.Unlock()
+	}
+}
+
+// Add6 is Add4 for IPv6 keys.
+func (ix *Index) Add6(k ctmap.CTKey6) {
+	for _, ip := range [2]netip.Addr{k.DAddr(), k.SAddr()} {
+		if !ix.Owns(ip) {
+			continue
+		}
+		e := ix.entry(ip, true)
+		e.mu.Lock()
+		if e.keys6 == nil {
+			e.keys6 = make(map[ctmap.CTKey6]struct{})
+		}
+		if _, ok := e.keys6[k]; !ok {
+			if len(e.keys4)+len(e.keys6) >= ix.cfg.MaxKeysPerIP {
+				ix.markLocked(e, ReasonFull)
+			} else {
+				e.keys6[k] = struct{}{}
+				ix.keys.Add(1)
+			}
+		}
+		e.mu.Unlock()
+	}
+}
+
+func (ix *Index) markLocked(e *IPEntry, reason string) {
+	if e.incomplete == "" {
+		e.incomplete = reason
+		ix.incomplete.Add(1)
+	}
+}
+
+// MarkIncomplete records that ip's index cannot prove completeness; its next
+// scrub sweeps.
+func (ix *Index) MarkIncomplete(ip netip.Addr, reason string) {
+	e := ix.entry(ip, true)
+	e.mu.Lock()
+	ix.markLocked(e, reason)
+	e.mu.Unlock()
+}
+
+// Track declares ip complete from now on: called after a sweep removed every
+// entry of ip, or for an IP whose every flow the recorders have seen.
+func (ix *Index) Track(ip netip.Addr) {
+	e := ix.entry(ip, true)
+	e.mu.Lock()
+	e.tracked = true
+	if e.incomplete != "" {
+		e.incomplete = ""
+		ix.incomplete.Add(-1)
+	}
+	e.mu.Unlock()
+}
+
+// State is what the index knows of one IP.
+type State struct {
+	IP         netip.Addr
+	Keys       int
+	Complete   bool
+	Incomplete string // reason when !Complete
+}
+
+// State returns ip's state. An IP the index has never seen is incomplete.
+func (ix *Index) State(ip netip.Addr) State {
+	e := ix.entry(ip, false)
+	if e == nil {
+		return State{IP: ip, Incomplete: ReasonUnknown}
+	}
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	return e.stateLocked()
+}
+
+func (e *IPEntry) stateLocked() State {
+	s := State{IP: e.ip, Keys: len(e.keys4) + len(e.keys6)}
+	switch {
+	case e.incomplete != "":
+		s.Incomplete = e.incomplete
+	case !e.tracked:
+		s.Incomplete = ReasonUnknown
+	default:
+		s.Complete = true
+	}
+	return s
+}
+
+// Take hands a scrub the keys of ip and removes them from ip's set. The scrub
+// deletes them from the CT maps and gives back (Return) those it could not
+// delete, so a cancelled scrub leaves the index consistent.
+func (ix *Index) Take(ip netip.Addr) (k4 []ctmap.CTKey4, k6 []ctmap.CTKey6, st State) {
+	e := ix.entry(ip, false)
+	if e == nil {
+		return nil, nil, State{IP: ip, Incomplete: ReasonUnknown}
+	}
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	st = e.stateLocked()
+	for k := range e.keys4 {
+		k4 = append(k4, k)
+	}
+	for k := range e.keys6 {
+		k6 = append(k6, k)
+	}
+	ix.keys.Add(-int64(len(k4) + len(k6)))
+	e.keys4, e.keys6 = nil, nil
+	return k4, k6, st
+}
+
+// Return puts back keys a scrub took but did not delete.
+func (ix *Index) Return(ip netip.Addr, k4 []ctmap.CTKey4, k6 []ctmap.CTKey6) {
+	if len(k4)+len(k6) == 0 {
+		return
+	}
+	e := ix.entry(ip, true)
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if len(k4) > 0 && e.keys4 == nil {
+		e.keys4 = make(map[ctmap.CTKey4]struct{}, len(k4))
+	}
+	if len(k6) > 0 && e.keys6 == nil {
+		e.keys6 = make(map[ctmap.CTKey6]struct{}, len(k6))
+	}
+	for _, k := range k4 {
+		if _, ok := e.keys4[k]; !ok {
+			e.keys4[k] = struct{}{}
+			ix.keys.Add(1)
+		}
+	}
+	for _, k := range k6 {
+		if _, ok := e.keys6[k]; !ok {
+			e.keys6[k] = struct{}{}
+			ix.keys.Add(1)
+		}
+	}
+}
+
+// Forget drops ip's slot entirely (its keys and its tracked state), e.g. when
+// the IP leaves the pod CIDRs.
+func (ix *Index) Forget(ip netip.Addr) {
+	sh := ix.shard(ip)
+	sh.mu.Lock()
+	e := sh.ips[ip]
+	delete(sh.ips, ip)
+	sh.mu.Unlock()
+	if e == nil {
+		return
+	}
+	e.mu.Lock()
+	ix.keys.Add(-int64(len(e.keys4) + len(e.keys6)))
+	if e.incomplete != "" {
+		ix.incomplete.Add(-1)
+	}
+	e.mu.Unlock()
+}
+
+// Keys is the number of indexed (IP, key) pairs.
+func (ix *Index) Keys() int64 { return ix.keys.Load() }
+
+// IncompleteIPs is the number of IPs marked incomplete.
+func (ix *Index) IncompleteIPs() int64 { return ix.incomplete.Load() }
+
+// IPs lists every IP the index holds, sorted.
+func (ix *Index) IPs() []netip.Addr {
+	var out []netip.Addr
+	for i := range ix.shards {
+		sh := &ix.shards[i]
+		sh.mu.RLock()
+		for ip := range sh.ips {
+			out = append(out, ip)
+		}
+		sh.mu.RUnlock()
+	}
+	slices.SortFunc(out, func(a, b netip.Addr) int { return a.Compare(b) })
+	return out
+}
+
+// Prune drops from ip's set the keys for which gone reports true (entries
+// Cilium's LRU or GC already removed). The recorder's flow cache must forget
+// such a flow too, so a re-created entry is recorded again; callers pass that
+// in gone.
+func (ix *Index) Prune(ip netip.Addr, gone4 func(ctmap.CTKey4) bool, gone6 func(ctmap.CTKey6) bool) (dropped int) {
+	e := ix.entry(ip, false)
+	if e == nil {
+		return 0
+	}
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	for k := range e.keys4 {
+		if gone4 != nil && gone4(k) {
+			delete(e.keys4, k)
+			dropped++
+		}
+	}
+	for k := range e.keys6 {
+		if gone6 != nil && gone6(k) {
+			delete(e.keys6, k)
+			dropped++
+		}
+	}
+	ix.keys.Add(-int64(dropped))
+	e.pruneAt = max(1024, 2*(len(e.keys4)+len(e.keys6)))
+	return dropped
+}
+
+// NeedsPrune reports whether ip's set has doubled since it was last pruned;
+// pruning then costs O(1) amortised per added key and bounds stale keys to
+// half of a set.
+func (ix *Index) NeedsPrune(ip netip.Addr) bool {
+	e := ix.entry(ip, false)
+	if e == nil {
+		return false
+	}
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	return len(e.keys4)+len(e.keys6) >= e.pruneAt
+}

@@ -1,0 +1,91 @@
+package recorder
+
+import (
+	"encoding/binary"
+	"fmt"
+
+	"github.com/ctscrub/ctscrub/scrubd/ctmap"
+	"github.com/ctscrub/ctscrub/scrubd/index"
+)
+
+// Record kinds (REC_* in bpf/include/ctscrub.h).
+const (
+	RecFlow    uint8 = 0
+	RecService uint8 = 1
+)
+
+// RecordSize is sizeof(struct record).
+const RecordSize = 48
+
+// Record is struct record from bpf/include/ctscrub.h: one new flow as the
+// recorder saw it on a pod interface.
+type Record struct {
+	Family  uint8
+	Kind    uint8
+	Ifindex uint32
+	Key     [40]byte
+}
+
+// ParseRecord decodes one ring-buffer sample.
+func ParseRecord(b []byte) (Record, error) {
+	if len(b) < RecordSize {
+		return Record{}, fmt.Errorf("recorder record: %d bytes, want %d", len(b), RecordSize)
+	}
+	r := Record{Family: b[0], Kind: b[1], Ifindex: binary.NativeEndian.Uint32(b[4:8])}
+	copy(r.Key[:], b[8:48])
+	if r.Family != 4 && r.Family != 6 {
+		return Record{}, fmt.Errorf("recorder record: family %d", r.Family)
+	}
+	return r, nil
+}
+
+// Apply puts one record into the index. It is the single path from the
+// recorder to the index (the benchmark's fill goes through it too).
+//
+// A flow's record carries the CT key Cilium creates for it (OUT when the pod
+// initiated, IN when a peer did). Apply also indexes the "related" ICMP key
+// Cilium creates beside it and, when both addresses are pod IPs (same-node
+// pod-to-pod traffic creates both an OUT and an IN entry), the twin with the
+// other direction. A key that turns out not to exist costs one failed delete.
+func Apply(ix *index.Index, r *Record) {
+	switch r.Family {
+	case 4:
+		k := ctmap.CTKey4(r.Key[:ctmap.KeySize4])
+		if r.Kind == RecService {
+			// The pod is the initiator (daddr); what Cilium stores depends on
+			// the backend it picks per packet, which the pod never sees.
+			ix.MarkIncomplete(k.DAddr(), index.ReasonService)
+			return
+		}
+		ix.Add4(k)
+		ix.Add4(k.Related())
+		if ix.Owns(k.DAddr()) && ix.Owns(k.SAddr()) {
+			t := k.WithFlags(k.Flags() ^ ctmap.FlagIn)
+			ix.Add4(t)
+			ix.Add4(t.Related())
+		}
+	case 6:
+		k := ctmap.CTKey6(r.Key[:ctmap.KeySize6])
+		if r.Kind == RecService {
+			ix.MarkIncomplete(k.DAddr(), index.ReasonService)
+			return
+		}
+		ix.Add6(k)
+		ix.Add6(k.Related())
+		if ix.Owns(k.DAddr()) && ix.Owns(k.SAddr()) {
+			t := k.WithFlags(k.Flags() ^ ctmap.FlagIn)
+			ix.Add6(t)
+			ix.Add6(t.Related())
+		}
+	}
+}
+
+// Encode is ParseRecord's inverse (tests and benchmarks feed records through
+// Apply exactly as the ring buffer reader does).
+func (r *Record) Encode() []byte {
+	b := make([]byte, RecordSize)
+	b[0], b[1] = r.Family, r.Kind
+	binary.NativeEndian.PutUint32(b[4:8], r.Ifindex)
+	copy(b[8:], r.Key[:])
+	return b
+}

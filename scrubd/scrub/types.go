@@ -1,0 +1,69 @@
+// Package scrub deletes every CT entry of a set of IPs: through the index when
+// it can prove completeness (O(k)), else through the sweep (one in-kernel pass
+// over each map for a whole set of IPs).
+package scrub
+
+import (
+	"context"
+	"net/netip"
+	"time"
+)
+
+// Method says how a scrub found the entries it deleted.
+type Method string
+
+const (
+	MethodIndex Method = "index"
+	MethodSweep Method = "sweep"
+)
+
+// Reason is why a scrub was asked for (the CNI command behind it).
+type Reason string
+
+const (
+	ReasonAdd Reason = "add"
+	ReasonDel Reason = "del"
+	ReasonGC  Reason = "gc"
+)
+
+// Outcome is the result label of a scrub.
+type Outcome string
+
+const (
+	Complete  Outcome = "complete"
+	Cancelled Outcome = "cancelled"
+	Failed    Outcome = "error"
+)
+
+// Request asks for the entries of IPs to be deleted.
+type Request struct {
+	IPs    []netip.Addr
+	Reason Reason
+	DryRun bool // count what would be deleted, delete nothing
+}
+
+// Result reports one scrub. A scrub is Complete only when no entry with any of
+// the IPs is left; Cancelled carries what was deleted before it stopped.
+type Result struct {
+	Backend  string            `json:"backend"`
+	Method   Method            `json:"method"`
+	Outcome  Outcome           `json:"result"`
+	Deleted  map[string]int    `json:"deleted"` // per map (Cilium map name, or "nf_conntrack")
+	Total    int               `json:"total"`
+	Duration time.Duration     `json:"duration_ns"`
+	PerIP    map[string]Method `json:"per_ip,omitempty"` // method used for each IP
+	Error    string            `json:"error,omitempty"`
+}
+
+// Backend is one conntrack implementation ctscrub can scrub: Cilium's BPF CT
+// maps or the kernel's nf_conntrack. The daemon serves every backend through
+// the same API and metrics.
+type Backend interface {
+	// Name labels metrics and results: "cilium" or "nfct".
+	Name() string
+	// Scrub deletes the entries of req.IPs. It honours ctx: when ctx ends it
+	// stops promptly and returns Cancelled with what it deleted so far.
+	Scrub(ctx context.Context, req Request) (Result, error)
+	// Close releases the backend's resources; pinned state stays.
+	Close() error
+}
