@@ -1,0 +1,117 @@
+package ctmap
+
+import (
+	"errors"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/cilium/ebpf"
+)
+
+// privateRoot makes a bpffs directory of the test's own to pin maps in.
+func privateRoot(t *testing.T) string {
+	t.Helper()
+	if os.Geteuid() != 0 {
+		t.Skip("needs root for BPF maps and bpffs")
+	}
+	dir, err := os.MkdirTemp("/sys/fs/bpf", "ctscrub-test-")
+	if err != nil {
+		t.Skipf("bpffs not mounted at /sys/fs/bpf: %v", err)
+	}
+	t.Cleanup(func() { os.RemoveAll(dir) })
+	return dir
+}
+
+func pin(t *testing.T, root string, spec *ebpf.MapSpec) *ebpf.Map {
+	t.Helper()
+	m, err := ebpf.NewMap(spec)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { m.Close() })
+	if err := m.Pin(filepath.Join(root, spec.Name)); err != nil {
+		t.Fatal(err)
+	}
+	return m
+}
+
+func TestOpenAllFour(t *testing.T) {
+	root := privateRoot(t)
+	for _, k := range Kinds {
+		pin(t, root, k.Spec(1024+uint32(k)))
+	}
+	m, err := Open(root)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer m.Close()
+	for _, k := range Kinds {
+		if m.Map(k) == nil || m.MaxEntries(k) != 1024+uint32(k) {
+			t.Fatalf("%s: map %v max %d", k, m.Map(k), m.MaxEntries(k))
+		}
+	}
+	if !m.HasIPv6() {
+		t.Fatal("HasIPv6")
+	}
+}
+
+func TestOpenIPv4Only(t *testing.T) {
+	root := privateRoot(t)
+	pin(t, root, TCP4.Spec(64))
+	pin(t, root, Any4.Spec(64))
+	m, err := Open(root)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer m.Close()
+	if m.HasIPv6() || m.Map(TCP6) != nil {
+		t.Fatal("v6 maps should be absent")
+	}
+}
+
+func TestOpenMissingMap(t *testing.T) {
+	root := privateRoot(t)
+	_, err := Open(root)
+	if err == nil {
+		t.Fatal("Open of an empty root succeeded")
+	}
+	if !errors.Is(err, os.ErrNotExist) || !strings.Contains(err.Error(), "cilium_ct4_global") || !strings.Contains(err.Error(), "is Cilium running") {
+		t.Fatalf("error does not name the map and what to check: %v", err)
+	}
+}
+
+func TestOpenWrongKeySize(t *testing.T) {
+	root := privateRoot(t)
+	spec := TCP4.Spec(64)
+	spec.KeySize = 16
+	pin(t, root, spec)
+	pin(t, root, Any4.Spec(64))
+	_, err := Open(root)
+	if !errors.Is(err, ErrLayout) || !strings.Contains(err.Error(), "key size 16, expected 14") || !strings.Contains(err.Error(), "cilium_ct4_global") {
+		t.Fatalf("want a layout error naming map and sizes, got %v", err)
+	}
+}
+
+func TestOpenWrongType(t *testing.T) {
+	root := privateRoot(t)
+	spec := TCP4.Spec(64)
+	spec.Type = ebpf.Array
+	spec.KeySize = 4
+	pin(t, root, spec)
+	_, err := Open(root)
+	if !errors.Is(err, ErrLayout) || !strings.Contains(err.Error(), "expected LRU_HASH") {
+		t.Fatalf("want a type error, got %v", err)
+	}
+}
+
+func TestOpenHalfOfIPv6(t *testing.T) {
+	root := privateRoot(t)
+	pin(t, root, TCP4.Spec(64))
+	pin(t, root, Any4.Spec(64))
+	pin(t, root, TCP6.Spec(64))
+	if _, err := Open(root); err == nil || !strings.Contains(err.Error(), "only one of") {
+		t.Fatalf("want an error for a lone v6 map, got %v", err)
+	}
+}
