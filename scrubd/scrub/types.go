@@ -5,6 +5,8 @@ package scrub
 
 import (
 	"context"
+	"errors"
+	"fmt"
 	"net/netip"
 	"time"
 )
@@ -66,4 +68,35 @@ type Backend interface {
 	Scrub(ctx context.Context, req Request) (Result, error)
 	// Close releases the backend's resources; pinned state stays.
 	Close() error
+}
+
+// ErrBadRequest marks a request that cannot be served as asked (an invalid
+// IP, a family whose maps are absent). Nothing was deleted.
+var ErrBadRequest = errors.New("bad scrub request")
+
+// CheckIPs validates the IPs of a request and returns them deduplicated, with
+// IPv4-mapped IPv6 addresses unmapped (CT maps store IPv4 flows as IPv4).
+// Every backend calls it before deleting anything.
+func CheckIPs(ips []netip.Addr) ([]netip.Addr, error) {
+	if len(ips) == 0 {
+		return nil, fmt.Errorf("%w: no IP given; pass the pod's IPs", ErrBadRequest)
+	}
+	out := make([]netip.Addr, 0, len(ips))
+	seen := make(map[netip.Addr]bool, len(ips))
+	for i, ip := range ips {
+		switch {
+		case !ip.IsValid():
+			return nil, fmt.Errorf("%w: IP #%d is not a valid address (zero value); nothing deleted", ErrBadRequest, i+1)
+		case ip.Zone() != "":
+			return nil, fmt.Errorf("%w: %s has a zone; CT entries hold no zone, pass the bare address; nothing deleted", ErrBadRequest, ip)
+		case ip.Unmap().IsUnspecified():
+			return nil, fmt.Errorf("%w: %s is the unspecified address, not a pod IP; nothing deleted", ErrBadRequest, ip)
+		}
+		ip = ip.Unmap()
+		if !seen[ip] {
+			seen[ip] = true
+			out = append(out, ip)
+		}
+	}
+	return out, nil
 }

@@ -1,0 +1,239 @@
+//go:build ignore
+
+// SPDX-License-Identifier: (GPL-2.0-only OR BSD-2-Clause)
+/* The sweep: one in-kernel pass over one of Cilium's CT maps that deletes
+ * every entry whose daddr or saddr is in a set of IPs (ips4/ips6, filled from
+ * user space). Run with BPF_PROG_TEST_RUN; loaded once per CT map with the
+ * real map given as a replacement for ct4/ct6. scrubd/scrub drives it. */
+#include <linux/bpf.h>
+#include <bpf/bpf_helpers.h>
+#include "ctscrub.h"
+
+char LICENSE[] SEC("license") = "Dual BSD/GPL";
+
+/* Placeholders: user space replaces them with Cilium's map, after copying its
+ * type, max_entries and flags into the spec. */
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, 1);
+	__type(key, struct ct_key4);
+	__type(value, struct ct_entry);
+} ct4 SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, 1);
+	__type(key, struct ct_key6);
+	__type(value, struct ct_entry);
+} ct6 SEC(".maps");
+
+struct ip6 {
+	__u8 addr[16];
+};
+
+/* The IP set of one pass. The value counts the entries of that IP the pass
+ * deleted (or, in a dry run, matched), so every caller sharing a pass gets its
+ * own count. An entry holding two IPs of the set counts for both. */
+#define SWEEP_MAX_IPS 65536
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, SWEEP_MAX_IPS);
+	__type(key, __be32);
+	__type(value, __u64);
+} ips4 SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, SWEEP_MAX_IPS);
+	__type(key, struct ip6);
+	__type(value, __u64);
+} ips6 SEC(".maps");
+
+/* Set from user space (mmapped .bss) when no caller of the running pass is
+ * left; read on every element so a cancelled pass ends within microseconds of
+ * the write. */
+volatile __u32 stop;
+
+#define SWEEP_F_DRY_RUN 1 /* count matches, delete nothing */
+#define SWEEP_F_COUNT 2   /* only count the map's entries (no IP set) */
+
+/* The BPF_PROG_TEST_RUN context: flags in, counters out. Mirrors
+ * scrubd/scrub.sweepArgs. */
+struct sweep_args {
+	__u32 flags;
+	__u32 stopped; /* the pass saw the stop flag and ended early */
+	__u64 visited;
+	__u64 matched;
+	__u64 deleted;
+};
+
+/* The kernel walks a bucket with hlist_nulls_for_each_entry_rcu and reads the
+ * current element's next pointer after the callback returns. An LRU element
+ * deleted in the callback goes back to the free list at once and a concurrent
+ * insert may relink it into another bucket, so the walk would skip the rest
+ * of this bucket. Hence a matched entry is deleted one step later, once the
+ * walk has moved past it. */
+struct state4 {
+	__u32 flags;
+	__u32 stopped;
+	__u32 have_pending;
+	__u32 pad;
+	__u64 visited;
+	__u64 matched;
+	__u64 deleted;
+	struct ct_key4 pending;
+};
+
+struct state6 {
+	__u32 flags;
+	__u32 stopped;
+	__u32 have_pending;
+	__u32 pad;
+	__u64 visited;
+	__u64 matched;
+	__u64 deleted;
+	struct ct_key6 pending;
+};
+
+static __always_inline void bump4(struct ct_key4 *k)
+{
+	__u64 *d = bpf_map_lookup_elem(&ips4, &k->daddr);
+	__u64 *s = bpf_map_lookup_elem(&ips4, &k->saddr);
+
+	if (d)
+		__sync_fetch_and_add(d, 1);
+	if (s && s != d)
+		__sync_fetch_and_add(s, 1);
+}
+
+static __always_inline void bump6(struct ct_key6 *k)
+{
+	__u64 *d = bpf_map_lookup_elem(&ips6, &k->daddr);
+	__u64 *s = bpf_map_lookup_elem(&ips6, &k->saddr);
+
+	if (d)
+		__sync_fetch_and_add(d, 1);
+	if (s && s != d)
+		__sync_fetch_and_add(s, 1);
+}
+
+static __always_inline void flush4(void *map, struct state4 *st)
+{
+	if (!st->have_pending)
+		return;
+	st->have_pending = 0;
+	/* A failed delete means the entry went meanwhile (GC, LRU): not ours. */
+	if (bpf_map_delete_elem(map, &st->pending) == 0) {
+		st->deleted++;
+		bump4(&st->pending);
+	}
+}
+
+static __always_inline void flush6(void *map, struct state6 *st)
+{
+	if (!st->have_pending)
+		return;
+	st->have_pending = 0;
+	if (bpf_map_delete_elem(map, &st->pending) == 0) {
+		st->deleted++;
+		bump6(&st->pending);
+	}
+}
+
+static long sweep4_cb(void *map, struct ct_key4 *key, struct ct_entry *val, struct state4 *st)
+{
+	if (stop) {
+		st->stopped = 1;
+		return 1;
+	}
+	flush4(map, st);
+	st->visited++;
+	if (st->flags & SWEEP_F_COUNT)
+		return 0;
+	if (!bpf_map_lookup_elem(&ips4, &key->daddr) && !bpf_map_lookup_elem(&ips4, &key->saddr))
+		return 0;
+	st->matched++;
+	if (st->flags & SWEEP_F_DRY_RUN) {
+		bump4(key);
+		return 0;
+	}
+	__builtin_memcpy(&st->pending, key, sizeof(st->pending));
+	st->have_pending = 1;
+	return 0;
+}
+
+static long sweep6_cb(void *map, struct ct_key6 *key, struct ct_entry *val, struct state6 *st)
+{
+	if (stop) {
+		st->stopped = 1;
+		return 1;
+	}
+	flush6(map, st);
+	st->visited++;
+	if (st->flags & SWEEP_F_COUNT)
+		return 0;
+	if (!bpf_map_lookup_elem(&ips6, &key->daddr) && !bpf_map_lookup_elem(&ips6, &key->saddr))
+		return 0;
+	st->matched++;
+	if (st->flags & SWEEP_F_DRY_RUN) {
+		bump6(key);
+		return 0;
+	}
+	__builtin_memcpy(&st->pending, key, sizeof(st->pending));
+	st->have_pending = 1;
+	return 0;
+}
+
+SEC("syscall")
+int sweep4(struct sweep_args *args)
+{
+	struct state4 st = {};
+
+	st.flags = args->flags;
+	bpf_for_each_map_elem(&ct4, sweep4_cb, &st, 0);
+	flush4(&ct4, &st);
+	args->stopped = st.stopped;
+	args->visited = st.visited;
+	args->matched = st.matched;
+	args->deleted = st.deleted;
+	return 0;
+}
+
+SEC("syscall")
+int sweep6(struct sweep_args *args)
+{
+	struct state6 st = {};
+
+	st.flags = args->flags;
+	bpf_for_each_map_elem(&ct6, sweep6_cb, &st, 0);
+	flush6(&ct6, &st);
+	args->stopped = st.stopped;
+	args->visited = st.visited;
+	args->matched = st.matched;
+	args->deleted = st.deleted;
+	return 0;
+}
+
+/* Entry count for metrics without a walk: the kernel keeps a per-CPU element
+ * counter for hash maps (6.6+); summing it costs O(CPUs). */
+struct bpf_map;
+extern __s64 bpf_map_sum_elem_count(const struct bpf_map *map) __ksym __weak;
+
+struct count_args {
+	__s64 count;
+};
+
+SEC("syscall")
+int count_ct4(struct count_args *args)
+{
+	args->count = bpf_map_sum_elem_count((const struct bpf_map *)&ct4);
+	return 0;
+}
+
+SEC("syscall")
+int count_ct6(struct count_args *args)
+{
+	args->count = bpf_map_sum_elem_count((const struct bpf_map *)&ct6);
+	return 0;
+}

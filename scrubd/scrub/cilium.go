@@ -1,0 +1,416 @@
+package scrub
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net/netip"
+	"slices"
+	"sync"
+	"time"
+
+	"github.com/cilium/ebpf"
+
+	"github.com/ctscrub/ctscrub/scrubd/ctmap"
+	"github.com/ctscrub/ctscrub/scrubd/index"
+)
+
+// CiliumOptions tunes the Cilium backend.
+type CiliumOptions struct {
+	// DeleteChunk is the number of keys per BPF_MAP_DELETE_BATCH call of the
+	// index path; ctx is checked between chunks. 0 means 1024 (about 0.2 ms
+	// of deletes, so a cancelled scrub stops within a fraction of a ms).
+	DeleteChunk int
+}
+
+// Cilium scrubs Cilium's global CT maps: through the index for IPs whose
+// index is complete, through the shared sweep for the others.
+type Cilium struct {
+	maps    *ctmap.Maps
+	ix      *index.Index
+	opts    CiliumOptions
+	sweeper *Sweeper
+
+	// Scrubs of one IP run one at a time: a scrub takes the IP's keys from
+	// the index and gives back what it did not delete, and a second scrub in
+	// between would see an empty set and wrongly report the IP clean.
+	lockMu sync.Mutex
+	locks  map[netip.Addr]*ipLock
+}
+
+type ipLock struct {
+	ch   chan struct{} // holds one token while the IP is free
+	refs int
+}
+
+// NewCilium loads the sweep program once per CT map of maps (the maps stay
+// the caller's: Close does not close them). ix is the index the recorder
+// fills.
+func NewCilium(maps *ctmap.Maps, ix *index.Index, opts CiliumOptions) (*Cilium, error) {
+	if maps == nil || ix == nil {
+		return nil, errors.New("scrub: NewCilium needs the CT maps and the index")
+	}
+	if maps.Map(ctmap.TCP4) == nil && maps.Map(ctmap.TCP6) == nil {
+		return nil, errors.New("scrub: no CT map present")
+	}
+	if opts.DeleteChunk <= 0 {
+		opts.DeleteChunk = 1024
+	}
+	progs, ips4, ips6, err := loadProgs(maps)
+	if err != nil {
+		return nil, err
+	}
+	return &Cilium{
+		maps:    maps,
+		ix:      ix,
+		opts:    opts,
+		sweeper: &Sweeper{progs: progs, ips4: ips4, ips6: ips6},
+		locks:   map[netip.Addr]*ipLock{},
+	}, nil
+}
+
+// Name labels the backend's metrics and results.
+func (c *Cilium) Name() string { return "cilium" }
+
+// Sweeper returns the backend's shared sweep.
+func (c *Cilium) Sweeper() *Sweeper { return c.sweeper }
+
+// Close unloads the sweep programs. The CT maps are left open.
+func (c *Cilium) Close() error {
+	c.sweeper.close()
+	return nil
+}
+
+// Scrub deletes every CT entry of req.IPs. See the package comment for the
+// two methods. On ctx's end it stops, gives the index back the keys it did
+// not try, marks swept IPs incomplete and returns Cancelled with the counts
+// so far.
+func (c *Cilium) Scrub(ctx context.Context, req Request) (Result, error) {
+	start := time.Now()
+	res := Result{
+		Backend: c.Name(),
+		Method:  MethodIndex,
+		Outcome: Complete,
+		Deleted: map[string]int{},
+		PerIP:   map[string]Method{},
+	}
+	for _, k := range ctmap.Kinds {
+		if c.maps.Map(k) != nil {
+			res.Deleted[k.Name()] = 0
+		}
+	}
+	finish := func(err error) (Result, error) {
+		res.Duration = time.Since(start)
+		res.Total = 0
+		for _, n := range res.Deleted {
+			res.Total += n
+		}
+		switch {
+		case err == nil:
+		case errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded):
+			res.Outcome = Cancelled
+			res.Error = err.Error()
+		default:
+			res.Outcome = Failed
+			res.Error = err.Error()
+		}
+		return res, err
+	}
+
+	ips, err := CheckIPs(req.IPs)
+	if err == nil {
+		for _, ip := range ips {
+			if ip.Is6() && !c.maps.HasIPv6() {
+				err = fmt.Errorf("%w: %s is IPv6 but the IPv6 CT maps (%s, %s) are not present under %s (IPv6 disabled in Cilium?); nothing deleted",
+					ErrBadRequest, ip, ctmap.TCP6.Name(), ctmap.Any6.Name(), c.maps.Root)
+				break
+			}
+		}
+	}
+	if err != nil {
+		return finish(err)
+	}
+
+	unlock, err := c.lockIPs(ctx, ips)
+	if err != nil {
+		return finish(err)
+	}
+	defer unlock()
+
+	// The index path for IPs whose index is complete.
+	var sweepIPs []netip.Addr
+	type held struct {
+		ip netip.Addr
+		k4 []ctmap.CTKey4
+		k6 []ctmap.CTKey6
+	}
+	var taken []held
+	for _, ip := range ips {
+		if err := ctx.Err(); err != nil {
+			return finish(err)
+		}
+		if !c.ix.State(ip).Complete {
+			sweepIPs = append(sweepIPs, ip)
+			continue
+		}
+		k4, k6, st := c.ix.Take(ip)
+		if req.DryRun {
+			c.ix.Return(ip, k4, k6)
+		}
+		if !st.Complete {
+			// Marked incomplete after State: the sweep handles it, and the
+			// keys taken now are covered by it.
+			sweepIPs = append(sweepIPs, ip)
+			if !req.DryRun {
+				taken = append(taken, held{ip, k4, k6})
+			}
+			continue
+		}
+		res.PerIP[ip.String()] = MethodIndex
+		if req.DryRun {
+			if err := c.countKeys(ctx, k4, k6, res.Deleted); err != nil {
+				return finish(err)
+			}
+			continue
+		}
+		left4, left6, err := c.deleteKeys(ctx, k4, k6, res.Deleted)
+		c.ix.Return(ip, left4, left6)
+		if err != nil {
+			return finish(err)
+		}
+	}
+	if len(sweepIPs) == 0 {
+		return finish(nil)
+	}
+
+	// The sweep for the rest. Keys are taken before it: entries of flows
+	// recorded while it runs must stay indexed.
+	res.Method = MethodSweep
+	for _, ip := range sweepIPs {
+		res.PerIP[ip.String()] = MethodSweep
+		if req.DryRun || slices.ContainsFunc(taken, func(h held) bool { return h.ip == ip }) {
+			continue
+		}
+		k4, k6, _ := c.ix.Take(ip)
+		taken = append(taken, held{ip, k4, k6})
+	}
+	sr, err := c.sweeper.Sweep(ctx, sweepIPs, req.DryRun)
+	for k, n := range sr.Deleted {
+		if n > 0 {
+			res.Deleted[ctmap.Kind(k).Name()] += n
+		}
+	}
+	if !req.DryRun {
+		if err == nil && sr.Complete {
+			for _, ip := range sweepIPs {
+				c.ix.Track(ip)
+			}
+		} else {
+			for _, h := range taken {
+				c.ix.Return(h.ip, h.k4, h.k6)
+				c.ix.MarkIncomplete(h.ip, index.ReasonCancelled)
+			}
+		}
+	}
+	if err == nil && !sr.Complete {
+		err = errors.New("sweep ended before every map was swept")
+	}
+	return finish(err)
+}
+
+// deleteKeys deletes keys from their maps with BPF_MAP_DELETE_BATCH, adding
+// to deleted per map name. It returns the keys it did not attempt (ctx ended
+// or an error). A key that is already gone (Cilium's GC, LRU eviction) is
+// skipped: the kernel stops the batch at it with ENOENT and reports how many
+// it deleted before it.
+func (c *Cilium) deleteKeys(ctx context.Context, k4 []ctmap.CTKey4, k6 []ctmap.CTKey6, deleted map[string]int) (left4 []ctmap.CTKey4, left6 []ctmap.CTKey6, err error) {
+	var tcp4, any4 []ctmap.CTKey4
+	for _, k := range k4 {
+		if k.Kind() == ctmap.TCP4 {
+			tcp4 = append(tcp4, k)
+		} else {
+			any4 = append(any4, k)
+		}
+	}
+	var tcp6, any6 []ctmap.CTKey6
+	for _, k := range k6 {
+		if k.Kind() == ctmap.TCP6 {
+			tcp6 = append(tcp6, k)
+		} else {
+			any6 = append(any6, k)
+		}
+	}
+	chunk := c.opts.DeleteChunk
+	for _, j := range []struct {
+		k    ctmap.Kind
+		keys []ctmap.CTKey4
+	}{{ctmap.TCP4, tcp4}, {ctmap.Any4, any4}} {
+		if err != nil {
+			left4 = append(left4, j.keys...)
+			continue
+		}
+		err = deleteFrom(ctx, c.maps.Map(j.k), j.k, j.keys, chunk, deleted, &left4)
+	}
+	for _, j := range []struct {
+		k    ctmap.Kind
+		keys []ctmap.CTKey6
+	}{{ctmap.TCP6, tcp6}, {ctmap.Any6, any6}} {
+		if err != nil {
+			left6 = append(left6, j.keys...)
+			continue
+		}
+		err = deleteFrom(ctx, c.maps.Map(j.k), j.k, j.keys, chunk, deleted, &left6)
+	}
+	return left4, left6, err
+}
+
+// deleteFrom deletes keys (all of kind k) from m, adds the count to
+// deleted[k.Name()] and appends the keys it did not attempt to *left.
+func deleteFrom[K ctmap.CTKey4 | ctmap.CTKey6](ctx context.Context, m *ebpf.Map, k ctmap.Kind, keys []K, chunk int, deleted map[string]int, left *[]K) error {
+	if len(keys) == 0 {
+		return nil
+	}
+	if m == nil {
+		// Cannot happen for a validated request: keys of a family are only
+		// indexed for IPs of that family, which were checked against the maps.
+		*left = append(*left, keys...)
+		return fmt.Errorf("delete %d keys from %s: map not present", len(keys), k.Name())
+	}
+	n, err := deleteBatch(ctx, m, keys, chunk)
+	deleted[k.Name()] += n.deleted
+	if err != nil {
+		*left = append(*left, keys[n.attempted:]...)
+		if ctx.Err() != nil {
+			return err
+		}
+		return fmt.Errorf("delete keys from %s: %w", k.Name(), err)
+	}
+	return nil
+}
+
+type batchCount struct {
+	deleted   int // entries deleted
+	stale     int // keys whose entry was already gone
+	attempted int // keys tried (deleted or stale)
+}
+
+// deleteBatch deletes keys from m in chunks, skipping keys already gone.
+func deleteBatch[K any](ctx context.Context, m *ebpf.Map, keys []K, chunk int) (batchCount, error) {
+	var c batchCount
+	for c.attempted < len(keys) {
+		if err := ctx.Err(); err != nil {
+			return c, err
+		}
+		end := min(c.attempted+chunk, len(keys))
+		n, err := m.BatchDelete(keys[c.attempted:end], nil)
+		c.deleted += n
+		c.attempted += n
+		if err != nil {
+			if errors.Is(err, ebpf.ErrKeyNotExist) && c.attempted < len(keys) {
+				c.stale++
+				c.attempted++
+				continue
+			}
+			return c, err
+		}
+	}
+	return c, nil
+}
+
+// countKeys adds to counts, per map name, the keys that exist (dry run).
+func (c *Cilium) countKeys(ctx context.Context, k4 []ctmap.CTKey4, k6 []ctmap.CTKey6, counts map[string]int) error {
+	var val ctmap.Entry
+	for i, k := range k4 {
+		if i%1024 == 0 && ctx.Err() != nil {
+			return ctx.Err()
+		}
+		m := c.maps.Map(k.Kind())
+		if m != nil && m.Lookup(k, &val) == nil {
+			counts[k.Kind().Name()]++
+		}
+	}
+	for i, k := range k6 {
+		if i%1024 == 0 && ctx.Err() != nil {
+			return ctx.Err()
+		}
+		m := c.maps.Map(k.Kind())
+		if m != nil && m.Lookup(k, &val) == nil {
+			counts[k.Kind().Name()]++
+		}
+	}
+	return nil
+}
+
+// lockIPs serialises scrubs per IP, in address order so two multi-IP scrubs
+// cannot deadlock.
+func (c *Cilium) lockIPs(ctx context.Context, ips []netip.Addr) (unlock func(), err error) {
+	sorted := slices.Clone(ips)
+	slices.SortFunc(sorted, func(a, b netip.Addr) int { return a.Compare(b) })
+	var held []netip.Addr
+	release := func() {
+		c.lockMu.Lock()
+		defer c.lockMu.Unlock()
+		for _, ip := range held {
+			l := c.locks[ip]
+			l.ch <- struct{}{}
+			if l.refs--; l.refs == 0 {
+				delete(c.locks, ip)
+			}
+		}
+	}
+	for _, ip := range sorted {
+		c.lockMu.Lock()
+		l := c.locks[ip]
+		if l == nil {
+			l = &ipLock{ch: make(chan struct{}, 1)}
+			l.ch <- struct{}{}
+			c.locks[ip] = l
+		}
+		l.refs++
+		c.lockMu.Unlock()
+		select {
+		case <-l.ch:
+			held = append(held, ip)
+		case <-ctx.Done():
+			c.lockMu.Lock()
+			if l.refs--; l.refs == 0 {
+				delete(c.locks, ip)
+			}
+			c.lockMu.Unlock()
+			release()
+			return nil, fmt.Errorf("wait for another scrub of %s: %w", ip, ctx.Err())
+		}
+	}
+	return release, nil
+}
+
+// Count returns the number of entries in map k, for ctscrub_ct_entries.
+// With Linux 6.6+ it sums the kernel's per-CPU element counter of the map
+// (kfunc bpf_map_sum_elem_count): O(CPUs), microseconds. Older kernels fall
+// back to a counting walk of the map in the kernel (O(entries), about 0.3 s
+// per million), skipped while a sweep runs.
+func (c *Cilium) Count(k ctmap.Kind) (int64, error) {
+	if k < 0 || k >= ctmap.NumKinds || c.sweeper.progs[k] == nil {
+		return 0, fmt.Errorf("count %s: map not present", k.Name())
+	}
+	p := c.sweeper.progs[k]
+	if p.count == nil {
+		return c.sweeper.countWalk(k)
+	}
+	var a countArgs
+	if _, err := p.count.Run(&ebpf.RunOptions{Context: &a, ContextOut: &a}); err != nil {
+		return 0, fmt.Errorf("count %s: %w", k.Name(), err)
+	}
+	return a.Count, nil
+}
+
+// CountIsCheap reports whether Count uses the kernel's element counter
+// rather than a walk.
+func (c *Cilium) CountIsCheap() bool {
+	for _, p := range c.sweeper.progs {
+		if p != nil && p.count == nil {
+			return false
+		}
+	}
+	return true
+}

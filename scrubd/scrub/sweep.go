@@ -1,0 +1,579 @@
+package scrub
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net/netip"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/cilium/ebpf"
+
+	"github.com/ctscrub/ctscrub/bpf"
+	"github.com/ctscrub/ctscrub/scrubd/ctmap"
+)
+
+// Flags of struct sweep_args (bpf/sweep.c).
+const (
+	sweepDryRun uint32 = 1
+	sweepCount  uint32 = 2
+)
+
+// MaxSweepIPs is the size of the sweep's IP sets (SWEEP_MAX_IPS in bpf/sweep.c):
+// the most IPs of one family a single pass can carry.
+const MaxSweepIPs = 65536
+
+// sweepArgs mirrors struct sweep_args, the BPF_PROG_TEST_RUN context.
+type sweepArgs struct {
+	Flags   uint32
+	Stopped uint32
+	Visited uint64
+	Matched uint64
+	Deleted uint64
+}
+
+// countArgs mirrors struct count_args.
+type countArgs struct {
+	Count int64
+}
+
+// mapProg is the sweep program loaded for one CT map.
+type mapProg struct {
+	kind  ctmap.Kind
+	sweep *ebpf.Program
+	stop  *ebpf.Variable
+	count *ebpf.Program // nil when the kernel lacks bpf_map_sum_elem_count
+	mu    sync.Mutex    // one run at a time: the program's stop flag is per instance
+}
+
+// PassStats is what one run of the sweep program over one map reports.
+type PassStats struct {
+	Visited, Matched, Deleted uint64
+	Stopped                   bool // ended early on the stop flag
+	Duration                  time.Duration
+}
+
+// run runs the program once over its map.
+func (p *mapProg) run(flags uint32) (PassStats, error) {
+	args := sweepArgs{Flags: flags}
+	start := time.Now()
+	if _, err := p.sweep.Run(&ebpf.RunOptions{Context: &args, ContextOut: &args}); err != nil {
+		return PassStats{}, fmt.Errorf("run sweep program over %s: %w", p.kind.Name(), err)
+	}
+	return PassStats{
+		Visited:  args.Visited,
+		Matched:  args.Matched,
+		Deleted:  args.Deleted,
+		Stopped:  args.Stopped != 0,
+		Duration: time.Since(start),
+	}, nil
+}
+
+func (p *mapProg) close() {
+	p.sweep.Close()
+	if p.count != nil {
+		p.count.Close()
+	}
+}
+
+// loadProgs loads bpf/sweep.c once per CT map present in maps, with the map
+// given as the replacement of the program's placeholder, and the IP sets
+// shared by every instance.
+func loadProgs(maps *ctmap.Maps) (progs [ctmap.NumKinds]*mapProg, ips4, ips6 *ebpf.Map, err error) {
+	spec, err := bpf.LoadSweep()
+	if err != nil {
+		return progs, nil, nil, fmt.Errorf("load sweep program spec: %w", err)
+	}
+	closeAll := func() {
+		for _, p := range progs {
+			if p != nil {
+				p.close()
+			}
+		}
+		if ips4 != nil {
+			ips4.Close()
+		}
+		if ips6 != nil {
+			ips6.Close()
+		}
+	}
+	if ips4, err = ebpf.NewMap(spec.Maps["ips4"]); err != nil {
+		return progs, nil, nil, fmt.Errorf("create sweep IP set ips4: %w", err)
+	}
+	if ips6, err = ebpf.NewMap(spec.Maps["ips6"]); err != nil {
+		closeAll()
+		return progs, nil, nil, fmt.Errorf("create sweep IP set ips6: %w", err)
+	}
+	for _, k := range ctmap.Kinds {
+		m := maps.Map(k)
+		if m == nil {
+			continue
+		}
+		fam, ips := "4", ips4
+		if k.IPv6() {
+			fam, ips = "6", ips6
+		}
+		p := &mapProg{kind: k}
+		var objs struct {
+			Sweep *ebpf.Program  `ebpf:"sweep"`
+			Stop  *ebpf.Variable `ebpf:"stop"`
+		}
+		s := placeholderSpec(spec, m, fam)
+		// Keep only this family's sweep program (and the maps it needs).
+		s.Programs = map[string]*ebpf.ProgramSpec{"sweep": s.Programs["sweep"+fam]}
+		s.Maps = map[string]*ebpf.MapSpec{"ct" + fam: s.Maps["ct"+fam], "ips" + fam: s.Maps["ips"+fam], ".bss": s.Maps[".bss"]}
+		err := s.LoadAndAssign(&objs, &ebpf.CollectionOptions{
+			MapReplacements: map[string]*ebpf.Map{"ct" + fam: m, "ips" + fam: ips},
+		})
+		if err != nil {
+			closeAll()
+			return progs, nil, nil, fmt.Errorf("load sweep program for %s: %w", k.Name(), err)
+		}
+		p.sweep, p.stop = objs.Sweep, objs.Stop
+		progs[k] = p
+
+		// The cheap entry count needs a kfunc (Linux 6.6+); without it
+		// Count falls back to a counting walk.
+		var cobjs struct {
+			Count *ebpf.Program `ebpf:"count"`
+		}
+		cs := placeholderSpec(spec, m, fam)
+		cs.Programs = map[string]*ebpf.ProgramSpec{"count": cs.Programs["count_ct"+fam]}
+		cs.Maps = map[string]*ebpf.MapSpec{"ct" + fam: cs.Maps["ct"+fam]}
+		if err := cs.LoadAndAssign(&cobjs, &ebpf.CollectionOptions{
+			MapReplacements: map[string]*ebpf.Map{"ct" + fam: m},
+		}); err == nil {
+			p.count = cobjs.Count
+		}
+	}
+	return progs, ips4, ips6, nil
+}
+
+// placeholderSpec copies spec and gives its ct4/ct6 placeholder the real
+// map's type, size and flags, which a map replacement must match.
+func placeholderSpec(spec *ebpf.CollectionSpec, m *ebpf.Map, fam string) *ebpf.CollectionSpec {
+	s := spec.Copy()
+	ph := s.Maps["ct"+fam]
+	ph.Type = m.Type()
+	ph.MaxEntries = m.MaxEntries()
+	ph.Flags = m.Flags()
+	return s
+}
+
+// Sweeper runs the sweep for sets of IPs. Callers that need the sweep at the
+// same moment share one pass: they join a pending set; a single runner takes
+// the whole set, runs one pass over every map and wakes each caller with the
+// counts of its own IPs. A caller whose ctx ends leaves; when no caller of
+// the running pass remains, the runner's stop flag ends the pass.
+type Sweeper struct {
+	progs      [ctmap.NumKinds]*mapProg
+	ips4, ips6 *ebpf.Map
+
+	mu      sync.Mutex
+	pending [2]*pass // [0] deleting, [1] dry run
+	running *pass
+	active  bool // a runner goroutine exists
+
+	passes atomic.Uint64 // passes run (each over every map it needed)
+}
+
+// pass is one shared run of the sweep.
+type pass struct {
+	dry     bool
+	ips     map[netip.Addr]int // IP -> callers that asked for it
+	callers int                // callers still waiting
+	done    chan struct{}
+
+	// Written by the runner under Sweeper.mu.
+	started bool
+	perIP   map[netip.Addr]*[ctmap.NumKinds]int
+	swept   [ctmap.NumKinds]bool // maps fully swept
+	stopped bool
+	err     error
+	stats   [ctmap.NumKinds]PassStats
+}
+
+// SweepResult is one caller's view of a pass.
+type SweepResult struct {
+	// Deleted per map: entries holding one of the caller's IPs that the pass
+	// deleted (dry run: would delete). An entry holding two of the caller's
+	// IPs counts twice.
+	Deleted [ctmap.NumKinds]int
+	// PerIP counts per IP and map.
+	PerIP map[netip.Addr][ctmap.NumKinds]int
+	// Complete: every map the caller's IPs need was swept to the end.
+	Complete bool
+	// Pass is the number of the pass that served the caller (Passes() after it).
+	Pass uint64
+}
+
+// Sweep deletes (dryRun: counts) every entry whose daddr or saddr is one of
+// ips, in every map of the IPs' family. It shares a pass with concurrent
+// callers. When ctx ends first it returns ctx's error with what was counted
+// so far and Complete false. ips must be valid and unmapped (see checkIPs).
+func (s *Sweeper) Sweep(ctx context.Context, ips []netip.Addr, dryRun bool) (SweepResult, error) {
+	if len(ips) == 0 {
+		return SweepResult{Complete: true}, nil
+	}
+	if len(ips) > MaxSweepIPs {
+		return SweepResult{}, fmt.Errorf("sweep: %d IPs in one request, at most %d", len(ips), MaxSweepIPs)
+	}
+	for _, ip := range ips {
+		if ip.Is6() && s.progs[ctmap.TCP6] == nil {
+			return SweepResult{}, fmt.Errorf("sweep %s: the IPv6 CT maps are not present (IPv6 disabled in Cilium?)", ip)
+		}
+	}
+	mode := 0
+	if dryRun {
+		mode = 1
+	}
+	s.mu.Lock()
+	p := s.pending[mode]
+	if p == nil || p.full(ips) {
+		if p != nil {
+			// A full pending set runs first; this caller waits for it and
+			// then joins the next one. Rare: 64 k IPs of one family.
+			s.mu.Unlock()
+			select {
+			case <-p.done:
+			case <-ctx.Done():
+				return SweepResult{}, ctx.Err()
+			}
+			return s.Sweep(ctx, ips, dryRun)
+		}
+		p = &pass{dry: dryRun, ips: map[netip.Addr]int{}, done: make(chan struct{})}
+		s.pending[mode] = p
+	}
+	for _, ip := range ips {
+		p.ips[ip]++
+	}
+	p.callers++
+	if !s.active {
+		s.active = true
+		go s.runner()
+	}
+	s.mu.Unlock()
+
+	select {
+	case <-p.done:
+		return s.resultFor(p, ips)
+	case <-ctx.Done():
+	}
+
+	s.mu.Lock()
+	select {
+	case <-p.done:
+		s.mu.Unlock()
+		return s.resultFor(p, ips)
+	default:
+	}
+	if !p.started {
+		// Not run yet: leave the pending set.
+		for _, ip := range ips {
+			if p.ips[ip]--; p.ips[ip] == 0 {
+				delete(p.ips, ip)
+			}
+		}
+		p.callers--
+		if p.callers == 0 && s.pending[mode] == p {
+			s.pending[mode] = nil
+		}
+		s.mu.Unlock()
+		return SweepResult{}, ctx.Err()
+	}
+	p.callers--
+	last := p.callers == 0
+	if last {
+		s.setStop(1)
+	}
+	s.mu.Unlock()
+	if last {
+		// The pass ends within one element of the stop flag; wait for it so
+		// the counts are final.
+		<-p.done
+	}
+	r, err := s.resultFor(p, ips)
+	r.Complete = false
+	if err == nil {
+		err = ctx.Err()
+	}
+	return r, err
+}
+
+// full reports whether adding ips would overflow one family's IP set.
+func (p *pass) full(ips []netip.Addr) bool {
+	var n4, n6 int
+	for ip := range p.ips {
+		if ip.Is4() {
+			n4++
+		} else {
+			n6++
+		}
+	}
+	for _, ip := range ips {
+		if _, ok := p.ips[ip]; ok {
+			continue
+		}
+		if ip.Is4() {
+			n4++
+		} else {
+			n6++
+		}
+	}
+	return n4 > MaxSweepIPs || n6 > MaxSweepIPs
+}
+
+// resultFor extracts a caller's counts from a pass.
+func (s *Sweeper) resultFor(p *pass, ips []netip.Addr) (SweepResult, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	r := SweepResult{PerIP: make(map[netip.Addr][ctmap.NumKinds]int, len(ips)), Complete: true}
+	for _, ip := range ips {
+		var c [ctmap.NumKinds]int
+		if pc := p.perIP[ip]; pc != nil {
+			c = *pc
+		}
+		r.PerIP[ip] = c
+		for k, n := range c {
+			r.Deleted[k] += n
+		}
+		for _, k := range kindsOf(ip) {
+			if s.progs[k] != nil && !p.swept[k] {
+				r.Complete = false
+			}
+		}
+	}
+	r.Pass = s.passes.Load()
+	return r, p.err
+}
+
+func kindsOf(ip netip.Addr) []ctmap.Kind {
+	if ip.Is4() {
+		return []ctmap.Kind{ctmap.TCP4, ctmap.Any4}
+	}
+	return []ctmap.Kind{ctmap.TCP6, ctmap.Any6}
+}
+
+func (s *Sweeper) setStop(v uint32) {
+	for _, p := range s.progs {
+		if p != nil {
+			// The variable is mmapped .bss memory: Set is a plain store.
+			_ = p.stop.Set(v)
+		}
+	}
+}
+
+// runner runs pending passes until none is left; deleting passes go first.
+func (s *Sweeper) runner() {
+	for {
+		s.mu.Lock()
+		p := s.pending[0]
+		if p == nil {
+			p = s.pending[1]
+		}
+		if p == nil {
+			s.active = false
+			s.mu.Unlock()
+			return
+		}
+		mode := 0
+		if p.dry {
+			mode = 1
+		}
+		s.pending[mode] = nil
+		p.started = true
+		s.running = p
+		s.setStop(0)
+		s.mu.Unlock()
+
+		err := s.runPass(p)
+
+		s.mu.Lock()
+		p.err = err
+		s.running = nil
+		s.setStop(0)
+		s.mu.Unlock()
+		close(p.done)
+	}
+}
+
+// runPass sweeps every map the pass's IPs need.
+func (s *Sweeper) runPass(p *pass) error {
+	var v4 []netip.Addr
+	var v6 []netip.Addr
+	for ip := range p.ips {
+		if ip.Is4() {
+			v4 = append(v4, ip)
+		} else {
+			v6 = append(v6, ip)
+		}
+	}
+	perIP := make(map[netip.Addr]*[ctmap.NumKinds]int, len(p.ips))
+	for ip := range p.ips {
+		perIP[ip] = new([ctmap.NumKinds]int)
+	}
+	s.mu.Lock()
+	p.perIP = perIP
+	s.mu.Unlock()
+	s.passes.Add(1)
+
+	if err := fillSet(s.ips4, s.ips6, v4, v6); err != nil {
+		return err
+	}
+	defer clearSet(s.ips4, s.ips6, v4, v6)
+
+	flags := uint32(0)
+	if p.dry {
+		flags = sweepDryRun
+	}
+	for _, k := range ctmap.Kinds {
+		prog := s.progs[k]
+		if prog == nil || (k.IPv6() && len(v6) == 0) || (!k.IPv6() && len(v4) == 0) {
+			continue
+		}
+		s.mu.Lock()
+		gone := p.callers == 0
+		s.mu.Unlock()
+		if gone {
+			p.stopped = true
+			return nil
+		}
+		prog.mu.Lock()
+		st, err := prog.run(flags)
+		prog.mu.Unlock()
+		if err != nil {
+			return err
+		}
+		// Per-IP counters are cumulative over the pass; this map's share is
+		// the difference.
+		ipsOfKind, set := v4, s.ips4
+		if k.IPv6() {
+			ipsOfKind, set = v6, s.ips6
+		}
+		counts := make(map[netip.Addr]int, len(ipsOfKind))
+		for _, ip := range ipsOfKind {
+			var c uint64
+			if err := set.Lookup(setKey(ip), &c); err != nil {
+				return fmt.Errorf("sweep: read count of %s: %w", ip, err)
+			}
+			counts[ip] = int(c)
+		}
+		s.mu.Lock()
+		for ip, c := range counts {
+			pc := perIP[ip]
+			prev := 0
+			for _, kk := range kindsOf(ip) {
+				if kk != k {
+					prev += pc[kk]
+				}
+			}
+			pc[k] = c - prev
+		}
+		p.stats[k] = st
+		if st.Stopped {
+			p.stopped = true
+		} else {
+			p.swept[k] = true
+		}
+		s.mu.Unlock()
+		if st.Stopped {
+			return nil
+		}
+	}
+	return nil
+}
+
+// setKey is an IP's key in ips4 (4 bytes, network order) or ips6 (16 bytes).
+func setKey(ip netip.Addr) any {
+	if ip.Is4() {
+		a := ip.As4()
+		return a
+	}
+	a := ip.As16()
+	return a
+}
+
+func fillSet(ips4, ips6 *ebpf.Map, v4, v6 []netip.Addr) error {
+	var zero uint64
+	for _, ip := range v4 {
+		if err := ips4.Put(setKey(ip), zero); err != nil {
+			return fmt.Errorf("sweep: add %s to the IP set: %w", ip, err)
+		}
+	}
+	for _, ip := range v6 {
+		if err := ips6.Put(setKey(ip), zero); err != nil {
+			return fmt.Errorf("sweep: add %s to the IP set: %w", ip, err)
+		}
+	}
+	return nil
+}
+
+func clearSet(ips4, ips6 *ebpf.Map, v4, v6 []netip.Addr) {
+	for _, ip := range v4 {
+		_ = ips4.Delete(setKey(ip))
+	}
+	for _, ip := range v6 {
+		_ = ips6.Delete(setKey(ip))
+	}
+}
+
+// Passes is the number of passes run so far; concurrent callers served by one
+// pass advance it once.
+func (s *Sweeper) Passes() uint64 { return s.passes.Load() }
+
+// Waiting reports the callers of the pending (not yet started) passes and of
+// the running pass; tests use it to know when callers have joined.
+func (s *Sweeper) Waiting() (pending, running int) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for _, p := range s.pending {
+		if p != nil {
+			pending += p.callers
+		}
+	}
+	if s.running != nil {
+		running = s.running.callers
+	}
+	return pending, running
+}
+
+// countWalk counts a map's entries with the sweep program in count mode: a
+// full in-kernel walk, used only when the kfunc count is unavailable.
+func (s *Sweeper) countWalk(k ctmap.Kind) (int64, error) {
+	p := s.progs[k]
+	if p == nil {
+		return 0, fmt.Errorf("count %s: map not present", k.Name())
+	}
+	// Serialised with the passes: the stop flag belongs to them.
+	s.mu.Lock()
+	busy := s.running != nil
+	s.mu.Unlock()
+	if busy {
+		return 0, errSweepBusy
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	st, err := p.run(sweepCount)
+	if err != nil {
+		return 0, err
+	}
+	if st.Stopped {
+		return 0, errSweepBusy
+	}
+	return int64(st.Visited), nil
+}
+
+var errSweepBusy = errors.New("a sweep is running; entry count by walk skipped")
+
+func (s *Sweeper) close() {
+	for i, p := range s.progs {
+		if p != nil {
+			p.close()
+			s.progs[i] = nil
+		}
+	}
+	s.ips4.Close()
+	s.ips6.Close()
+}
