@@ -1,0 +1,351 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"net/netip"
+	"slices"
+	"time"
+
+	"github.com/containernetworking/cni/pkg/skel"
+	"github.com/containernetworking/cni/pkg/types"
+	current "github.com/containernetworking/cni/pkg/types/100"
+
+	"github.com/ctscrub/ctscrub/scrubd/api"
+	"github.com/ctscrub/ctscrub/scrubd/client"
+	"github.com/ctscrub/ctscrub/scrubd/scrub"
+)
+
+// errNoPrevResult is the answer to an ADD or CHECK without prevResult: the
+// plugin is installed on its own instead of chained.
+func errNoPrevResult(cmd string) *types.Error {
+	return configError("%s without prevResult: ctscrub is a chained plugin and must come after the plugin that assigns the pod's IPs "+
+		"(cilium-cni, or bridge with host-local) in the conflist's \"plugins\" list, with a cniVersion of 0.3.0 or later", cmd)
+}
+
+// podAddrs returns the pod's IPs and its container-side interface from a
+// result: the interface with "sandbox" set (preferring the one named ifname),
+// and the IPs on sandbox interfaces (or with no interface index).
+func podAddrs(res *current.Result, ifname string) ([]netip.Addr, string) {
+	sandbox := map[int]bool{}
+	chosen := -1
+	for i, in := range res.Interfaces {
+		if in == nil || in.Sandbox == "" {
+			continue
+		}
+		sandbox[i] = true
+		if chosen < 0 || (in.Name == ifname && res.Interfaces[chosen].Name != ifname) {
+			chosen = i
+		}
+	}
+	name := ifname
+	if chosen >= 0 {
+		name = res.Interfaces[chosen].Name
+	}
+	var ips []netip.Addr
+	for _, ipc := range res.IPs {
+		if ipc == nil {
+			continue
+		}
+		// An IP bound to a host-side interface (a bridge's gateway, say) is
+		// not the pod's.
+		if ipc.Interface != nil && len(sandbox) > 0 && !sandbox[*ipc.Interface] {
+			continue
+		}
+		a, ok := netip.AddrFromSlice(ipc.Address.IP)
+		if !ok {
+			continue
+		}
+		a = a.Unmap()
+		if !slices.Contains(ips, a) {
+			ips = append(ips, a)
+		}
+	}
+	return ips, name
+}
+
+// prevResultAddrs parses conf's prevResult (nil when absent).
+func prevResultAddrs(conf *Config, ifname string) ([]netip.Addr, string, error) {
+	if conf.PrevResult == nil {
+		return nil, ifname, nil
+	}
+	res, err := current.NewResultFromResult(conf.PrevResult)
+	if err != nil {
+		return nil, "", configError("prevResult cannot be read as a CNI %s result: %v", current.ImplementedSpecVersion, err)
+	}
+	ips, name := podAddrs(res, ifname)
+	return ips, name, nil
+}
+
+func withTimeout(conf *Config) (context.Context, context.CancelFunc) {
+	return context.WithTimeout(context.Background(), time.Duration(conf.Timeout))
+}
+
+func attachmentID(args *skel.CmdArgs) string {
+	return fmt.Sprintf("container %s ifname %s", args.ContainerID, args.IfName)
+}
+
+// cmdAdd scrubs the stale CT entries of the pod's IPs (a previous owner's),
+// starts indexing the pod's interface, and only then passes prevResult on:
+// the pod gets no traffic before its IPs are clean and its flows recorded.
+func cmdAdd(args *skel.CmdArgs) error {
+	conf, err := parseConfig(args.StdinData)
+	if err != nil {
+		return err
+	}
+	if conf.PrevResult == nil {
+		return errNoPrevResult("ADD")
+	}
+	ips, ifname, err := prevResultAddrs(conf, args.IfName)
+	if err != nil {
+		return err
+	}
+	if len(ips) == 0 {
+		return configError("prevResult has no IPs for the pod's interface %s: ctscrub must come after a plugin that assigns the pod's IPs "+
+			"(cilium-cni, or bridge with host-local), not after one that only sets up links", ifname)
+	}
+
+	ctx, cancel := withTimeout(conf)
+	defer cancel()
+	cl := client.New(conf.Socket)
+	id := attachmentID(args)
+	if err := add(ctx, cl, conf, args, ips, ifname); err != nil {
+		if err := failure(conf, "ADD", id, err.what, err.err); err != nil {
+			return err
+		}
+	}
+	return printPrevResult(conf)
+}
+
+// stepError names the step of a command that failed.
+type stepError struct {
+	what string
+	err  error
+}
+
+func add(ctx context.Context, cl *client.Client, conf *Config, args *skel.CmdArgs, ips []netip.Addr, ifname string) *stepError {
+	if conf.ScrubsOnAdd() {
+		_, err := cl.Scrub(ctx, api.ScrubRequest{
+			IPs: ips, Reason: scrub.ReasonAdd,
+			ContainerID: args.ContainerID, Netns: args.Netns, IfName: ifname,
+		})
+		if err != nil {
+			return &stepError{fmt.Sprintf("scrub %v before container %s starts", ips, args.ContainerID), err}
+		}
+	}
+	err := cl.IndexStart(ctx, api.IndexStartRequest{
+		Attachment: api.Attachment{ContainerID: args.ContainerID, IfName: ifname},
+		Netns:      args.Netns,
+		IPs:        ips,
+	})
+	if err != nil {
+		return &stepError{fmt.Sprintf("start indexing %s in %s (container %s)", ifname, args.Netns, args.ContainerID), err}
+	}
+	return nil
+}
+
+func printPrevResult(conf *Config) error {
+	r, err := conf.PrevResult.GetAsVersion(conf.CNIVersion)
+	if err != nil {
+		return configError("prevResult cannot be converted to cniVersion %s: %v", conf.CNIVersion, err)
+	}
+	return r.PrintTo(stdout)
+}
+
+// cmdDel scrubs the pod's CT entries and stops indexing its interface. The IPs
+// come from prevResult, or, when the runtime sends none (containerd's second
+// DEL, conflists at 0.3.x), from what scrubd recorded at ADD. A DEL for an
+// attachment scrubd does not know, or whose netns is gone, succeeds.
+//
+// When this DEL fails, the runtime does not run the DELs of the plugins before
+// ctscrub (DEL walks the list in reverse), so the IP-assigning plugin keeps the
+// IP: no new pod gets an IP whose stale entries are still in the table. The
+// runtime retries the DEL.
+func cmdDel(args *skel.CmdArgs) error {
+	conf, err := parseConfig(args.StdinData)
+	if err != nil {
+		return err
+	}
+	ips, _, err := prevResultAddrs(conf, args.IfName)
+	if err != nil {
+		return err
+	}
+	ctx, cancel := withTimeout(conf)
+	defer cancel()
+	cl := client.New(conf.Socket)
+	id := attachmentID(args)
+	if err := del(ctx, cl, conf, args, ips); err != nil {
+		return failure(conf, "DEL", id, err.what, err.err)
+	}
+	return nil
+}
+
+func del(ctx context.Context, cl *client.Client, conf *Config, args *skel.CmdArgs, ips []netip.Addr) *stepError {
+	me := api.Attachment{ContainerID: args.ContainerID, IfName: args.IfName}
+	rec, err := cl.IndexPod(ctx, me)
+	if e, ok := client.APIError(err); ok && e.Code == api.CodeNotFound {
+		rec, err = nil, nil
+	}
+	if err != nil {
+		return &stepError{fmt.Sprintf("look up what scrubd recorded for %s ifname %s", args.ContainerID, args.IfName), err}
+	}
+	if rec != nil && !rec.Stopped.IsZero() {
+		// An earlier DEL (or GC) scrubbed and stopped it: containerd's second
+		// DEL on rmp, or a retry.
+		return nil
+	}
+	if len(ips) == 0 && rec != nil {
+		ips = rec.IPs
+	}
+	if rec == nil && len(ips) > 0 {
+		// Not indexed, yet prevResult names IPs: a repeated DEL may come after
+		// the IP was released and given to a new pod, whose entries are live
+		// and must stay.
+		kept := ips[:0:0]
+		for _, ip := range ips {
+			st, err := cl.IndexIP(ctx, ip)
+			if err != nil {
+				return &stepError{fmt.Sprintf("ask scrubd who holds %s", ip), err}
+			}
+			if st.Owner != nil && *st.Owner != me {
+				fmt.Fprintf(stderr, "ctscrub: DEL %s: not scrubbing %s: it belongs to container %s ifname %s now\n",
+					attachmentID(args), ip, st.Owner.ContainerID, st.Owner.IfName)
+				continue
+			}
+			kept = append(kept, ip)
+		}
+		ips = kept
+	}
+	if conf.ScrubsOnDel() && len(ips) > 0 {
+		_, err := cl.Scrub(ctx, api.ScrubRequest{
+			IPs: ips, Reason: scrub.ReasonDel,
+			ContainerID: args.ContainerID, Netns: args.Netns, IfName: args.IfName,
+		})
+		if err != nil {
+			return &stepError{fmt.Sprintf("scrub %v of container %s", ips, args.ContainerID), err}
+		}
+	}
+	if rec != nil {
+		// After the scrub, so that the index covers every flow up to it.
+		err := cl.IndexStop(ctx, api.IndexStopRequest{Attachment: me})
+		if e, ok := client.APIError(err); ok && e.Code == api.CodeNotFound {
+			err = nil // a concurrent DEL stopped it first
+		}
+		if err != nil {
+			return &stepError{fmt.Sprintf("stop indexing %s of container %s", args.IfName, args.ContainerID), err}
+		}
+	}
+	return nil
+}
+
+// cmdCheck checks that scrubd is reachable and indexes the container's
+// interface with the IPs of prevResult.
+func cmdCheck(args *skel.CmdArgs) error {
+	conf, err := parseConfig(args.StdinData)
+	if err != nil {
+		return err
+	}
+	if conf.PrevResult == nil {
+		return errNoPrevResult("CHECK")
+	}
+	ips, ifname, err := prevResultAddrs(conf, args.IfName)
+	if err != nil {
+		return err
+	}
+	ctx, cancel := withTimeout(conf)
+	defer cancel()
+	id := attachmentID(args)
+	me := api.Attachment{ContainerID: args.ContainerID, IfName: ifname}
+	rec, err := client.New(conf.Socket).IndexPod(ctx, me)
+	if e, ok := client.APIError(err); ok && e.Code == api.CodeNotFound {
+		rec, err = nil, nil
+	}
+	if err != nil {
+		return failure(conf, "CHECK", id, "look up the attachment in scrubd", err)
+	}
+	if rec == nil || !rec.Stopped.IsZero() {
+		return checkFailure(conf, id, fmt.Sprintf("scrubd does not index %s of container %s: its flows are not recorded, so scrubbing its IPs needs a sweep of the CT maps", ifname, args.ContainerID),
+			"see scrubd's log for why the attachment was lost (restart without its bpffs pins?), and recreate the pod")
+	}
+	for _, ip := range ips {
+		if !slices.Contains(rec.IPs, ip) {
+			return checkFailure(conf, id, fmt.Sprintf("scrubd indexes %s of container %s with IPs %v, but prevResult has %s", ifname, args.ContainerID, rec.IPs, ip),
+				"recreate the pod so ADD registers its current IPs")
+		}
+	}
+	return nil
+}
+
+func checkFailure(conf *Config, id, msg, fix string) error {
+	e := types.NewError(types.ErrInternal, "ctscrub: CHECK: "+msg, fix)
+	if conf.FailurePolicy == PolicyIgnore {
+		fmt.Fprintf(stderr, "ctscrub: CHECK %s: ignored because failurePolicy is %q: %s (%s)\n", id, PolicyIgnore, e.Msg, e.Details)
+		return nil
+	}
+	return e
+}
+
+// cmdStatus answers 50 (plugin not available) when scrubd cannot serve ADD:
+// not running, or running but not ready. Under failurePolicy "ignore" ADD
+// succeeds without scrubd, so STATUS does too.
+func cmdStatus(args *skel.CmdArgs) error {
+	conf, err := parseConfig(args.StdinData)
+	if err != nil {
+		return err
+	}
+	ctx, cancel := withTimeout(conf)
+	defer cancel()
+	st, err := client.New(conf.Socket).Status(ctx)
+	var e *types.Error
+	switch {
+	case err != nil:
+		d := daemonError(conf, "STATUS", err)
+		e = types.NewError(types.ErrPluginNotAvailable, d.Msg, d.Details)
+	case !st.Ready:
+		e = types.NewError(types.ErrPluginNotAvailable,
+			fmt.Sprintf("ctscrub: STATUS: scrubd %s at %s is running but not ready (backends %v)", st.Version, conf.Socket, st.Backends),
+			"wait for scrubd to finish starting; if it stays not ready, see its log (kubectl -n kube-system logs ds/ctscrub)")
+	default:
+		return nil
+	}
+	if conf.FailurePolicy == PolicyIgnore {
+		fmt.Fprintf(stderr, "ctscrub: STATUS: ignored because failurePolicy is %q: %s\n", PolicyIgnore, e.Msg)
+		return nil
+	}
+	return e
+}
+
+// cmdGC passes the runtime's list of valid attachments to scrubd, which
+// drops its state for every other attachment.
+func cmdGC(args *skel.CmdArgs) error {
+	conf, err := parseConfig(args.StdinData)
+	if err != nil {
+		return err
+	}
+	valid := conf.ValidAttachments
+	if valid == nil && len(conf.LegacyAttachments) > 0 {
+		if err := json.Unmarshal(conf.LegacyAttachments, &valid); err != nil {
+			return configError("cni.dev/attachments: %v", err)
+		}
+	}
+	// Without the list scrubd would drop every attachment; a runtime that
+	// sends GC always sends it, so its absence is a broken request.
+	if valid == nil {
+		return configError("GC without cni.dev/valid-attachments: refusing to drop every attachment scrubd indexes")
+	}
+	atts := make([]api.Attachment, 0, len(valid))
+	for _, a := range valid {
+		atts = append(atts, api.Attachment{ContainerID: a.ContainerID, IfName: a.IfName})
+	}
+	ctx, cancel := withTimeout(conf)
+	defer cancel()
+	resp, err := client.New(conf.Socket).GC(ctx, atts)
+	if err != nil {
+		return failure(conf, "GC", fmt.Sprintf("(%d valid attachments)", len(atts)), "drop attachments that are gone", err)
+	}
+	for _, d := range resp.Dropped {
+		fmt.Fprintf(stderr, "ctscrub: GC: scrubd dropped container %s ifname %s\n", d.ContainerID, d.IfName)
+	}
+	return nil
+}

@@ -1,0 +1,412 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"net"
+	"net/http"
+	"net/netip"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"reflect"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/containernetworking/cni/pkg/skel"
+	"github.com/containernetworking/cni/pkg/types"
+	current "github.com/containernetworking/cni/pkg/types/100"
+
+	"github.com/ctscrub/ctscrub/scrubd/api"
+)
+
+// The test binary doubles as the plugin binary so the tests can go through
+// skel (environment, stdin, exit code, error JSON) without a separate build.
+func TestMain(m *testing.M) {
+	if os.Getenv("CTSCRUB_TEST_AS_PLUGIN") == "1" {
+		main()
+		os.Exit(0)
+	}
+	os.Exit(m.Run())
+}
+
+var allVersions = []string{"0.3.0", "0.3.1", "0.4.0", "1.0.0", "1.1.0"}
+
+// prevResult is what bridge + host-local hand to the next plugin: a bridge, a
+// host-side veth and the container's eth0, with IPv4 and IPv6 on eth0.
+func prevResult(ver string) map[string]any {
+	ip := func(addr, gw string) map[string]any {
+		m := map[string]any{"address": addr, "gateway": gw, "interface": 2}
+		if !strings.HasPrefix(ver, "1.") {
+			if strings.Contains(addr, ":") {
+				m["version"] = "6"
+			} else {
+				m["version"] = "4"
+			}
+		}
+		return m
+	}
+	return map[string]any{
+		"cniVersion": ver,
+		"interfaces": []any{
+			map[string]any{"name": "cni0", "mac": "aa:bb:cc:00:00:01"},
+			map[string]any{"name": "veth1234", "mac": "aa:bb:cc:00:00:02"},
+			map[string]any{"name": "eth0", "mac": "aa:bb:cc:00:00:03", "sandbox": "/var/run/netns/pod1"},
+		},
+		"ips": []any{ip("10.22.0.5/24", "10.22.0.1"), ip("fd22::5/64", "fd22::1")},
+		"dns": map[string]any{},
+	}
+}
+
+func stdin(t *testing.T, ver string, fields map[string]any, prev map[string]any) []byte {
+	t.Helper()
+	m := map[string]any{"cniVersion": ver, "name": "pods", "type": "ctscrub"}
+	for k, v := range fields {
+		m[k] = v
+	}
+	if prev != nil {
+		m["prevResult"] = prev
+	}
+	b, err := json.Marshal(m)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return b
+}
+
+func cmdArgs(data []byte) *skel.CmdArgs {
+	return &skel.CmdArgs{ContainerID: "c0ffee", Netns: "/var/run/netns/pod1", IfName: "eth0", Path: "/opt/cni/bin", StdinData: data}
+}
+
+// run calls one of the plugin's commands and returns what it printed.
+func run(t *testing.T, cmd func(*skel.CmdArgs) error, args *skel.CmdArgs) (string, string, error) {
+	t.Helper()
+	var out, errOut bytes.Buffer
+	stdout, stderr = &out, &errOut
+	defer func() { stdout, stderr = os.Stdout, os.Stderr }()
+	err := cmd(args)
+	return out.String(), errOut.String(), err
+}
+
+func missingSocket(t *testing.T) string { return filepath.Join(t.TempDir(), "scrubd.sock") }
+
+func TestAddWithoutPrevResult(t *testing.T) {
+	for _, ver := range allVersions {
+		out, _, err := run(t, cmdAdd, cmdArgs(stdin(t, ver, nil, nil)))
+		e := mustCNIError(t, err, types.ErrInvalidNetworkConfig)
+		if !strings.Contains(e.Msg, "chained plugin") || !strings.Contains(e.Msg, "assigns the pod's IPs") {
+			t.Errorf("%s: message %q does not say ctscrub must be chained after an IP-assigning plugin", ver, e.Msg)
+		}
+		if out != "" {
+			t.Errorf("%s: printed %q on failure", ver, out)
+		}
+	}
+}
+
+func TestAddPrevResultWithoutIPs(t *testing.T) {
+	for _, ver := range allVersions {
+		prev := prevResult(ver)
+		delete(prev, "ips")
+		_, _, err := run(t, cmdAdd, cmdArgs(stdin(t, ver, map[string]any{"socket": missingSocket(t)}, prev)))
+		e := mustCNIError(t, err, types.ErrInvalidNetworkConfig)
+		if !strings.Contains(e.Msg, "no IPs") {
+			t.Errorf("%s: message %q does not say prevResult has no IPs", ver, e.Msg)
+		}
+	}
+}
+
+func TestAddBadConfig(t *testing.T) {
+	for name, fields := range map[string]map[string]any{
+		"unknown field":     {"scrubOnAdds": true},
+		"bad failurePolicy": {"failurePolicy": "Ignore"},
+	} {
+		for _, cmd := range []func(*skel.CmdArgs) error{cmdAdd, cmdDel} {
+			_, _, err := run(t, cmd, cmdArgs(stdin(t, "1.0.0", fields, prevResult("1.0.0"))))
+			e := mustCNIError(t, err, types.ErrInvalidNetworkConfig)
+			if !strings.Contains(e.Msg, "invalid config") {
+				t.Errorf("%s: message %q", name, e.Msg)
+			}
+		}
+	}
+}
+
+// Without scrubd, policy fail stops every command with 50 and names the
+// socket; policy ignore passes prevResult through unchanged and logs why.
+func TestDaemonSocketMissing(t *testing.T) {
+	for _, ver := range allVersions {
+		sock := missingSocket(t)
+		fail := map[string]any{"socket": sock, "failurePolicy": "fail"}
+		ignore := map[string]any{"socket": sock, "failurePolicy": "ignore"}
+
+		out, _, err := run(t, cmdAdd, cmdArgs(stdin(t, ver, fail, prevResult(ver))))
+		e := mustCNIError(t, err, types.ErrPluginNotAvailable)
+		if !strings.Contains(e.Msg, sock) || !strings.Contains(e.Details, "start scrubd") || out != "" {
+			t.Errorf("%s ADD fail: %q / %q, stdout %q", ver, e.Msg, e.Details, out)
+		}
+		_, _, err = run(t, cmdDel, cmdArgs(stdin(t, ver, fail, prevResult(ver))))
+		mustCNIError(t, err, types.ErrPluginNotAvailable)
+
+		out, logged, err := run(t, cmdAdd, cmdArgs(stdin(t, ver, ignore, prevResult(ver))))
+		if err != nil {
+			t.Fatalf("%s ADD ignore: %v", ver, err)
+		}
+		mustEqualResult(t, ver, out, prevResult(ver))
+		if !strings.Contains(logged, "failurePolicy is \"ignore\"") || !strings.Contains(logged, sock) {
+			t.Errorf("%s ADD ignore: stderr %q does not explain", ver, logged)
+		}
+		if _, _, err := run(t, cmdDel, cmdArgs(stdin(t, ver, ignore, nil))); err != nil {
+			t.Errorf("%s DEL ignore: %v", ver, err)
+		}
+
+		if ver >= "0.4.0" {
+			_, _, err = run(t, cmdCheck, cmdArgs(stdin(t, ver, fail, prevResult(ver))))
+			mustCNIError(t, err, types.ErrPluginNotAvailable)
+		}
+		if ver == "1.1.0" {
+			_, _, err = run(t, cmdStatus, cmdArgs(stdin(t, ver, fail, nil)))
+			mustCNIError(t, err, types.ErrPluginNotAvailable)
+			if _, _, err := run(t, cmdStatus, cmdArgs(stdin(t, ver, ignore, nil))); err != nil {
+				t.Errorf("STATUS ignore: %v", err)
+			}
+			gc := map[string]any{"socket": sock, "cni.dev/valid-attachments": []any{}}
+			_, _, err = run(t, cmdGC, cmdArgs(stdin(t, ver, gc, nil)))
+			mustCNIError(t, err, types.ErrPluginNotAvailable)
+		}
+	}
+}
+
+// mustEqualResult checks that the plugin printed prev unchanged at ver.
+func mustEqualResult(t *testing.T, ver, out string, prev map[string]any) {
+	t.Helper()
+	var got, want any
+	if err := json.Unmarshal([]byte(out), &got); err != nil {
+		t.Fatalf("%s: printed %q: %v", ver, out, err)
+	}
+	// Through the CNI types once, as the plugin does, so empty fields drop
+	// out the same way on both sides.
+	b, _ := json.Marshal(prev)
+	res, err := current.NewResultFromResult(mustCreate(t, ver, b))
+	if err != nil {
+		t.Fatal(err)
+	}
+	r, err := res.GetAsVersion(ver)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var buf bytes.Buffer
+	if err := r.PrintTo(&buf); err != nil {
+		t.Fatal(err)
+	}
+	if err := json.Unmarshal(buf.Bytes(), &want); err != nil {
+		t.Fatal(err)
+	}
+	if !reflect.DeepEqual(got, want) {
+		t.Fatalf("%s: printed\n%s\nwant prevResult unchanged\n%s", ver, out, buf.String())
+	}
+	if !strings.Contains(out, `"cniVersion": "`+ver+`"`) && !strings.Contains(out, `"cniVersion":"`+ver+`"`) {
+		t.Fatalf("%s: result not at the config's cniVersion: %s", ver, out)
+	}
+}
+
+func mustCreate(t *testing.T, ver string, b []byte) types.Result {
+	t.Helper()
+	conf := &Config{}
+	conf.CNIVersion = ver
+	if err := json.Unmarshal(b, &conf.RawPrevResult); err != nil {
+		t.Fatal(err)
+	}
+	c, err := parseConfig(stdin(t, ver, nil, conf.RawPrevResult))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return c.PrevResult
+}
+
+// faultDaemon serves scrubd's socket with a handler the test controls. It is
+// a fault injection: a real scrubd that is this slow or refuses this way
+// cannot be produced on demand; e2e/cni runs the real one.
+type faultDaemon struct {
+	mu        sync.Mutex
+	deadlines []string // X-Ctscrub-Deadline of each request
+	paths     []string
+}
+
+func startFaultDaemon(t *testing.T, h func(w http.ResponseWriter, r *http.Request)) (string, *faultDaemon) {
+	t.Helper()
+	sock := filepath.Join(t.TempDir(), "scrubd.sock")
+	l, err := net.Listen("unix", sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	d := &faultDaemon{}
+	srv := &http.Server{Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		d.mu.Lock()
+		d.deadlines = append(d.deadlines, r.Header.Get(api.DeadlineHeader))
+		d.paths = append(d.paths, r.URL.Path)
+		d.mu.Unlock()
+		h(w, r)
+	})}
+	go srv.Serve(l)
+	t.Cleanup(func() { srv.Close() })
+	return sock, d
+}
+
+// A daemon slower than the plugin's timeout: the plugin gives up at its own
+// deadline with "try again later" (11), and tells the daemon that deadline.
+func TestDaemonSlowerThanTimeout(t *testing.T) {
+	const slow = 3 * time.Second
+	sock, d := startFaultDaemon(t, func(w http.ResponseWriter, r *http.Request) {
+		select {
+		case <-time.After(slow):
+		case <-r.Context().Done():
+		}
+		w.Write([]byte(`{"results":[]}`))
+	})
+	for _, policy := range []string{"fail", "ignore"} {
+		fields := map[string]any{"socket": sock, "timeout": "300ms", "failurePolicy": policy}
+		start := time.Now()
+		out, logged, err := run(t, cmdAdd, cmdArgs(stdin(t, "1.0.0", fields, prevResult("1.0.0"))))
+		took := time.Since(start)
+		if took >= slow {
+			t.Errorf("%s: ADD took %s: it waited for the slow daemon instead of its 300ms timeout", policy, took)
+		}
+		switch policy {
+		case "fail":
+			e := mustCNIError(t, err, types.ErrTryAgainLater)
+			if !strings.Contains(e.Msg, "timeout 300ms") || out != "" {
+				t.Errorf("fail: %q, stdout %q", e.Msg, out)
+			}
+		case "ignore":
+			if err != nil {
+				t.Fatalf("ignore: %v", err)
+			}
+			mustEqualResult(t, "1.0.0", out, prevResult("1.0.0"))
+			if !strings.Contains(logged, "timeout 300ms") {
+				t.Errorf("ignore: stderr %q does not name the timeout", logged)
+			}
+		}
+	}
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if len(d.deadlines) == 0 || d.paths[0] != api.PathScrub {
+		t.Fatalf("daemon saw %v", d.paths)
+	}
+	for _, dl := range d.deadlines {
+		if _, err := time.Parse(time.RFC3339Nano, dl); err != nil {
+			t.Errorf("deadline header %q: %v", dl, err)
+		}
+	}
+}
+
+// A daemon that refuses for load answers try_again; the runtime must be told
+// to try again later (11), and DEL must fail so the IP stays held.
+func TestDaemonRefusesForLoad(t *testing.T) {
+	sock, _ := startFaultDaemon(t, func(w http.ResponseWriter, r *http.Request) {
+		w.WriteHeader(http.StatusServiceUnavailable)
+		json.NewEncoder(w).Encode(api.Error{Code: api.CodeTryAgain, Message: "64 scrubs in flight, queue limit 64"})
+	})
+	fields := map[string]any{"socket": sock}
+	for _, cmd := range []func(*skel.CmdArgs) error{cmdAdd, cmdDel} {
+		_, _, err := run(t, cmd, cmdArgs(stdin(t, "1.0.0", fields, prevResult("1.0.0"))))
+		e := mustCNIError(t, err, types.ErrTryAgainLater)
+		if !strings.Contains(e.Msg, "refused for load") || !strings.Contains(e.Msg, "queue limit 64") {
+			t.Errorf("message %q", e.Msg)
+		}
+	}
+}
+
+func TestGCWithoutValidAttachments(t *testing.T) {
+	_, _, err := run(t, cmdGC, cmdArgs(stdin(t, "1.1.0", map[string]any{"socket": missingSocket(t)}, nil)))
+	e := mustCNIError(t, err, types.ErrInvalidNetworkConfig)
+	if !strings.Contains(e.Msg, "cni.dev/valid-attachments") {
+		t.Fatalf("message %q", e.Msg)
+	}
+}
+
+func TestPodAddrs(t *testing.T) {
+	one, two := 1, 2
+	res := &current.Result{
+		Interfaces: []*current.Interface{
+			{Name: "cni0"}, {Name: "vethx"}, {Name: "eth0", Sandbox: "/var/run/netns/p"},
+		},
+		IPs: []*current.IPConfig{
+			{Interface: &two, Address: mustIPNet(t, "10.0.0.5/24")},
+			{Interface: &one, Address: mustIPNet(t, "10.0.0.1/24")}, // host side: not the pod's
+			{Interface: &two, Address: mustIPNet(t, "fd00::5/64")},
+			{Address: mustIPNet(t, "10.0.0.5/24")}, // duplicate, no interface index
+		},
+	}
+	ips, ifname := podAddrs(res, "eth0")
+	want := []netip.Addr{netip.MustParseAddr("10.0.0.5"), netip.MustParseAddr("fd00::5")}
+	if !reflect.DeepEqual(ips, want) || ifname != "eth0" {
+		t.Fatalf("got %v %q, want %v eth0", ips, ifname, want)
+	}
+	// No interface with sandbox set: the runtime's CNI_IFNAME is the pod's.
+	ips, ifname = podAddrs(&current.Result{IPs: res.IPs[:1]}, "net1")
+	if len(ips) != 1 || ifname != "net1" {
+		t.Fatalf("got %v %q", ips, ifname)
+	}
+}
+
+func mustIPNet(t *testing.T, s string) net.IPNet {
+	t.Helper()
+	ip, n, err := net.ParseCIDR(s)
+	if err != nil {
+		t.Fatal(err)
+	}
+	n.IP = ip
+	return *n
+}
+
+// The binary through skel: the environment, the error JSON on stdout and the
+// exit code are what a runtime sees.
+func TestBinaryThroughSkel(t *testing.T) {
+	self, err := os.Executable()
+	if err != nil {
+		t.Fatal(err)
+	}
+	exe := func(env []string, in []byte) (string, int) {
+		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		defer cancel()
+		c := exec.CommandContext(ctx, self)
+		c.Env = append([]string{"CTSCRUB_TEST_AS_PLUGIN=1", "CNI_PATH=/opt/cni/bin", "CNI_CONTAINERID=c0ffee", "CNI_IFNAME=eth0"}, env...)
+		c.Stdin = bytes.NewReader(in)
+		out, err := c.Output()
+		var ee *exec.ExitError
+		if errors.As(err, &ee) {
+			return string(out), ee.ExitCode()
+		} else if err != nil {
+			t.Fatal(err)
+		}
+		return string(out), 0
+	}
+
+	out, code := exe([]string{"CNI_COMMAND=VERSION"}, nil)
+	var vi struct{ SupportedVersions []string }
+	if json.Unmarshal([]byte(out), &vi); code != 0 || !reflect.DeepEqual(vi.SupportedVersions, allVersions) {
+		t.Fatalf("VERSION: exit %d, %s", code, out)
+	}
+
+	out, code = exe([]string{"CNI_COMMAND=ADD", "CNI_NETNS=/var/run/netns/none"}, stdin(t, "1.0.0", nil, nil))
+	var e types.Error
+	if json.Unmarshal([]byte(out), &e); code != 1 || e.Code != types.ErrInvalidNetworkConfig || !strings.Contains(e.Msg, "chained") {
+		t.Fatalf("ADD without prevResult: exit %d, %s", code, out)
+	}
+
+	// DEL with an empty CNI_NETNS (containerd's second DEL) and no daemon,
+	// under policy ignore: succeeds and prints nothing.
+	out, code = exe([]string{"CNI_COMMAND=DEL"}, stdin(t, "1.0.0", map[string]any{"socket": missingSocket(t), "failurePolicy": "ignore"}, nil))
+	if code != 0 || out != "" {
+		t.Fatalf("DEL ignore: exit %d, %s", code, out)
+	}
+
+	// STATUS below 1.1.0 is refused by skel, not by ctscrub.
+	out, code = exe([]string{"CNI_COMMAND=STATUS"}, stdin(t, "1.0.0", nil, nil))
+	if code != 1 || !strings.Contains(out, "does not allow STATUS") {
+		t.Fatalf("STATUS at 1.0.0: exit %d, %s", code, out)
+	}
+}
