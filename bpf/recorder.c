@@ -1,0 +1,193 @@
+//go:build ignore
+
+// SPDX-License-Identifier: (GPL-2.0-only OR BSD-2-Clause)
+/* The recorder: the kernel side of ctscrub's index.
+ *
+ * Attached with tcx to a pod's container-side interface, inside the pod's
+ * network namespace: egress = packets the pod sends, ingress = packets it
+ * receives. That interface sees every packet of the pod, including those
+ * Cilium delivers with a peer redirect that skips the host-side veth.
+ *
+ * For each new flow it sends one struct record (the CT key Cilium creates
+ * for the flow) through a ring buffer; scrubd indexes it per pod IP. An
+ * established flow costs one parse and one LRU lookup. It never changes a
+ * verdict: every path returns TCX_NEXT. */
+#include "ctscrub_flow.h"
+
+char __license[] SEC("license") = "Dual BSD/GPL";
+
+/* The flow as seen from the pod: local = the pod's side. Direction-free, so
+ * a flow's packets both ways hit the same entry. IPv4 is v4-mapped. */
+struct seen_key {
+	__u32 local[4];
+	__u32 remote[4];
+	__be16 lport;
+	__be16 rport;
+	__u8 proto;
+	__u8 pad[3];
+};
+
+/* Records for user space. Size set by scrubd (Options.RingBytes). */
+struct {
+	__uint(type, BPF_MAP_TYPE_RINGBUF);
+	__uint(max_entries, 1 << 22);
+} rec_events SEC(".maps");
+
+/* Flows already recorded (value: CT_F_OUT or CT_F_IN, the direction of the
+ * recorded key). An eviction only re-sends a record; the index dedups. */
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__type(key, struct seen_key);
+	__type(value, __u8);
+	__uint(max_entries, 1 << 18);
+} rec_seen SEC(".maps");
+
+/* Records that did not fit in the ring buffer, per pod IP (v4-mapped). */
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__type(key, __u32[4]);
+	__type(value, __u64);
+	__uint(max_entries, 16384);
+} rec_lost SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__type(key, __u32);
+	__type(value, __u64);
+	__uint(max_entries, 1);
+} rec_lost_total SEC(".maps");
+
+/* Cilium's service maps, replaced by scrubd with the pinned ones; without
+ * Cilium they stay empty placeholders and VIP detection is off. */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__type(key, struct lb4_key);
+	__type(value, struct lb_service);
+	__uint(max_entries, 1);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+} cilium_lb4_services_v2 SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__type(key, struct lb6_key);
+	__type(value, struct lb_service);
+	__uint(max_entries, 1);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+} cilium_lb6_services_v2 SEC(".maps");
+
+static __always_inline void count_lost(const __u32 *ip)
+{
+	__u32 zero = 0;
+	__u64 one = 1, *c;
+
+	c = bpf_map_lookup_elem(&rec_lost, ip);
+	if (c)
+		__sync_fetch_and_add(c, 1);
+	else if (bpf_map_update_elem(&rec_lost, ip, &one, BPF_NOEXIST) != 0) {
+		c = bpf_map_lookup_elem(&rec_lost, ip);
+		if (c)
+			__sync_fetch_and_add(c, 1);
+	}
+	c = bpf_map_lookup_elem(&rec_lost_total, &zero);
+	if (c)
+		__sync_fetch_and_add(c, 1);
+}
+
+/* Whether the packet goes to a service VIP that Cilium load-balances per
+ * packet (it then creates a SERVICE entry and an OUT entry towards a backend
+ * the pod never sees). */
+static __always_inline int to_service(const struct flow *f)
+{
+	if (!flow_has_ports(f))
+		return 0;
+	if (f->family == 4) {
+		struct lb4_key k = {
+			.address = f->dst[3],
+			.dport = f->dport,
+			.scope = LB_LOOKUP_SCOPE_EXT,
+		};
+		return SERVICE_LOOKUP(&cilium_lb4_services_v2, &k, f->proto) != 0;
+	} else {
+		struct lb6_key k = {
+			.dport = f->dport,
+			.scope = LB_LOOKUP_SCOPE_EXT,
+		};
+		__builtin_memcpy(k.address, f->dst, 16);
+		return SERVICE_LOOKUP(&cilium_lb6_services_v2, &k, f->proto) != 0;
+	}
+}
+
+static __always_inline int record(struct __sk_buff *skb, int egress)
+{
+	struct flow f = {};
+	struct seen_key k;
+	struct record *r;
+	__u8 dir, flags, *seen;
+
+	if (flow_parse(skb, &f) < 0)
+		return TCX_NEXT;
+
+	if (egress) {
+		__builtin_memcpy(k.local, f.src, 16);
+		__builtin_memcpy(k.remote, f.dst, 16);
+		k.lport = f.sport;
+		k.rport = f.dport;
+		dir = CT_F_OUT;
+	} else {
+		__builtin_memcpy(k.local, f.dst, 16);
+		__builtin_memcpy(k.remote, f.src, 16);
+		k.lport = f.dport;
+		k.rport = f.sport;
+		dir = CT_F_IN;
+	}
+	k.proto = f.proto;
+	k.pad[0] = k.pad[1] = k.pad[2] = 0;
+
+	seen = bpf_map_lookup_elem(&rec_seen, &k);
+	if (seen) {
+		/* Established flow: done. The one exception is a TCP SYN
+		 * opening the 5-tuple the other way round (port reuse after
+		 * Cilium's entry expired): Cilium then creates the key with
+		 * the other initiator. */
+		if (f.proto != PROTO_TCP || (f.tcp_flags & (TCPF_SYN | TCPF_ACK)) != TCPF_SYN ||
+		    *seen == dir)
+			return TCX_NEXT;
+	}
+
+	r = bpf_ringbuf_reserve(&rec_events, sizeof(*r), 0);
+	if (!r) {
+		/* Not marked seen: the flow's next packet tries again. */
+		count_lost(k.local);
+		return TCX_NEXT;
+	}
+	__builtin_memset(r, 0, sizeof(*r));
+	r->family = f.family;
+	r->kind = REC_FLOW;
+	r->ifindex = skb->ifindex;
+	flags = dir;
+	if (egress && to_service(&f)) {
+		/* The pod IP goes in daddr, as in an OUT key. */
+		r->kind = REC_SERVICE;
+		flags = CT_F_SERVICE;
+	}
+	if (f.family == 4)
+		flow_key4(&f, (struct ct_key4 *)r->key, flags);
+	else
+		flow_key6(&f, (struct ct_key6 *)r->key, flags);
+	bpf_ringbuf_submit(r, 0);
+
+	bpf_map_update_elem(&rec_seen, &k, &dir, BPF_ANY);
+	return TCX_NEXT;
+}
+
+SEC("tcx/egress")
+int recorder_egress(struct __sk_buff *skb)
+{
+	return record(skb, 1);
+}
+
+SEC("tcx/ingress")
+int recorder_ingress(struct __sk_buff *skb)
+{
+	return record(skb, 0);
+}
