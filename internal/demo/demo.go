@@ -1,0 +1,224 @@
+// Package demo is `make demo`: one node on this machine, with pods created as
+// network namespaces through the real CNI chain (Debian's bridge + host-local,
+// then ctscrub), scrubd running on private Cilium-layout CT maps filled to
+// ENTRIES entries, real traffic turned into CT entries by the Cilium datapath
+// stand-in (test support), and pods deleted and recreated so their IPs are
+// reused. It prints each scrub beside one full walk of the same maps.
+//
+// Everything it creates is private (names under "ctscrub-demo", the bpffs dir
+// BPFDir, the work dir WorkDir) and undone at the end, also on SIGINT/SIGTERM;
+// a run first removes what an interrupted run left.
+package demo
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"net/netip"
+	"os"
+	"os/signal"
+	"path/filepath"
+	"strconv"
+	"syscall"
+	"time"
+)
+
+// Config is what the demo's environment sets.
+type Config struct {
+	Entries    int    // ENTRIES: CT entries to fill the maps with
+	PerIP      int    // PER_IP: stale entries each reused IP's previous owner left
+	Short      bool   // DEMO_SHORT=1: CI's quick run
+	BinDir     string // DEMO_BIN: where bin/scrubd and bin/ctscrub are
+	RefPlugins string // CNI_PLUGINS: Debian's reference plugins
+}
+
+// ConfigFromEnv reads Config from the environment with the README's defaults.
+func ConfigFromEnv() (Config, error) {
+	cfg := Config{Entries: 1 << 20, PerIP: 1000, BinDir: "bin", RefPlugins: "/usr/lib/cni"}
+	if v := os.Getenv("DEMO_SHORT"); v != "" && v != "0" {
+		cfg.Short = true
+		cfg.Entries, cfg.PerIP = 1<<16, 200
+	}
+	for _, e := range []struct {
+		name string
+		dst  *int
+		min  int
+	}{{"ENTRIES", &cfg.Entries, 4096}, {"PER_IP", &cfg.PerIP, 2}} {
+		v := os.Getenv(e.name)
+		if v == "" {
+			continue
+		}
+		n, err := strconv.Atoi(v)
+		if err != nil || n < e.min || n > 1<<25 {
+			return cfg, fmt.Errorf("%s=%q: want a whole number from %d to %d", e.name, v, e.min, 1<<25)
+		}
+		*e.dst = n
+	}
+	if v := os.Getenv("DEMO_BIN"); v != "" {
+		cfg.BinDir = v
+	}
+	if v := os.Getenv("CNI_PLUGINS"); v != "" {
+		cfg.RefPlugins = v
+	}
+	return cfg, nil
+}
+
+// Main runs the demo as a program: it undoes everything on return, on
+// SIGINT/SIGTERM (a second signal stops waiting for the steps in flight), and
+// exits non-zero on failure.
+func Main() {
+	out := os.Stdout
+	if os.Geteuid() != 0 {
+		fmt.Fprintln(os.Stderr, "demo: run as root (BPF maps, network namespaces): sudo make demo")
+		os.Exit(1)
+	}
+	cfg, err := ConfigFromEnv()
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "demo:", err)
+		os.Exit(2)
+	}
+	lk, err := lock()
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "demo:", err)
+		os.Exit(1)
+	}
+	defer lk.Close()
+
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	cleanup := &Cleanup{}
+	sigs := make(chan os.Signal, 2)
+	signal.Notify(sigs, syscall.SIGINT, syscall.SIGTERM, syscall.SIGHUP)
+	runDone := make(chan error, 1)
+	go func() { runDone <- Run(ctx, cfg, cleanup, out) }()
+
+	code := 0
+	select {
+	case err := <-runDone:
+		if err != nil {
+			fmt.Fprintf(out, "\ndemo FAILED: %v\n", err)
+			code = 1
+		}
+	case s := <-sigs:
+		fmt.Fprintf(out, "\n%s: stopping, then removing everything the demo created ...\n", s)
+		cancel()
+		code = 130
+		// Let the step in flight see the cancelled context and return, so
+		// cleanup does not race it; a second signal or 15 s end the wait.
+		select {
+		case <-runDone:
+		case <-sigs:
+		case <-time.After(15 * time.Second):
+		}
+	}
+	fmt.Fprintln(out, "\nCleaning up ...")
+	if n := cleanup.Run(out); n > 0 {
+		fmt.Fprintf(out, "cleanup: %d step(s) failed (see above); the next `make demo` removes what is left\n", n)
+		code = max(code, 1)
+	} else if left := Leftovers(); len(left) > 0 {
+		fmt.Fprintf(out, "cleanup: still present: %v\n", left)
+		code = max(code, 1)
+	} else {
+		fmt.Fprintf(out, "cleanup: done; no netns, link, bpffs pin, daemon or file of the demo is left\n")
+	}
+	os.Exit(code)
+}
+
+// Run is the demo. Every resource it creates is pushed on cleanup, which the
+// caller runs.
+func Run(ctx context.Context, cfg Config, cleanup *Cleanup, w io.Writer) error {
+	p := &printer{w: w}
+	if err := removeLeftovers(w); err != nil {
+		return err
+	}
+	if err := os.MkdirAll(WorkDir, 0o700); err != nil {
+		return err
+	}
+	cleanup.Push("remove "+WorkDir, func() error { return os.RemoveAll(WorkDir) })
+	if err := os.MkdirAll(BPFDir, 0o700); err != nil {
+		return fmt.Errorf("create %s: %w (is bpffs mounted at /sys/fs/bpf? run scripts/setup.sh)", BPFDir, err)
+	}
+	cleanup.Push("remove "+BPFDir, func() error { return os.RemoveAll(BPFDir) })
+	if err := saveSysctls(cleanup, filepath.Join(WorkDir, "sysctls")); err != nil {
+		return err
+	}
+
+	nPods := 4
+	if cfg.Short {
+		nPods = 3
+	}
+	owners4, owners6 := podRange(nPods)
+	owners := append(append([]netip.Addr{}, owners4...), owners6...)
+
+	p.header(cfg, nPods)
+
+	// 1. The CT maps.
+	p.section("1. Cilium's four global CT maps, private copies, filled to ENTRIES")
+	ctRoot := filepath.Join(BPFDir, "globals")
+	maps, err := createCTMaps(ctRoot, cfg.Entries)
+	if err != nil {
+		return err
+	}
+	cleanup.Push("unpin CT maps in "+ctRoot, maps.Close)
+	for _, k := range kindsInOrder() {
+		p.f("   %-24s LRU hash, max %s entries\n", k.Name(), num(int(maps.maps[k].MaxEntries())))
+	}
+	nbg := max(64, cfg.Entries/256)
+	nbg -= nbg % 4
+	put, took, err := fill(maps, fillPlan{
+		Entries:    cfg.Entries,
+		Background: backgroundPods(bgPods4, bgPods6, nbg),
+		Owners:     owners,
+		PerOwner:   cfg.PerIP,
+	})
+	if err != nil {
+		return err
+	}
+	p.f("   filled %s entries in %s (batch updates): flows of %s other pods of this node (%s, %s),\n",
+		num(put), dur(took), num(nbg), bgPods4, bgPods6)
+	p.f("   and %s stale entries each for the %d v4 + %d v6 addresses host-local will hand out:\n", num(cfg.PerIP/2*2), nPods, nPods)
+	p.f("   what those addresses' previous owners left behind, as after a node's pods came and went.\n")
+	if ctx.Err() != nil {
+		return ctx.Err()
+	}
+
+	// 2. scrubd.
+	p.section("2. scrubd, the node daemon, on those maps")
+	d, err := startDaemon(ctx, cleanup, daemonConfig{
+		Bin:      filepath.Join(cfg.BinDir, "scrubd"),
+		WorkDir:  WorkDir,
+		PinDir:   filepath.Join(BPFDir, "scrubd"),
+		CTRoot:   ctRoot,
+		PodCIDRs: []netip.Prefix{podCIDR4, podCIDR6},
+	})
+	if err != nil {
+		return err
+	}
+	p.f("   pid %d  socket %s\n   log %s\n   metrics http://%s/metrics\n", d.cmd.Process.Pid, d.Socket, d.LogPath, d.Metrics)
+	p.f("   scrubd has never seen the filled entries: their IPs are \"not tracked\", so the first scrub of each\n")
+	p.f("   sweeps (one in-kernel pass per map for all IPs of the request). From then on scrubd's recorder\n")
+	p.f("   indexes every new flow of the pods, and their scrubs go by the index.\n")
+
+	// 3. The outside host and the CNI chain.
+	if _, err := addOutside(cleanup); err != nil {
+		return err
+	}
+	ch, err := newChain(chainConfig{
+		WorkDir:    WorkDir,
+		RefPlugins: cfg.RefPlugins,
+		Plugin:     filepath.Join(cfg.BinDir, "ctscrub"),
+		Socket:     d.Socket,
+		RangeSize:  nPods,
+	})
+	if err != nil {
+		return err
+	}
+	dp, err := newDatapath(maps)
+	if err != nil {
+		return err
+	}
+	cleanup.Push("unload the Cilium datapath stand-in", dp.Close)
+
+	s := &session{cfg: cfg, p: p, ch: ch, d: d, maps: maps, dp: dp, cleanup: cleanup}
+	return s.run(ctx, nPods)
+}

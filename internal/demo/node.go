@@ -1,0 +1,302 @@
+package demo
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"net/netip"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"time"
+
+	"github.com/containernetworking/cni/libcni"
+	current "github.com/containernetworking/cni/pkg/types/100"
+)
+
+// Names of everything the demo creates on the host. Fixed, with one prefix, so
+// a later run can find and remove what an interrupted run left behind.
+const (
+	namePrefix  = "ctscrub-demo"
+	netName     = "ctscrub-demo" // the CNI network
+	bridgeName  = "ctsdemo0"
+	outsideVeth = "ctsdemo-out" // host side of the "outside" netns' link
+	outsideNS   = namePrefix + "-outside"
+	netnsDir    = "/run/netns"
+)
+
+// Addresses. The pod CIDRs are what scrubd accepts; host-local hands out a
+// range of only a few addresses inside them, so a deleted pod's IP is the only
+// one free and the next pod gets it again (IP reuse, the case ctscrub is for).
+var (
+	podCIDR4    = netip.MustParsePrefix("10.199.0.0/16")
+	podCIDR6    = netip.MustParsePrefix("fd10:199::/48")
+	podSubnet4  = netip.MustParsePrefix("10.199.1.0/24")
+	podSubnet6  = netip.MustParsePrefix("fd10:199:0:1::/64")
+	bgPods4     = netip.MustParsePrefix("10.199.128.0/17") // the node's other pods (synthetic)
+	bgPods6     = netip.MustParsePrefix("fd10:199:0:80::/64")
+	outsideHost = [2]netip.Prefix{netip.MustParsePrefix("198.18.99.1/24"), netip.MustParsePrefix("fd10:198:99::1/64")}
+	outsideAddr = [2]netip.Prefix{netip.MustParsePrefix("198.18.99.2/24"), netip.MustParsePrefix("fd10:198:99::2/64")}
+)
+
+// podRange returns the first n addresses host-local hands out (from .10).
+func podRange(n int) (v4, v6 []netip.Addr) {
+	a4 := netip.MustParseAddr("10.199.1.10")
+	a6 := netip.MustParseAddr("fd10:199:0:1::10")
+	for i := 0; i < n; i++ {
+		v4 = append(v4, a4)
+		v6 = append(v6, a6)
+		a4, a6 = a4.Next(), a6.Next()
+	}
+	return v4, v6
+}
+
+// ip runs the ip(8) command and returns a clear error with its output.
+func ip(args ...string) error {
+	out, err := exec.Command("ip", args...).CombinedOutput()
+	if err != nil {
+		return fmt.Errorf("ip %s: %v: %s", strings.Join(args, " "), err, bytes.TrimSpace(out))
+	}
+	return nil
+}
+
+func netnsPath(name string) string { return filepath.Join(netnsDir, name) }
+
+// addNetns creates a named network namespace with its loopback up, as a
+// container runtime does before it runs the CNI chain.
+func addNetns(name string) (string, error) {
+	if err := ip("netns", "add", name); err != nil {
+		return "", err
+	}
+	if err := ip("-n", name, "link", "set", "lo", "up"); err != nil {
+		_ = ip("netns", "del", name)
+		return "", err
+	}
+	return netnsPath(name), nil
+}
+
+func delNetns(name string) error {
+	if _, err := os.Stat(netnsPath(name)); os.IsNotExist(err) {
+		return nil
+	}
+	return ip("netns", "del", name)
+}
+
+// addOutside creates the "outside" host: a netns behind a veth from the host,
+// outside the pod CIDRs, for pod-to-outside and outside-to-pod traffic.
+func addOutside(c *Cleanup) (string, error) {
+	path, err := addNetns(outsideNS)
+	if err != nil {
+		return "", err
+	}
+	c.Push("delete netns "+outsideNS, func() error { return delNetns(outsideNS) })
+	if err := ip("link", "add", outsideVeth, "type", "veth", "peer", "name", "eth0", "netns", outsideNS); err != nil {
+		return "", err
+	}
+	c.Push("delete link "+outsideVeth, func() error { return delLink(outsideVeth) })
+	steps := [][]string{
+		{"addr", "add", outsideHost[0].String(), "dev", outsideVeth},
+		{"addr", "add", outsideHost[1].String(), "dev", outsideVeth, "nodad"},
+		{"link", "set", outsideVeth, "up"},
+		{"-n", outsideNS, "addr", "add", outsideAddr[0].String(), "dev", "eth0"},
+		{"-n", outsideNS, "addr", "add", outsideAddr[1].String(), "dev", "eth0", "nodad"},
+		{"-n", outsideNS, "link", "set", "eth0", "up"},
+		{"-n", outsideNS, "route", "add", "default", "via", outsideHost[0].Addr().String()},
+		{"-n", outsideNS, "-6", "route", "add", "default", "via", outsideHost[1].Addr().String()},
+	}
+	for _, s := range steps {
+		if err := ip(s...); err != nil {
+			return "", err
+		}
+	}
+	return path, nil
+}
+
+func delLink(name string) error {
+	if _, err := os.Stat("/sys/class/net/" + name); os.IsNotExist(err) {
+		return nil
+	}
+	return ip("link", "del", name)
+}
+
+// chain is the CNI network the demo's pods are created through: Debian's
+// reference bridge + host-local, then ctscrub, as a runtime would run it.
+type chain struct {
+	cni      *libcni.CNIConfig
+	list     *libcni.NetworkConfigList
+	confPath string
+	plugin   bool // ctscrub is in the chain
+}
+
+type chainConfig struct {
+	WorkDir    string // bin dir, cache, IPAM state and the conflist go here
+	RefPlugins string // Debian's reference plugins (/usr/lib/cni)
+	Plugin     string // the ctscrub binary; "" leaves it out of the chain
+	Socket     string // scrubd's socket
+	RangeSize  int    // addresses host-local may hand out
+}
+
+func newChain(cfg chainConfig) (*chain, error) {
+	binDir := filepath.Join(cfg.WorkDir, "cni-bin")
+	if err := os.MkdirAll(binDir, 0o755); err != nil {
+		return nil, err
+	}
+	// One bin dir of symlinks, as containerd takes it.
+	for _, p := range []string{"bridge", "host-local", "loopback"} {
+		src := filepath.Join(cfg.RefPlugins, p)
+		if _, err := os.Stat(src); err != nil {
+			return nil, fmt.Errorf("reference CNI plugin %s: %w (install Debian's containernetworking-plugins: scripts/setup.sh)", src, err)
+		}
+		if err := os.Symlink(src, filepath.Join(binDir, p)); err != nil {
+			return nil, err
+		}
+	}
+	if cfg.Plugin != "" {
+		abs, err := filepath.Abs(cfg.Plugin)
+		if err != nil {
+			return nil, err
+		}
+		if _, err := os.Stat(abs); err != nil {
+			return nil, fmt.Errorf("ctscrub CNI plugin %s: %w (run `make build`)", abs, err)
+		}
+		if err := os.Symlink(abs, filepath.Join(binDir, "ctscrub")); err != nil {
+			return nil, err
+		}
+	}
+	v4, v6 := podRange(cfg.RangeSize)
+	plugins := []map[string]any{{
+		"type":        "bridge",
+		"bridge":      bridgeName,
+		"isGateway":   true,
+		"ipMasq":      false, // the outside netns routes back to the pod CIDR: no NAT
+		"hairpinMode": false,
+		"ipam": map[string]any{
+			"type":    "host-local",
+			"dataDir": filepath.Join(cfg.WorkDir, "ipam"),
+			"ranges": [][]map[string]string{
+				{{"subnet": podSubnet4.String(), "rangeStart": v4[0].String(), "rangeEnd": v4[len(v4)-1].String()}},
+				{{"subnet": podSubnet6.String(), "rangeStart": v6[0].String(), "rangeEnd": v6[len(v6)-1].String()}},
+			},
+			"routes": []map[string]string{{"dst": "0.0.0.0/0"}, {"dst": "::/0"}},
+		},
+	}}
+	if cfg.Plugin != "" {
+		plugins = append(plugins, map[string]any{
+			"type":          "ctscrub",
+			"socket":        cfg.Socket,
+			"failurePolicy": "fail",
+		})
+	}
+	conf := map[string]any{
+		// Debian's reference plugins speak CNI up to 1.0.0.
+		"cniVersion": "1.0.0",
+		"name":       netName,
+		"plugins":    plugins,
+	}
+	data, err := json.MarshalIndent(conf, "", "  ")
+	if err != nil {
+		return nil, err
+	}
+	confPath := filepath.Join(cfg.WorkDir, "10-ctscrub-demo.conflist")
+	if err := os.WriteFile(confPath, data, 0o644); err != nil {
+		return nil, err
+	}
+	list, err := libcni.ConfListFromBytes(data)
+	if err != nil {
+		return nil, fmt.Errorf("parse the demo's conflist %s: %w", confPath, err)
+	}
+	return &chain{
+		cni:      libcni.NewCNIConfigWithCacheDir([]string{binDir}, filepath.Join(cfg.WorkDir, "cni-cache"), nil),
+		list:     list,
+		confPath: confPath,
+		plugin:   cfg.Plugin != "",
+	}, nil
+}
+
+// pod is one pod sandbox: a netns attached through the chain.
+type pod struct {
+	Name        string
+	ContainerID string
+	Netns       string // path
+	IfName      string
+	V4, V6      netip.Addr
+	HostVeth    string
+	AddTook     time.Duration
+
+	gone     bool   // deleted by the demo
+	onDelete func() // tells the cleanup stack its DEL already ran
+}
+
+func (p *pod) IPs() []netip.Addr {
+	var out []netip.Addr
+	for _, a := range []netip.Addr{p.V4, p.V6} {
+		if a.IsValid() {
+			out = append(out, a)
+		}
+	}
+	return out
+}
+
+func (p *pod) rt() *libcni.RuntimeConf {
+	return &libcni.RuntimeConf{ContainerID: p.ContainerID, NetNS: p.Netns, IfName: p.IfName}
+}
+
+// Add creates the pod's netns and runs the chain's ADD.
+func (ch *chain) Add(ctx context.Context, c *Cleanup, name string) (*pod, error) {
+	nsName := namePrefix + "-" + name
+	path, err := addNetns(nsName)
+	if err != nil {
+		return nil, err
+	}
+	p := &pod{Name: name, ContainerID: nsName, Netns: path, IfName: "eth0"}
+	c.Push("delete netns "+nsName, func() error { return delNetns(nsName) })
+	start := time.Now()
+	res, err := ch.cni.AddNetworkList(ctx, ch.list, p.rt())
+	p.AddTook = time.Since(start)
+	if err != nil {
+		return nil, fmt.Errorf("CNI ADD of pod %s (netns %s) through %s: %w", name, path, ch.confPath, err)
+	}
+	// Run DEL on cleanup too: it is what releases the IP and, with ctscrub in
+	// the chain, scrubs it; a pod deleted by the demo itself pushes nothing.
+	r, err := current.NewResultFromResult(res)
+	if err != nil {
+		return nil, fmt.Errorf("CNI ADD of pod %s: result: %w", name, err)
+	}
+	for _, ipc := range r.IPs {
+		a, _ := netip.AddrFromSlice(ipc.Address.IP)
+		a = a.Unmap()
+		if a.Is4() {
+			p.V4 = a
+		} else {
+			p.V6 = a
+		}
+	}
+	for _, ifc := range r.Interfaces {
+		// The bridge plugin reports the bridge, the host-side veth, then the
+		// container side (the one with a sandbox).
+		if ifc.Sandbox == "" && ifc.Name != bridgeName {
+			p.HostVeth = ifc.Name
+		}
+	}
+	if !p.V4.IsValid() {
+		return p, fmt.Errorf("CNI ADD of pod %s gave no IPv4 address: %s", name, r)
+	}
+	if p.HostVeth == "" {
+		return p, fmt.Errorf("CNI ADD of pod %s: no host-side veth in the result: %s", name, r)
+	}
+	return p, nil
+}
+
+// Del runs the chain's DEL (with the cached prevResult, as a runtime does) and
+// removes the netns.
+func (ch *chain) Del(ctx context.Context, p *pod) (time.Duration, error) {
+	start := time.Now()
+	err := ch.cni.DelNetworkList(ctx, ch.list, p.rt())
+	took := time.Since(start)
+	if err != nil {
+		return took, fmt.Errorf("CNI DEL of pod %s (%s): %w", p.Name, p.V4, err)
+	}
+	return took, delNetns(namePrefix + "-" + p.Name)
+}

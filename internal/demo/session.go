@@ -1,0 +1,388 @@
+package demo
+
+import (
+	"bufio"
+	"context"
+	"encoding/json"
+	"fmt"
+	"net/http"
+	"net/netip"
+	"slices"
+	"sort"
+	"strings"
+	"time"
+)
+
+// session is one run's state after set-up: the chain, the daemon, the maps.
+type session struct {
+	cfg     Config
+	p       *printer
+	ch      *chain
+	d       *daemon
+	maps    *ctMaps
+	dp      datapath
+	cleanup *Cleanup
+
+	outside *server
+	servers map[string]*server // per pod
+	rows    []row
+	walkNK  walkResult
+	walkB   walkResult
+	reuse   []reuseCheck
+}
+
+// row is one scrub for the summary.
+type row struct {
+	Step     string        `json:"step"`
+	Pod      string        `json:"pod"`
+	IPs      string        `json:"ips"`
+	Reason   string        `json:"reason"`
+	Method   string        `json:"method"`
+	Deleted  int           `json:"deleted"`
+	Latency  time.Duration `json:"latency_ns"`
+	Result   string        `json:"result"`
+	CNITotal time.Duration `json:"cni_ns"`
+}
+
+// reuseCheck is what a new pod found on an IP a deleted pod had.
+type reuseCheck struct {
+	IP        string `json:"ip"`
+	OldPod    string `json:"old_pod"`
+	NewPod    string `json:"new_pod"`
+	OldHad    int    `json:"old_entries_before_del"`
+	LeftAtDel int    `json:"left_after_del"`
+	Inherited int    `json:"inherited_by_new_pod"`
+}
+
+func (s *session) run(ctx context.Context, nPods int) error {
+	p := s.p
+	// The bridge plugin creates the bridge and leaves it on DEL; it goes
+	// after every pod's DEL has run (the stack pops it later).
+	s.cleanup.Push("delete bridge "+bridgeName, func() error { return delLink(bridgeName) })
+	out, err := startServer(netnsPath(outsideNS))
+	if err != nil {
+		return err
+	}
+	s.outside = out
+	s.cleanup.Push("stop the outside host's servers", func() error { out.Close(); return nil })
+	s.servers = map[string]*server{}
+
+	p.section(fmt.Sprintf("3. %d pods through the CNI chain (libcni, conflist %s)", nPods, s.ch.confPath))
+	chainDesc := "bridge + host-local (Debian's reference plugins), then ctscrub"
+	if !s.ch.plugin {
+		chainDesc = "bridge + host-local only: bin/ctscrub is missing, scrubs are not run"
+	}
+	p.f("   chain: %s; host-local hands out only %d addresses per family,\n", chainDesc, nPods)
+	p.f("   so a new pod gets the IP of the pod deleted before it.\n")
+	var pods []*pod
+	for i := 0; i < nPods; i++ {
+		pd, err := s.addPod(ctx, fmt.Sprintf("pod-%c", 'a'+i), "ADD")
+		if err != nil {
+			return err
+		}
+		pods = append(pods, pd)
+	}
+
+	p.section("4. Real traffic: pod to pod, pod to outside, outside to pod (TCP, UDP, ping; v4 and v6)")
+	p.f("   the outside host is netns %s at %s and %s\n", outsideNS, outsideAddr[0].Addr(), outsideAddr[1].Addr())
+	for _, pd := range pods {
+		if err := s.traffic(ctx, pd, pods); err != nil {
+			return err
+		}
+	}
+	if err := s.showEntries(ctx, pods); err != nil {
+		return err
+	}
+
+	victim := pods[1]
+	p.section("5. One full walk of the same maps, as Cilium scrubs one IP")
+	p.f("   looking for %s's entries (%s), deleting nothing:\n", victim.Name, ipList(victim.IPs()))
+	if s.walkNK, err = nextKeyWalk(s.maps, victim.IPs()); err != nil {
+		return err
+	}
+	p.f("   NextKey+Lookup walk (Cilium 1.16):   read %s entries in %s, %s of them %s's\n",
+		num(s.walkNK.Entries), dur(s.walkNK.Duration), num(s.walkNK.Matches), victim.Name)
+	if s.walkB, err = batchWalkAll(s.maps, victim.IPs()); err != nil {
+		return err
+	}
+	p.f("   batch-lookup walk (Cilium 1.18+):     read %s entries in %s, %s of them %s's\n",
+		num(s.walkB.Entries), dur(s.walkB.Duration), num(s.walkB.Matches), victim.Name)
+	p.f("   Cilium does one such walk for every pod start and every pod delete.\n")
+	if ctx.Err() != nil {
+		return ctx.Err()
+	}
+
+	p.section("6. Delete pods and create new ones: host-local hands out the same IPs again")
+	victims := []*pod{pods[1], pods[2]}
+	if s.cfg.Short {
+		victims = victims[:1]
+	}
+	next := nPods
+	for _, v := range victims {
+		if err := s.reuseIP(ctx, v, fmt.Sprintf("pod-%c", 'a'+next), pods); err != nil {
+			return err
+		}
+		next++
+	}
+
+	s.summary()
+	s.metrics(ctx)
+	s.printJSON()
+	return nil
+}
+
+// addPod creates a pod through the chain and prints the scrubs it caused.
+func (s *session) addPod(ctx context.Context, name, step string) (*pod, error) {
+	pd, err := s.ch.Add(ctx, s.cleanup, name)
+	if err != nil {
+		return nil, err
+	}
+	deleted := false
+	s.cleanup.Push("CNI DEL of "+name, func() error {
+		if deleted {
+			return nil
+		}
+		dctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		defer cancel()
+		_, err := s.ch.Del(dctx, pd)
+		return err
+	})
+	pd.onDelete = func() { deleted = true }
+	if err := s.dp.Attach(pd.HostVeth); err != nil {
+		return nil, err
+	}
+	srv, err := startServer(pd.Netns)
+	if err != nil {
+		return nil, err
+	}
+	s.servers[name] = srv
+	s.cleanup.Push("stop "+name+"'s servers", func() error { srv.Close(); return nil })
+	s.p.f("   %-6s ADD  %-13s %-20s host veth %-15s CNI ADD took %s\n", pd.Name, pd.V4, pd.V6, pd.HostVeth, dur(pd.AddTook))
+	s.scrubLines(step+" "+name, pd, "add", pd.AddTook)
+	return pd, nil
+}
+
+// scrubLines prints the scrubs scrubd logged for a CNI call that just ended.
+func (s *session) scrubLines(step string, pd *pod, reason string, cni time.Duration) {
+	if !s.ch.plugin {
+		return
+	}
+	var got []scrubLine
+	// The plugin returned after scrubd answered; the log line may trail the
+	// answer by a moment.
+	for i := 0; i < 20 && len(got) == 0; i++ {
+		got = s.d.NewScrubs()
+		if len(got) == 0 {
+			time.Sleep(25 * time.Millisecond)
+		}
+	}
+	if len(got) == 0 {
+		s.p.f("          scrub: none logged by scrubd for this %s (see %s)\n", reason, s.d.LogPath)
+		return
+	}
+	for _, l := range got {
+		r := row{Step: step, Pod: pd.Name, IPs: strings.Join(l.IPs, " "), Reason: l.Reason, Method: l.Method,
+			Deleted: l.Deleted, Latency: l.Duration, Result: l.Result, CNITotal: cni}
+		s.rows = append(s.rows, r)
+		s.p.f("          scrub %-3s method=%-5s deleted=%-7s latency=%-9s result=%s\n",
+			r.Reason, r.Method, num(r.Deleted), dur(r.Latency), r.Result)
+	}
+}
+
+// traffic sends one pod's traffic to the other pods and the outside host, and
+// the outside host's to the pod, in both families.
+func (s *session) traffic(ctx context.Context, pd *pod, pods []*pod) error {
+	toPod := trafficCounts{TCP: 3, UDP: 5, Ping: 1}
+	toOut := trafficCounts{TCP: 20, UDP: 150, Ping: 3}
+	fromOut := trafficCounts{TCP: 5, UDP: 5, Ping: 1}
+	if s.cfg.Short {
+		toOut = trafficCounts{TCP: 5, UDP: 20, Ping: 2}
+	}
+	total := 0
+	send := func(from string, dst netip.Addr, n trafficCounts) error {
+		if !dst.IsValid() {
+			return nil
+		}
+		got, err := sendTraffic(ctx, from, dst, n)
+		total += got
+		return err
+	}
+	for _, o := range pods {
+		if o == pd || o.gone {
+			continue
+		}
+		for _, dst := range o.IPs() {
+			if err := send(pd.Netns, dst, toPod); err != nil {
+				return err
+			}
+		}
+	}
+	for _, a := range outsideAddr {
+		if err := send(pd.Netns, a.Addr(), toOut); err != nil {
+			return err
+		}
+	}
+	for _, dst := range pd.IPs() {
+		if err := send(netnsPath(outsideNS), dst, fromOut); err != nil {
+			return err
+		}
+	}
+	s.p.f("   %-6s %4d flows answered (to %d pods, to and from the outside host)\n", pd.Name, total, len(pods)-1)
+	return nil
+}
+
+// showEntries prints, per pod, its entries in the CT maps and in scrubd's index.
+func (s *session) showEntries(ctx context.Context, pods []*pod) error {
+	s.p.f("   %-6s %-30s %12s %12s  %s\n", "pod", "IPs", "CT entries", "index keys", "index complete?")
+	for _, pd := range pods {
+		if pd.gone {
+			continue
+		}
+		n, err := entriesOf(s.maps, pd.IPs()...)
+		if err != nil {
+			return err
+		}
+		keys, complete := 0, []string{}
+		for _, ip := range pd.IPs() {
+			st, err := s.d.Client.IndexIP(ctx, ip)
+			if err != nil {
+				complete = append(complete, "? ("+err.Error()+")")
+				continue
+			}
+			keys += st.Keys
+			c := "yes"
+			if !st.Complete {
+				c = "no: " + st.Incomplete
+			}
+			complete = append(complete, c)
+		}
+		s.p.f("   %-6s %-30s %12s %12s  %s\n", pd.Name, ipList(pd.IPs()), num(n), num(keys), strings.Join(slices.Compact(complete), ", "))
+	}
+	return nil
+}
+
+// reuseIP deletes old, creates a pod that gets old's IPs again, and checks
+// that the new pod inherits none of old's CT entries.
+func (s *session) reuseIP(ctx context.Context, old *pod, name string, pods []*pod) error {
+	p := s.p
+	had, err := entriesOf(s.maps, old.IPs()...)
+	if err != nil {
+		return err
+	}
+	p.f("   %-6s DEL  %-13s %-20s (%s CT entries)\n", old.Name, old.V4, old.V6, num(had))
+	took, err := s.ch.Del(ctx, old)
+	if err != nil {
+		return err
+	}
+	old.gone = true
+	old.onDelete()
+	if srv := s.servers[old.Name]; srv != nil {
+		srv.Close()
+	}
+	s.scrubLines("DEL "+old.Name, old, "del", took)
+	left, err := entriesOf(s.maps, old.IPs()...)
+	if err != nil {
+		return err
+	}
+	p.f("          CT entries of %s left after DEL: %d\n", ipList(old.IPs()), left)
+
+	nw, err := s.addPod(ctx, name, "ADD")
+	if err != nil {
+		return err
+	}
+	inherited, err := entriesOf(s.maps, nw.IPs()...)
+	if err != nil {
+		return err
+	}
+	same := nw.V4 == old.V4 && nw.V6 == old.V6
+	verdict := "the same IPs"
+	if !same {
+		verdict = "DIFFERENT IPs (host-local did not reuse)"
+	}
+	p.f("          %s got %s %s; CT entries it inherits from %s: %d\n", nw.Name, verdict, old.Name, old.Name, inherited)
+	for _, ip := range nw.IPs() {
+		s.reuse = append(s.reuse, reuseCheck{IP: ip.String(), OldPod: old.Name, NewPod: nw.Name, OldHad: had, LeftAtDel: left, Inherited: inherited})
+	}
+	if !same {
+		return fmt.Errorf("host-local gave %s %s, not %s's %s: the demo's IP reuse did not happen", nw.Name, ipList(nw.IPs()), old.Name, ipList(old.IPs()))
+	}
+	return s.traffic(ctx, nw, pods)
+}
+
+func (s *session) summary() {
+	p := s.p
+	p.section("Summary: every scrub, beside one full walk of the same maps")
+	if len(s.rows) == 0 {
+		p.f("   no scrubs were logged (is bin/ctscrub in the chain?)\n")
+		return
+	}
+	p.f("   %-10s %-6s %-6s %-8s %10s %12s %-10s %12s\n", "step", "pod", "reason", "method", "deleted", "latency", "result", "CNI call")
+	var idx []time.Duration
+	for _, r := range s.rows {
+		p.f("   %-10s %-6s %-6s %-8s %10s %12s %-10s %12s\n", r.Step[:min(len(r.Step), 10)], r.Pod, r.Reason, r.Method, num(r.Deleted), dur(r.Latency), r.Result, dur(r.CNITotal))
+		if r.Method == "index" {
+			idx = append(idx, r.Latency)
+		}
+	}
+	p.f("   %-10s %-6s %-6s %-8s %10s %12s   (%s entries read)\n", "walk", "-", "-", "nextkey", num(s.walkNK.Matches), dur(s.walkNK.Duration), num(s.walkNK.Entries))
+	p.f("   %-10s %-6s %-6s %-8s %10s %12s   (%s entries read)\n", "walk", "-", "-", "batch", num(s.walkB.Matches), dur(s.walkB.Duration), num(s.walkB.Entries))
+	if len(idx) > 0 {
+		sort.Slice(idx, func(i, j int) bool { return idx[i] < idx[j] })
+		med := idx[len(idx)/2]
+		if med <= 0 {
+			med = time.Microsecond
+		}
+		p.f("   index scrub median %s: %.0fx faster than Cilium 1.16's walk, %.0fx faster than the batch walk, same maps, same run\n",
+			dur(med), float64(s.walkNK.Duration)/float64(med), float64(s.walkB.Duration)/float64(med))
+	}
+}
+
+// metrics prints where scrubd's metrics are and a few of their lines.
+func (s *session) metrics(ctx context.Context) {
+	p := s.p
+	url := "http://" + s.d.Metrics + "/metrics"
+	p.section("Metrics: " + url + " (curl it while the demo runs)")
+	req, _ := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		p.f("   could not read them: %v\n", err)
+		return
+	}
+	defer resp.Body.Close()
+	sc := bufio.NewScanner(resp.Body)
+	shown := 0
+	for sc.Scan() {
+		l := sc.Text()
+		if strings.HasPrefix(l, "#") {
+			continue
+		}
+		for _, want := range []string{"ctscrub_scrub_duration_seconds_count", "ctscrub_scrub_deleted_entries_total", "ctscrub_index_keys", "ctscrub_index_incomplete_ips", "ctscrub_ct_entries"} {
+			if strings.HasPrefix(l, want) && shown < 16 {
+				p.f("   %s\n", l)
+				shown++
+			}
+		}
+	}
+}
+
+// printJSON ends the output with one JSON line for scripts and the CI test.
+func (s *session) printJSON() {
+	b, _ := json.Marshal(map[string]any{
+		"entries":        s.cfg.Entries,
+		"scrubs":         s.rows,
+		"nextkey_walk_s": s.walkNK.Duration.Seconds(),
+		"batch_walk_s":   s.walkB.Duration.Seconds(),
+		"walk_entries":   s.walkNK.Entries,
+		"reuse":          s.reuse,
+		"metrics":        "http://" + s.d.Metrics + "/metrics",
+	})
+	s.p.f("\nRESULT %s\n", b)
+}
+
+func ipList(ips []netip.Addr) string {
+	var s []string
+	for _, ip := range ips {
+		s = append(s, ip.String())
+	}
+	return strings.Join(s, " ")
+}
