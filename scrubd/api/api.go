@@ -25,7 +25,8 @@ const (
 	PathIndexStart = "/v1/index/start"
 	PathIndexStop  = "/v1/index/stop"
 	PathIndexList  = "/v1/index"
-	PathIndexIP    = "/v1/index/ip" // ?ip=X
+	PathIndexIP    = "/v1/index/ip"  // ?ip=X
+	PathIndexPod   = "/v1/index/pod" // ?container_id=X&ifname=Y
 	PathStatus     = "/v1/status"
 	PathGC         = "/v1/gc"
 	PathCTStats    = "/v1/ct/stats"
@@ -59,9 +60,11 @@ type IndexStartRequest struct {
 	IPs   []netip.Addr `json:"ips"`
 }
 
-// IndexStopRequest detaches the recorder. Netns may be gone.
+// IndexStopRequest detaches the recorder. Netns may be gone or empty (the
+// second DEL of a pod); scrubd then uses the netns it recorded at start.
 type IndexStopRequest struct {
 	Attachment
+	Netns string `json:"netns,omitempty"`
 }
 
 // IndexedPod is one attachment scrubd records flows of.
@@ -71,11 +74,16 @@ type IndexedPod struct {
 	IPs     []netip.Addr `json:"ips"`
 	Ifindex int          `json:"ifindex"`
 	Since   time.Time    `json:"since"`
+	// Stopped is when indexing stopped; zero while it runs. Stopped
+	// attachments are remembered for a while so that a DEL without
+	// prevResult can still learn the pod's IPs (GET PathIndexPod).
+	Stopped time.Time `json:"stopped,omitzero"`
 }
 
 // IndexList is the answer to GET PathIndexList.
 type IndexList struct {
-	Pods []IndexedPod `json:"pods"`
+	Pods    []IndexedPod `json:"pods"`
+	Stopped []IndexedPod `json:"stopped,omitempty"` // recently stopped
 }
 
 // IPState is the answer to GET PathIndexIP.
@@ -96,6 +104,9 @@ type GCRequest struct {
 // GCResponse lists the attachments dropped.
 type GCResponse struct {
 	Dropped []Attachment `json:"dropped"`
+	// Results of scrubbing the dropped attachments' IPs (reason gc), except
+	// IPs a valid attachment holds now.
+	Results []scrub.Result `json:"results,omitempty"`
 }
 
 // MapStats is one CT map's occupancy.

@@ -131,6 +131,16 @@ func (c *Client) IndexIP(ctx context.Context, ip netip.Addr) (*api.IPState, erro
 	return out, c.do(ctx, http.MethodGet, api.PathIndexIP+"?ip="+url.QueryEscape(ip.String()), nil, out)
 }
 
+// IndexPod returns what scrubd remembers of one attachment, indexed now or
+// stopped recently (its Stopped time is then set): a DEL that comes without
+// prevResult learns the pod's IPs from it. An unknown attachment is an
+// *api.Error with Code api.CodeNotFound.
+func (c *Client) IndexPod(ctx context.Context, a api.Attachment) (*api.IndexedPod, error) {
+	out := &api.IndexedPod{}
+	q := url.Values{"container_id": {a.ContainerID}, "ifname": {a.IfName}}
+	return out, c.do(ctx, http.MethodGet, api.PathIndexPod+"?"+q.Encode(), nil, out)
+}
+
 // Status returns the daemon's status.
 func (c *Client) Status(ctx context.Context) (*api.Status, error) {
 	out := &api.Status{}

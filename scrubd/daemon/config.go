@@ -1,0 +1,174 @@
+package daemon
+
+import (
+	"bytes"
+	"errors"
+	"fmt"
+	"io"
+	"net/netip"
+	"os"
+	"strings"
+	"time"
+
+	"go.yaml.in/yaml/v3"
+
+	"github.com/ctscrub/ctscrub/scrubd/api"
+	"github.com/ctscrub/ctscrub/scrubd/ctmap"
+)
+
+// Defaults that work on a Cilium node.
+const (
+	DefaultPinDir      = "/sys/fs/bpf/ctscrub"
+	DefaultStateFile   = "/run/ctscrub/attachments.json"
+	DefaultMetricsAddr = "127.0.0.1:9967"
+)
+
+// Config is scrubd's configuration: flags, or a YAML/JSON file (JSON is YAML),
+// with flags given on the command line winning over the file.
+type Config struct {
+	// Socket is the API's unix socket, created 0600 in a 0700 directory.
+	Socket string `yaml:"socket"`
+	// CTRoot is the bpffs directory holding Cilium's global CT maps.
+	CTRoot string `yaml:"ct_root"`
+	// PinDir is ctscrub's own bpffs directory (recorder maps and links).
+	PinDir string `yaml:"pin_dir"`
+	// StateFile lists the attachments scrubd indexes, for restarts.
+	StateFile string `yaml:"state_file"`
+	// MetricsAddr serves /metrics, /healthz, /readyz ("" or "off": none).
+	MetricsAddr string `yaml:"metrics_addr"`
+	// PodCIDRs: scrubs of any other address are refused. Required: a scrub
+	// deletes every flow of an address, and guessing the node's pod ranges
+	// wrong would let a caller wipe the node's own connections.
+	PodCIDRs []string `yaml:"pod_cidrs"`
+	// Backends: auto, cilium, nfct, or a comma-separated list.
+	Backends string `yaml:"backends"`
+	// MaxInFlight bounds the scrubs running at once; more wait in the queue.
+	MaxInFlight int `yaml:"max_in_flight"`
+	// QueueLimit bounds the requests admitted (running or waiting); past it a
+	// request is refused at once with try_again.
+	QueueLimit int `yaml:"queue_limit"`
+	// ShutdownGrace is how long SIGTERM lets in-flight scrubs finish before it
+	// cancels them.
+	ShutdownGrace Duration `yaml:"shutdown_grace"`
+	// StoppedTTL is how long a stopped attachment's IPs are remembered for a
+	// later DEL that comes without prevResult.
+	StoppedTTL Duration `yaml:"stopped_ttl"`
+	// StatsInterval is how often ctscrub_ct_entries is refreshed.
+	StatsInterval Duration `yaml:"stats_interval"`
+	// Pprof serves /debug/pprof on the metrics address.
+	Pprof bool `yaml:"pprof"`
+	// LogLevel: debug, info, warn, error.
+	LogLevel string `yaml:"log_level"`
+}
+
+// Duration reads "5s" style durations from the config file.
+type Duration struct{ time.Duration }
+
+// UnmarshalText parses a Go duration ("500ms", "5s").
+func (d *Duration) UnmarshalText(b []byte) error {
+	v, err := time.ParseDuration(string(b))
+	if err != nil {
+		return fmt.Errorf("duration %q: %v (write it like 5s or 500ms)", b, err)
+	}
+	d.Duration = v
+	return nil
+}
+
+// MarshalText writes the duration as Go prints it.
+func (d Duration) MarshalText() ([]byte, error) { return []byte(d.Duration.String()), nil }
+
+// DefaultConfig returns the defaults for a Cilium node. PodCIDRs has none:
+// it must be configured.
+func DefaultConfig() Config {
+	return Config{
+		Socket:        api.DefaultSocket,
+		CTRoot:        ctmap.DefaultRoot,
+		PinDir:        DefaultPinDir,
+		StateFile:     DefaultStateFile,
+		MetricsAddr:   DefaultMetricsAddr,
+		Backends:      "auto",
+		MaxInFlight:   64,
+		QueueLimit:    1024,
+		ShutdownGrace: Duration{5 * time.Second},
+		StoppedTTL:    Duration{time.Hour},
+		StatsInterval: Duration{30 * time.Second},
+		LogLevel:      "info",
+	}
+}
+
+// LoadConfigFile reads a YAML or JSON file over cfg. Unknown keys are errors,
+// so a typo does not silently fall back to a default.
+func LoadConfigFile(path string, cfg *Config) error {
+	data, err := os.ReadFile(path)
+	if err != nil {
+		return fmt.Errorf("read config file: %w", err)
+	}
+	dec := yaml.NewDecoder(bytes.NewReader(data))
+	dec.KnownFields(true)
+	if err := dec.Decode(cfg); err != nil && !errors.Is(err, io.EOF) {
+		return fmt.Errorf("config file %s: %v (see conf/scrubd.yaml for the keys)", path, err)
+	}
+	return nil
+}
+
+// Validate checks cfg and returns the parsed pod CIDRs.
+func (c *Config) Validate() ([]netip.Prefix, error) {
+	if len(c.PodCIDRs) == 0 {
+		return nil, errors.New("no pod CIDRs configured: set --pod-cidr (repeatable) or pod_cidrs in the config file to the node's pod ranges (e.g. Cilium's ipv4-native-routing-cidr or the node's PodCIDRs)")
+	}
+	var out []netip.Prefix
+	for _, s := range c.PodCIDRs {
+		for _, part := range strings.Split(s, ",") {
+			part = strings.TrimSpace(part)
+			if part == "" {
+				continue
+			}
+			p, err := netip.ParsePrefix(part)
+			if err != nil {
+				return nil, fmt.Errorf("pod CIDR %q: %v (write it like 10.0.0.0/16 or fd00::/104)", part, err)
+			}
+			if p.Bits() == 0 {
+				return nil, fmt.Errorf("pod CIDR %q covers every address: give the node's pod ranges, not a default route", part)
+			}
+			out = append(out, p.Masked())
+		}
+	}
+	if len(out) == 0 {
+		return nil, errors.New("pod CIDRs are empty: give at least one range")
+	}
+	if c.Socket == "" {
+		return nil, errors.New("socket path is empty")
+	}
+	if c.MaxInFlight < 1 {
+		return nil, fmt.Errorf("max_in_flight %d: must be at least 1", c.MaxInFlight)
+	}
+	if c.QueueLimit < c.MaxInFlight {
+		return nil, fmt.Errorf("queue_limit %d is below max_in_flight %d: the queue holds the running scrubs too", c.QueueLimit, c.MaxInFlight)
+	}
+	if c.ShutdownGrace.Duration < 0 {
+		return nil, errors.New("shutdown_grace is negative")
+	}
+	if _, err := ParseBackends(c.Backends); err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+// ParseBackends parses the backends setting: "auto" (nil) or a list of names.
+func ParseBackends(s string) ([]string, error) {
+	s = strings.TrimSpace(s)
+	if s == "" || s == "auto" {
+		return nil, nil
+	}
+	var out []string
+	for _, b := range strings.Split(s, ",") {
+		b = strings.TrimSpace(b)
+		switch b {
+		case "cilium", "nfct":
+			out = append(out, b)
+		default:
+			return nil, fmt.Errorf("backend %q: want auto, cilium, nfct or cilium,nfct", b)
+		}
+	}
+	return out, nil
+}

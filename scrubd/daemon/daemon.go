@@ -1,0 +1,354 @@
+// Package daemon is scrubd: the node daemon that serves scrubs of pod IPs over
+// an HTTP/JSON API on a unix socket, keeps the IP-to-CT-key index fed by the
+// recorder, and measures every scrub.
+//
+// Why HTTP/JSON and not gRPC: the standard library serves and calls it (no
+// generated code, a small plugin binary that starts fast on every CNI call),
+// operators can poke it with `curl --unix-socket`, the caller's deadline is one
+// header, and net/http already cancels a request's context when its caller
+// disconnects.
+package daemon
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/http"
+	"net/netip"
+	"os"
+	"path/filepath"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/ctscrub/ctscrub/scrubd/api"
+	"github.com/ctscrub/ctscrub/scrubd/index"
+	"github.com/ctscrub/ctscrub/scrubd/scrub"
+)
+
+// Recorder is the kernel side of the index (scrubd/recorder.Recorder): it
+// records the CT keys of each new flow on attached pod interfaces.
+type Recorder interface {
+	Attach(netnsPath, ifname string) (ifindex int, err error)
+	Detach(netnsPath, ifname string) error
+	Run(ctx context.Context, ix *index.Index) error
+	Lost() uint64
+	Close() error
+}
+
+// StatsSource reports a backend's CT tables: entries and capacity.
+type StatsSource interface {
+	CTStats(ctx context.Context) ([]api.MapStats, error)
+}
+
+// Task is work the daemon runs beside the API for its whole life (the expiry
+// pass, for one): started by Run, its context cancelled on shutdown.
+type Task struct {
+	Name string
+	Run  func(ctx context.Context) error
+}
+
+// Options builds a Daemon. Index, Config and at least one backend are needed;
+// the recorder is optional (a node without Cilium indexes through its
+// nf_conntrack backend's own means, or not at all).
+type Options struct {
+	Config   Config
+	Index    *index.Index
+	Backends []scrub.Backend
+	Stats    []StatsSource
+	Recorder Recorder
+	Logger   *slog.Logger
+	Version  string
+}
+
+// Daemon is scrubd.
+type Daemon struct {
+	cfg      Config
+	cidrs    []netip.Prefix
+	ix       *index.Index
+	backends []scrub.Backend
+	stats    []StatsSource
+	rec      Recorder
+	tasks    []Task
+	log      *slog.Logger
+	version  string
+	m        *metrics
+	pods     *pods
+	flights  flights
+	slots    chan struct{} // MaxInFlight running flights
+	admitted atomic.Int64  // requests admitted, running or queued
+	ready    atomic.Bool
+	started  time.Time
+
+	hostMu    sync.Mutex
+	hostAddrs map[netip.Addr]bool
+	hostAt    time.Time
+
+	// workCtx is the parent of every request and flight: cancelled when the
+	// shutdown grace runs out.
+	workCtx    context.Context
+	cancelWork context.CancelFunc
+}
+
+// New builds a daemon; Run serves it.
+func New(opts Options) (*Daemon, error) {
+	cidrs, err := opts.Config.Validate()
+	if err != nil {
+		return nil, err
+	}
+	if opts.Index == nil {
+		return nil, errors.New("daemon: no index")
+	}
+	if len(opts.Backends) == 0 {
+		return nil, errors.New("daemon: no backend: neither Cilium's CT maps nor nf_conntrack are usable on this node (check --ct-root and --backends)")
+	}
+	if opts.Logger == nil {
+		opts.Logger = slog.New(slog.NewJSONHandler(os.Stderr, nil))
+	}
+	d := &Daemon{
+		cfg:      opts.Config,
+		cidrs:    cidrs,
+		ix:       opts.Index,
+		backends: opts.Backends,
+		stats:    opts.Stats,
+		rec:      opts.Recorder,
+		log:      opts.Logger,
+		version:  opts.Version,
+		pods:     newPods(opts.Config.StateFile, opts.Config.StoppedTTL.Duration),
+		flights:  flights{m: make(map[flightKey]*flight)},
+		slots:    make(chan struct{}, opts.Config.MaxInFlight),
+	}
+	d.workCtx, d.cancelWork = context.WithCancel(context.Background())
+	d.m = newMetrics(d)
+	return d, nil
+}
+
+// Registerer is where other parts of scrubd (the expiry pass, extra backends)
+// register their metrics; they are served on /metrics with the daemon's own.
+func (d *Daemon) Registerer() prometheus.Registerer { return d.m.reg }
+
+// Gatherer serves the registry (tests read metrics from it).
+func (d *Daemon) Gatherer() prometheus.Gatherer { return d.m.reg }
+
+// AddTask adds work to run beside the API; call it before Run.
+func (d *Daemon) AddTask(t Task) { d.tasks = append(d.tasks, t) }
+
+// Logger is the daemon's structured logger.
+func (d *Daemon) Logger() *slog.Logger { return d.log }
+
+// Run serves the API until ctx ends (SIGTERM), then shuts down: it stops
+// accepting, lets in-flight scrubs finish within ShutdownGrace, cancels the
+// rest, and leaves every pinned object in place.
+func (d *Daemon) Run(ctx context.Context) error {
+	d.started = time.Now()
+	if err := d.restore(); err != nil {
+		return err
+	}
+	apiLn, err := listenUnix(d.cfg.Socket)
+	if err != nil {
+		return err
+	}
+	apiSrv := &http.Server{
+		Handler:           d.apiHandler(),
+		BaseContext:       func(net.Listener) context.Context { return d.workCtx },
+		ReadHeaderTimeout: 10 * time.Second,
+	}
+
+	var bg sync.WaitGroup
+	bgCtx, stopBG := context.WithCancel(context.Background())
+	defer stopBG()
+	if d.rec != nil {
+		bg.Go(func() {
+			if err := d.rec.Run(bgCtx, d.ix); err != nil && bgCtx.Err() == nil {
+				d.log.Error("recorder stopped: new flows are not indexed; their IPs will sweep", "err", err)
+				d.ready.Store(false)
+			}
+		})
+	}
+	for _, t := range d.tasks {
+		bg.Go(func() {
+			if err := t.Run(bgCtx); err != nil && bgCtx.Err() == nil {
+				d.log.Error("task stopped", "task", t.Name, "err", err)
+			}
+		})
+	}
+	bg.Go(func() { d.statsLoop(bgCtx) })
+
+	var metricsSrv *http.Server
+	if d.cfg.MetricsAddr != "" && d.cfg.MetricsAddr != "off" {
+		mln, err := net.Listen("tcp", d.cfg.MetricsAddr)
+		if err != nil {
+			apiLn.Close()
+			return fmt.Errorf("metrics address %s: %w (set --metrics-addr, or off)", d.cfg.MetricsAddr, err)
+		}
+		metricsSrv = &http.Server{Handler: d.metricsHandler(), ReadHeaderTimeout: 10 * time.Second}
+		go metricsSrv.Serve(mln)
+	}
+
+	serveErr := make(chan error, 1)
+	go func() { serveErr <- apiSrv.Serve(apiLn) }()
+	d.ready.Store(true)
+	d.log.Info("scrubd serving", "socket", d.cfg.Socket, "metrics", d.cfg.MetricsAddr, "backends", d.backendNames(),
+		"pod_cidrs", d.cidrs, "recorder", d.rec != nil, "indexed_pods", d.pods.activeCount(), "version", d.version)
+
+	var runErr error
+	select {
+	case <-ctx.Done():
+	case runErr = <-serveErr:
+		runErr = fmt.Errorf("serve API: %w", runErr)
+	}
+	d.ready.Store(false)
+
+	// Stop accepting; in-flight scrubs get ShutdownGrace, then are cancelled
+	// (they stop within the backend's bound and answer "cancelled").
+	d.log.Info("scrubd stopping", "in_flight", d.admitted.Load(), "grace", d.cfg.ShutdownGrace.Duration)
+	graceCtx, cancelGrace := context.WithTimeout(context.Background(), d.cfg.ShutdownGrace.Duration)
+	if err := apiSrv.Shutdown(graceCtx); err != nil {
+		d.log.Warn("shutdown grace over: cancelling in-flight scrubs", "in_flight", d.admitted.Load())
+		d.cancelWork()
+		finalCtx, cancelFinal := context.WithTimeout(context.Background(), 2*time.Second)
+		if apiSrv.Shutdown(finalCtx) != nil {
+			apiSrv.Close()
+		}
+		cancelFinal()
+	}
+	cancelGrace()
+	d.cancelWork()
+	if metricsSrv != nil {
+		metricsSrv.Close()
+	}
+	stopBG()
+	bg.Wait()
+	return runErr
+}
+
+// Close releases the backends and the recorder. Pins stay in place.
+func (d *Daemon) Close() error {
+	var errs []error
+	for _, b := range d.backends {
+		errs = append(errs, b.Close())
+	}
+	if d.rec != nil {
+		errs = append(errs, d.rec.Close())
+	}
+	return errors.Join(errs...)
+}
+
+func (d *Daemon) backendNames() []string {
+	out := make([]string, len(d.backends))
+	for i, b := range d.backends {
+		out[i] = b.Name()
+	}
+	return out
+}
+
+// restore reads the attachments of an earlier run. The index itself is not
+// persisted: records the recorder made while no daemon read them may be lost,
+// so every attached IP is marked incomplete and its next scrub sweeps.
+func (d *Daemon) restore() error {
+	if err := d.pods.load(); err != nil {
+		return err
+	}
+	active, _ := d.pods.list()
+	for _, pod := range active {
+		for _, ip := range pod.IPs {
+			d.ix.MarkIncomplete(ip, index.ReasonRestart)
+		}
+		if pod.Netns != "" {
+			if _, err := os.Stat(pod.Netns); errors.Is(err, os.ErrNotExist) {
+				// The pod went away while scrubd was down: drop its link.
+				if d.rec != nil {
+					if err := d.rec.Detach(pod.Netns, pod.IfName); err != nil {
+						d.log.Warn("detach recorder of a pod gone while scrubd was down", "container_id", pod.ContainerID, "ifname", pod.IfName, "err", err)
+					}
+				}
+				if _, _, err := d.pods.stop(pod.Attachment); err != nil {
+					return err
+				}
+			}
+		}
+	}
+	if len(active) > 0 {
+		d.log.Info("restored attachments; their IPs are marked incomplete until a sweep", "pods", len(active))
+	}
+	return nil
+}
+
+// listenUnix creates the API socket 0600 in a 0700 directory. A stale socket
+// left by a killed daemon is replaced; a live one is an error.
+func listenUnix(path string) (net.Listener, error) {
+	dir := filepath.Dir(path)
+	if _, err := os.Stat(dir); errors.Is(err, os.ErrNotExist) {
+		if err := os.MkdirAll(dir, 0o700); err != nil {
+			return nil, fmt.Errorf("socket directory %s: %w", dir, err)
+		}
+	}
+	if _, err := os.Lstat(path); err == nil {
+		if c, err := net.DialTimeout("unix", path, time.Second); err == nil {
+			c.Close()
+			return nil, fmt.Errorf("socket %s: another scrubd is serving it (stop it first, or set --socket)", path)
+		}
+		if err := os.Remove(path); err != nil {
+			return nil, fmt.Errorf("remove stale socket %s: %w", path, err)
+		}
+	}
+	// The umask makes the socket 0600 from its first instant; Chmod repeats it
+	// for file systems that ignore the umask on sockets.
+	old := syscall.Umask(0o177)
+	ln, err := net.Listen("unix", path)
+	syscall.Umask(old)
+	if err != nil {
+		return nil, fmt.Errorf("listen on %s: %w", path, err)
+	}
+	if err := os.Chmod(path, 0o600); err != nil {
+		ln.Close()
+		return nil, fmt.Errorf("chmod socket %s: %w", path, err)
+	}
+	return ln, nil
+}
+
+// statsLoop refreshes ctscrub_ct_entries and ctscrub_ct_max_entries.
+func (d *Daemon) statsLoop(ctx context.Context) {
+	every := d.cfg.StatsInterval.Duration
+	if every <= 0 || len(d.stats) == 0 {
+		return
+	}
+	t := time.NewTicker(every)
+	defer t.Stop()
+	for {
+		d.refreshStats(ctx)
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+	}
+}
+
+func (d *Daemon) refreshStats(ctx context.Context) []api.MapStats {
+	var all []api.MapStats
+	for _, s := range d.stats {
+		ms, err := s.CTStats(ctx)
+		if err != nil {
+			d.log.Warn("read CT table occupancy", "err", err)
+			if len(ms) > 0 {
+				d.m.statsError.WithLabelValues(ms[0].Backend).Inc()
+			} else {
+				d.m.statsError.WithLabelValues("unknown").Inc()
+			}
+		}
+		for _, st := range ms {
+			if st.Entries >= 0 {
+				d.m.ctEntries.WithLabelValues(st.Backend, st.Map).Set(float64(st.Entries))
+			}
+			d.m.ctMax.WithLabelValues(st.Backend, st.Map).Set(float64(st.MaxEntries))
+		}
+		all = append(all, ms...)
+	}
+	return all
+}

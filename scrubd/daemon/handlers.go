@@ -1,0 +1,602 @@
+package daemon
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"net/http"
+	"net/http/pprof"
+	"net/netip"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+
+	"github.com/ctscrub/ctscrub/scrubd/api"
+	"github.com/ctscrub/ctscrub/scrubd/scrub"
+)
+
+// maxBody bounds a request body: the largest real one is a GC with every
+// attachment of a node, far below this.
+const maxBody = 4 << 20
+
+func (d *Daemon) apiHandler() http.Handler {
+	mux := http.NewServeMux()
+	mux.HandleFunc("POST "+api.PathScrub, d.handleScrub)
+	mux.HandleFunc("POST "+api.PathIndexStart, d.handleIndexStart)
+	mux.HandleFunc("POST "+api.PathIndexStop, d.handleIndexStop)
+	mux.HandleFunc("GET "+api.PathIndexList, d.handleIndexList)
+	mux.HandleFunc("GET "+api.PathIndexIP, d.handleIndexIP)
+	mux.HandleFunc("GET "+api.PathIndexPod, d.handleIndexPod)
+	mux.HandleFunc("GET "+api.PathStatus, d.handleStatus)
+	mux.HandleFunc("POST "+api.PathGC, d.handleGC)
+	mux.HandleFunc("GET "+api.PathCTStats, d.handleCTStats)
+	// Health on the socket too, for probes that exec the CLI.
+	mux.HandleFunc("GET /healthz", d.handleHealthz)
+	mux.HandleFunc("GET /readyz", d.handleReadyz)
+	mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
+		writeError(w, &api.Error{Code: api.CodeBadRequest, Message: fmt.Sprintf("no API at %s %s (see scrubd/api for the paths and methods)", r.Method, r.URL.Path)})
+	})
+	return withDeadline(mux)
+}
+
+func (d *Daemon) metricsHandler() http.Handler {
+	mux := http.NewServeMux()
+	mux.Handle("/metrics", promhttp.HandlerFor(d.m.reg, promhttp.HandlerOpts{Registry: d.m.reg}))
+	mux.HandleFunc("/healthz", d.handleHealthz)
+	mux.HandleFunc("/readyz", d.handleReadyz)
+	if d.cfg.Pprof {
+		mux.HandleFunc("/debug/pprof/", pprof.Index)
+		mux.HandleFunc("/debug/pprof/cmdline", pprof.Cmdline)
+		mux.HandleFunc("/debug/pprof/profile", pprof.Profile)
+		mux.HandleFunc("/debug/pprof/symbol", pprof.Symbol)
+		mux.HandleFunc("/debug/pprof/trace", pprof.Trace)
+	}
+	return mux
+}
+
+// withDeadline makes the caller's deadline (api.DeadlineHeader) the request
+// context's deadline. The work stops a little before it, so that the answer
+// with the partial results still reaches the caller in time: a tenth of the
+// time left, at most 50 ms. A caller that disconnects cancels the context too
+// (net/http does that).
+func withDeadline(next http.Handler) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		h := r.Header.Get(api.DeadlineHeader)
+		if h == "" {
+			next.ServeHTTP(w, r)
+			return
+		}
+		dl, err := time.Parse(time.RFC3339Nano, h)
+		if err != nil {
+			writeError(w, &api.Error{Code: api.CodeBadRequest, Message: fmt.Sprintf("header %s %q: %v (want RFC 3339 with nanoseconds, UTC)", api.DeadlineHeader, h, err)})
+			return
+		}
+		margin := min(time.Until(dl)/10, 50*time.Millisecond)
+		ctx, cancel := context.WithDeadline(r.Context(), dl.Add(-max(margin, 0)))
+		defer cancel()
+		next.ServeHTTP(w, r.WithContext(ctx))
+	})
+}
+
+func writeJSON(w http.ResponseWriter, status int, v any) {
+	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(status)
+	json.NewEncoder(w).Encode(v)
+}
+
+func writeError(w http.ResponseWriter, e *api.Error) {
+	status := http.StatusInternalServerError
+	switch e.Code {
+	case api.CodeBadRequest, api.CodeNotPodIP:
+		status = http.StatusBadRequest
+	case api.CodeTryAgain:
+		status = http.StatusTooManyRequests
+	case api.CodeCancelled:
+		status = http.StatusGatewayTimeout
+	case api.CodeNotFound:
+		status = http.StatusNotFound
+	}
+	writeJSON(w, status, e)
+}
+
+// decode reads a JSON body strictly: unknown fields are errors, so a client
+// that misspells "dry_run" is told instead of deleting for real.
+func decode(r *http.Request, what string, v any) *api.Error {
+	dec := json.NewDecoder(io.LimitReader(r.Body, maxBody))
+	dec.DisallowUnknownFields()
+	if err := dec.Decode(v); err != nil {
+		return &api.Error{Code: api.CodeBadRequest, Message: fmt.Sprintf("decode %s request: %v (send a JSON object as in scrubd/api)", what, err)}
+	}
+	if dec.More() {
+		return &api.Error{Code: api.CodeBadRequest, Message: fmt.Sprintf("decode %s request: data after the JSON object", what)}
+	}
+	return nil
+}
+
+// checkPodIP refuses what is not a local pod IP. A scrub deletes every flow of
+// an address: the node's own address or 0.0.0.0 would wipe the node's
+// connections, so nothing is deleted for a request with any such IP.
+func (d *Daemon) checkPodIP(ip netip.Addr) *api.Error {
+	if !ip.IsValid() {
+		return &api.Error{Code: api.CodeBadRequest, Message: "empty IP address in request"}
+	}
+	if ip.Zone() != "" {
+		return &api.Error{Code: api.CodeNotPodIP, Message: fmt.Sprintf("IP %s has a zone: a pod IP has none", ip)}
+	}
+	u := ip.Unmap()
+	if u.IsUnspecified() || u.IsLoopback() || u.IsMulticast() || u.IsLinkLocalUnicast() || u.IsLinkLocalMulticast() || u == netip.AddrFrom4([4]byte{255, 255, 255, 255}) {
+		return &api.Error{Code: api.CodeNotPodIP, Message: fmt.Sprintf("IP %s is not a pod address (unspecified, loopback, multicast, broadcast or link-local): nothing deleted", ip)}
+	}
+	in := false
+	for _, p := range d.cidrs {
+		if p.Contains(u) {
+			in = true
+			break
+		}
+	}
+	if !in {
+		return &api.Error{Code: api.CodeNotPodIP, Message: fmt.Sprintf("IP %s is outside the pod CIDRs %v: nothing deleted (is it the node's address? if it is a pod IP, add its range to --pod-cidr)", ip, d.cidrs)}
+	}
+	if d.isHostAddr(u) {
+		return &api.Error{Code: api.CodeNotPodIP, Message: fmt.Sprintf("IP %s is an address of this node (e.g. cilium_host's router IP), not a pod's: nothing deleted", ip)}
+	}
+	return nil
+}
+
+// isHostAddr reports whether ip is assigned to an interface of the daemon's
+// network namespace (the host's). The list is cached a few seconds: it costs a
+// netlink dump and changes rarely.
+func (d *Daemon) isHostAddr(ip netip.Addr) bool {
+	d.hostMu.Lock()
+	defer d.hostMu.Unlock()
+	if d.hostAddrs == nil || time.Since(d.hostAt) > 5*time.Second {
+		m := make(map[netip.Addr]bool)
+		if addrs, err := net.InterfaceAddrs(); err == nil {
+			for _, a := range addrs {
+				if p, err := netip.ParsePrefix(a.String()); err == nil {
+					m[p.Addr().Unmap()] = true
+				}
+			}
+		}
+		d.hostAddrs, d.hostAt = m, time.Now()
+	}
+	return d.hostAddrs[ip]
+}
+
+func parseReason(r scrub.Reason) *api.Error {
+	switch r {
+	case scrub.ReasonAdd, scrub.ReasonDel, scrub.ReasonGC:
+		return nil
+	case "":
+		return &api.Error{Code: api.CodeBadRequest, Message: `scrub request has no "reason": want add, del or gc`}
+	}
+	return &api.Error{Code: api.CodeBadRequest, Message: fmt.Sprintf("scrub reason %q: want add, del or gc", r)}
+}
+
+// checkIPs validates a request's IPs and removes duplicates.
+func (d *Daemon) checkIPs(ips []netip.Addr) ([]netip.Addr, *api.Error) {
+	if len(ips) == 0 {
+		return nil, &api.Error{Code: api.CodeBadRequest, Message: `request has no "ips": give at least one pod IP`}
+	}
+	seen := make(map[netip.Addr]bool, len(ips))
+	out := make([]netip.Addr, 0, len(ips))
+	for _, ip := range ips {
+		if e := d.checkPodIP(ip); e != nil {
+			return nil, e
+		}
+		ip = ip.Unmap()
+		if !seen[ip] {
+			seen[ip] = true
+			out = append(out, ip)
+		}
+	}
+	return out, nil
+}
+
+// admit counts a request in the bounded queue, or refuses it at once.
+func (d *Daemon) admit() (release func(), e *api.Error) {
+	if n := d.admitted.Add(1); n > int64(d.cfg.QueueLimit) {
+		d.admitted.Add(-1)
+		d.m.refused.WithLabelValues(api.CodeTryAgain).Inc()
+		return nil, &api.Error{Code: api.CodeTryAgain, Message: fmt.Sprintf("scrubd is busy: %d scrub requests queued (queue_limit %d); try again later", n-1, d.cfg.QueueLimit)}
+	}
+	return func() { d.admitted.Add(-1) }, nil
+}
+
+func (d *Daemon) handleScrub(w http.ResponseWriter, r *http.Request) {
+	var req api.ScrubRequest
+	if e := decode(r, "scrub", &req); e != nil {
+		d.m.refused.WithLabelValues(e.Code).Inc()
+		writeError(w, e)
+		return
+	}
+	e := parseReason(req.Reason)
+	var ips []netip.Addr
+	if e == nil {
+		ips, e = d.checkIPs(req.IPs)
+	}
+	if e != nil {
+		d.m.refused.WithLabelValues(e.Code).Inc()
+		d.log.Warn("scrub refused", "ips", req.IPs, "reason", req.Reason, "container_id", req.ContainerID, "code", e.Code, "err", e.Message)
+		writeError(w, e)
+		return
+	}
+	release, e := d.admit()
+	if e != nil {
+		d.log.Warn("scrub refused", "ips", ips, "reason", req.Reason, "container_id", req.ContainerID, "code", e.Code, "err", e.Message)
+		writeError(w, e)
+		return
+	}
+	defer release()
+	results := d.scrub(r.Context(), ips, req.Reason, req.DryRun, req.ContainerID)
+	d.answerScrub(w, r.Context(), results)
+}
+
+func (d *Daemon) answerScrub(w http.ResponseWriter, ctx context.Context, results []scrub.Result) {
+	var failed, cancelled []string
+	total := 0
+	for _, res := range results {
+		total += res.Total
+		switch res.Outcome {
+		case scrub.Failed:
+			failed = append(failed, res.Backend+": "+res.Error)
+		case scrub.Cancelled:
+			cancelled = append(cancelled, res.Backend)
+		}
+	}
+	switch {
+	case len(failed) > 0:
+		writeError(w, &api.Error{Code: api.CodeInternal, Message: "scrub failed: " + strings.Join(failed, "; "), Results: results})
+	case len(cancelled) > 0:
+		why := "the caller's deadline passed"
+		if errors.Is(ctx.Err(), context.Canceled) {
+			why = "the caller went away or scrubd is shutting down"
+		}
+		writeError(w, &api.Error{Code: api.CodeCancelled, Message: fmt.Sprintf("scrub cancelled (%s) on %s after deleting %d entries; the next scrub of these IPs finishes the job", why, strings.Join(cancelled, ","), total), Results: results})
+	default:
+		writeJSON(w, http.StatusOK, api.ScrubResponse{Results: results})
+	}
+}
+
+// scrub runs (or joins) one flight per IP and merges their results into one
+// Result per backend. It logs one line and observes one duration per backend.
+func (d *Daemon) scrub(ctx context.Context, ips []netip.Addr, reason scrub.Reason, dry bool, containerID string) []scrub.Result {
+	start := time.Now()
+	fs := make([]*flight, len(ips))
+	sharedAny := false
+	for i, ip := range ips {
+		f, shared := d.flights.join(d.workCtx, flightKey{ip: ip, dry: dry}, reason, d.runFlight)
+		if shared {
+			d.m.shared.Inc()
+			sharedAny = true
+		}
+		fs[i] = f
+	}
+	merged := make([]scrub.Result, len(d.backends))
+	for i, b := range d.backends {
+		merged[i] = scrub.Result{Backend: b.Name(), Outcome: scrub.Complete, Deleted: map[string]int{}, PerIP: map[string]scrub.Method{}}
+	}
+	for i, f := range fs {
+		res, _ := d.flights.wait(ctx, f)
+		for j, b := range d.backends {
+			if j < len(res) {
+				mergeResult(&merged[j], res[j])
+				continue
+			}
+			// The flight goes on for other callers (or did not stop in
+			// time): this caller has nothing of its own to report.
+			mergeResult(&merged[j], scrub.Result{Backend: b.Name(), Outcome: scrub.Cancelled, PerIP: map[string]scrub.Method{ips[i].String(): ""}})
+		}
+	}
+	elapsed := time.Since(start)
+	for i := range merged {
+		r := &merged[i]
+		r.Duration = elapsed
+		if r.Method == "" {
+			r.Method = scrub.MethodIndex
+		}
+		d.m.observe(reason, *r)
+		lvl := slog.LevelInfo
+		if r.Outcome == scrub.Failed {
+			lvl = slog.LevelError
+		} else if r.Outcome == scrub.Cancelled {
+			lvl = slog.LevelWarn
+		}
+		d.log.Log(ctx, lvl, "scrub", "ips", ips, "reason", reason, "backend", r.Backend, "method", r.Method,
+			"deleted", r.Total, "per_map", r.Deleted, "duration_s", elapsed.Seconds(), "result", r.Outcome,
+			"shared", sharedAny, "dry_run", dry, "container_id", containerID, "error", r.Error)
+	}
+	return merged
+}
+
+// runFlight scrubs one IP on every backend (backends in parallel), after
+// waiting for one of MaxInFlight slots.
+func (d *Daemon) runFlight(f *flight) {
+	f.results = make([]scrub.Result, len(d.backends))
+	select {
+	case d.slots <- struct{}{}:
+		defer func() { <-d.slots }()
+	case <-f.ctx.Done():
+		for i, b := range d.backends {
+			f.results[i] = scrub.Result{Backend: b.Name(), Outcome: scrub.Cancelled, Error: "cancelled while queued"}
+		}
+		return
+	}
+	f.start = time.Now()
+	req := scrub.Request{IPs: []netip.Addr{f.key.ip}, Reason: f.reason, DryRun: f.key.dry}
+	var wg sync.WaitGroup
+	for i, b := range d.backends {
+		wg.Go(func() {
+			res, err := b.Scrub(f.ctx, req)
+			f.results[i] = normalize(b, f.ctx, res, err)
+		})
+	}
+	wg.Wait()
+	f.end = time.Now()
+	if !f.key.dry {
+		for _, res := range f.results {
+			d.m.count(res)
+		}
+	}
+}
+
+// normalize fills what a backend left out, so the merge and the metrics see
+// one shape.
+func normalize(b scrub.Backend, ctx context.Context, res scrub.Result, err error) scrub.Result {
+	if res.Backend == "" {
+		res.Backend = b.Name()
+	}
+	if err != nil {
+		if ctx.Err() != nil && res.Outcome != scrub.Failed {
+			res.Outcome = scrub.Cancelled
+		} else {
+			res.Outcome = scrub.Failed
+		}
+		if res.Error == "" {
+			res.Error = err.Error()
+		}
+	}
+	if res.Outcome == "" {
+		res.Outcome = scrub.Complete
+	}
+	return res
+}
+
+// mergeResult folds one IP's result into the request's result of the same
+// backend: counts add up, the worst outcome wins, sweep wins over index.
+func mergeResult(dst *scrub.Result, r scrub.Result) {
+	for m, n := range r.Deleted {
+		dst.Deleted[m] += n
+	}
+	dst.Total += r.Total
+	for ip, m := range r.PerIP {
+		dst.PerIP[ip] = m
+	}
+	if r.Method == scrub.MethodSweep || dst.Method == "" {
+		dst.Method = r.Method
+	}
+	rank := map[scrub.Outcome]int{scrub.Complete: 0, scrub.Cancelled: 1, scrub.Failed: 2}
+	if rank[r.Outcome] > rank[dst.Outcome] {
+		dst.Outcome = r.Outcome
+	}
+	if r.Error != "" && !strings.Contains(dst.Error, r.Error) {
+		if dst.Error != "" {
+			dst.Error += "; "
+		}
+		dst.Error += r.Error
+	}
+}
+
+func (d *Daemon) handleIndexStart(w http.ResponseWriter, r *http.Request) {
+	var req api.IndexStartRequest
+	if e := decode(r, "index start", &req); e != nil {
+		writeError(w, e)
+		return
+	}
+	if req.ContainerID == "" || req.IfName == "" || req.Netns == "" {
+		writeError(w, &api.Error{Code: api.CodeBadRequest, Message: "index start needs container_id, ifname and netns (the CNI_CONTAINERID, CNI_IFNAME and CNI_NETNS of the ADD)"})
+		return
+	}
+	ips, e := d.checkIPs(req.IPs)
+	if e != nil {
+		writeError(w, e)
+		return
+	}
+	pod := api.IndexedPod{Attachment: req.Attachment, Netns: req.Netns, IPs: ips, Since: time.Now().UTC()}
+	if d.rec != nil {
+		ifindex, err := d.rec.Attach(req.Netns, req.IfName)
+		if err != nil {
+			d.log.Error("attach recorder", "container_id", req.ContainerID, "ifname", req.IfName, "netns", req.Netns, "err", err)
+			writeError(w, &api.Error{Code: api.CodeInternal, Message: fmt.Sprintf("attach recorder to %s in %s: %v", req.IfName, req.Netns, err)})
+			return
+		}
+		pod.Ifindex = ifindex
+	}
+	if err := d.pods.start(pod); err != nil {
+		writeError(w, &api.Error{Code: api.CodeInternal, Message: err.Error()})
+		return
+	}
+	d.log.Info("index start", "container_id", req.ContainerID, "ifname", req.IfName, "netns", req.Netns, "ips", ips, "ifindex", pod.Ifindex)
+	writeJSON(w, http.StatusOK, pod)
+}
+
+func (d *Daemon) handleIndexStop(w http.ResponseWriter, r *http.Request) {
+	var req api.IndexStopRequest
+	if e := decode(r, "index stop", &req); e != nil {
+		writeError(w, e)
+		return
+	}
+	if req.ContainerID == "" || req.IfName == "" {
+		writeError(w, &api.Error{Code: api.CodeBadRequest, Message: "index stop needs container_id and ifname"})
+		return
+	}
+	pod, known, err := d.pods.stop(req.Attachment)
+	if err != nil {
+		writeError(w, &api.Error{Code: api.CodeInternal, Message: err.Error()})
+		return
+	}
+	netns := req.Netns
+	if netns == "" {
+		netns = pod.Netns
+	}
+	if d.rec != nil && (netns != "" || known) {
+		// Detach succeeds when the netns or the link is already gone.
+		if err := d.rec.Detach(netns, req.IfName); err != nil {
+			d.log.Error("detach recorder", "container_id", req.ContainerID, "ifname", req.IfName, "netns", netns, "err", err)
+			writeError(w, &api.Error{Code: api.CodeInternal, Message: fmt.Sprintf("detach recorder from %s in %s: %v", req.IfName, netns, err)})
+			return
+		}
+	}
+	d.log.Info("index stop", "container_id", req.ContainerID, "ifname", req.IfName, "netns", netns, "known", known, "ips", pod.IPs)
+	writeJSON(w, http.StatusOK, pod)
+}
+
+func (d *Daemon) handleIndexList(w http.ResponseWriter, r *http.Request) {
+	active, stopped := d.pods.list()
+	writeJSON(w, http.StatusOK, api.IndexList{Pods: active, Stopped: stopped})
+}
+
+func (d *Daemon) handleIndexIP(w http.ResponseWriter, r *http.Request) {
+	s := r.URL.Query().Get("ip")
+	ip, err := netip.ParseAddr(s)
+	if err != nil {
+		writeError(w, &api.Error{Code: api.CodeBadRequest, Message: fmt.Sprintf("ip %q: %v (give ?ip=<pod IP>)", s, err)})
+		return
+	}
+	ip = ip.Unmap()
+	st := d.ix.State(ip)
+	writeJSON(w, http.StatusOK, api.IPState{IP: ip, Keys: st.Keys, Complete: st.Complete, Incomplete: st.Incomplete, Owner: d.pods.owner(ip)})
+}
+
+func (d *Daemon) handleIndexPod(w http.ResponseWriter, r *http.Request) {
+	q := r.URL.Query()
+	a := api.Attachment{ContainerID: q.Get("container_id"), IfName: q.Get("ifname")}
+	if a.ContainerID == "" || a.IfName == "" {
+		writeError(w, &api.Error{Code: api.CodeBadRequest, Message: "give ?container_id=X&ifname=Y"})
+		return
+	}
+	pod, ok := d.pods.get(a)
+	if !ok {
+		writeError(w, &api.Error{Code: api.CodeNotFound, Message: fmt.Sprintf("no attachment %s/%s known (never indexed, or stopped more than %s ago)", a.ContainerID, a.IfName, d.cfg.StoppedTTL.Duration)})
+		return
+	}
+	writeJSON(w, http.StatusOK, pod)
+}
+
+// Status is the daemon's status (also served on the socket).
+func (d *Daemon) Status() api.Status {
+	return api.Status{
+		Version:       d.version,
+		Backends:      d.backendNames(),
+		Ready:         d.ready.Load(),
+		PodCIDRs:      d.cidrs,
+		IndexedPods:   d.pods.activeCount(),
+		IndexKeys:     d.ix.Keys(),
+		IncompleteIPs: d.ix.IncompleteIPs(),
+		InFlight:      int(d.admitted.Load()),
+		QueueLimit:    d.cfg.QueueLimit,
+		Uptime:        time.Since(d.started).Round(time.Second).String(),
+		Metrics:       d.cfg.MetricsAddr,
+	}
+}
+
+func (d *Daemon) handleStatus(w http.ResponseWriter, r *http.Request) {
+	writeJSON(w, http.StatusOK, d.Status())
+}
+
+func (d *Daemon) handleHealthz(w http.ResponseWriter, r *http.Request) {
+	w.Write([]byte("ok\n"))
+}
+
+func (d *Daemon) handleReadyz(w http.ResponseWriter, r *http.Request) {
+	if !d.ready.Load() {
+		http.Error(w, "not ready: CT maps not open, programs not loaded, or shutting down", http.StatusServiceUnavailable)
+		return
+	}
+	w.Write([]byte("ready\n"))
+}
+
+func (d *Daemon) handleCTStats(w http.ResponseWriter, r *http.Request) {
+	writeJSON(w, http.StatusOK, api.CTStats{Maps: d.refreshStats(r.Context())})
+}
+
+// handleGC drops every attachment not in the valid list (CNI GC's
+// cni.dev/valid-attachments): it detaches the recorder and scrubs the dropped
+// pods' IPs with reason gc, except IPs a valid attachment holds now (the IP
+// was reused; its new pod's flows must stay).
+func (d *Daemon) handleGC(w http.ResponseWriter, r *http.Request) {
+	var req api.GCRequest
+	if e := decode(r, "gc", &req); e != nil {
+		writeError(w, e)
+		return
+	}
+	valid := make(map[api.Attachment]bool, len(req.ValidAttachments))
+	for _, a := range req.ValidAttachments {
+		valid[a] = true
+	}
+	active, stopped := d.pods.list()
+	keep := make(map[netip.Addr]bool)
+	for _, pod := range active {
+		if valid[pod.Attachment] {
+			for _, ip := range pod.IPs {
+				keep[ip] = true
+			}
+		}
+	}
+	resp := api.GCResponse{Dropped: []api.Attachment{}}
+	var scrubIPs []netip.Addr
+	for _, pod := range active {
+		if valid[pod.Attachment] {
+			continue
+		}
+		if d.rec != nil {
+			if err := d.rec.Detach(pod.Netns, pod.IfName); err != nil {
+				d.log.Error("gc: detach recorder", "container_id", pod.ContainerID, "ifname", pod.IfName, "err", err)
+				writeError(w, &api.Error{Code: api.CodeInternal, Message: fmt.Sprintf("gc: detach recorder from %s in %s: %v", pod.IfName, pod.Netns, err)})
+				return
+			}
+		}
+		if err := d.pods.forget(pod.Attachment); err != nil {
+			writeError(w, &api.Error{Code: api.CodeInternal, Message: err.Error()})
+			return
+		}
+		resp.Dropped = append(resp.Dropped, pod.Attachment)
+		for _, ip := range pod.IPs {
+			if !keep[ip] && d.checkPodIP(ip) == nil {
+				scrubIPs = append(scrubIPs, ip)
+			}
+		}
+	}
+	for _, pod := range stopped {
+		if !valid[pod.Attachment] {
+			if err := d.pods.forget(pod.Attachment); err != nil {
+				writeError(w, &api.Error{Code: api.CodeInternal, Message: err.Error()})
+				return
+			}
+			resp.Dropped = append(resp.Dropped, pod.Attachment)
+		}
+	}
+	d.log.Info("gc", "valid", len(req.ValidAttachments), "dropped", len(resp.Dropped), "scrub_ips", scrubIPs)
+	if len(scrubIPs) > 0 {
+		release, e := d.admit()
+		if e != nil {
+			writeError(w, e)
+			return
+		}
+		defer release()
+		resp.Results = d.scrub(r.Context(), scrubIPs, scrub.ReasonGC, false, "")
+		for _, res := range resp.Results {
+			if res.Outcome != scrub.Complete {
+				d.answerScrub(w, r.Context(), resp.Results)
+				return
+			}
+		}
+	}
+	writeJSON(w, http.StatusOK, resp)
+}

@@ -1,0 +1,113 @@
+package daemon
+
+import (
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
+
+	"github.com/ctscrub/ctscrub/scrubd/scrub"
+)
+
+// durationBuckets span an index scrub of a few keys (100 µs) to a sweep of a
+// 16 M-entry map under load (100 s).
+var durationBuckets = []float64{
+	0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
+	0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 50, 100,
+}
+
+type metrics struct {
+	reg *prometheus.Registry
+
+	duration   *prometheus.HistogramVec
+	deleted    *prometheus.CounterVec
+	refused    *prometheus.CounterVec
+	shared     prometheus.Counter
+	ctEntries  *prometheus.GaugeVec
+	ctMax      *prometheus.GaugeVec
+	statsError *prometheus.CounterVec
+}
+
+func newMetrics(d *Daemon) *metrics {
+	reg := prometheus.NewRegistry()
+	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	m := &metrics{
+		reg: reg,
+		duration: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name:    "ctscrub_scrub_duration_seconds",
+			Help:    "Time a scrub request took per backend, as its caller saw it (including a wait in the queue or on a shared scrub).",
+			Buckets: durationBuckets,
+		}, []string{"backend", "method", "reason", "result"}),
+		deleted: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "ctscrub_scrub_deleted_entries_total",
+			Help: "CT entries deleted by scrubs (each deletion counted once, however many callers shared the scrub).",
+		}, []string{"backend", "map", "method"}),
+		refused: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "ctscrub_scrub_refused_total",
+			Help: "Scrub requests refused before any work: bad_request, not_pod_ip, try_again (queue full).",
+		}, []string{"code"}),
+		shared: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "ctscrub_scrub_shared_total",
+			Help: "Per-IP scrubs that joined a scrub of the same IP already in flight.",
+		}),
+		ctEntries: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "ctscrub_ct_entries",
+			Help: "Entries in each CT table, refreshed every stats_interval.",
+		}, []string{"backend", "map"}),
+		ctMax: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "ctscrub_ct_max_entries",
+			Help: "Capacity of each CT table.",
+		}, []string{"backend", "map"}),
+		statsError: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "ctscrub_ct_stats_errors_total",
+			Help: "Failed reads of a backend's CT table occupancy.",
+		}, []string{"backend"}),
+	}
+	reg.MustRegister(m.duration, m.deleted, m.refused, m.shared, m.ctEntries, m.ctMax, m.statsError)
+	reg.MustRegister(
+		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+			Name: "ctscrub_scrubs_in_flight",
+			Help: "Scrub requests admitted and not yet answered (running or queued).",
+		}, func() float64 { return float64(d.admitted.Load()) }),
+		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+			Name: "ctscrub_index_keys",
+			Help: "(IP, CT key) pairs in the index.",
+		}, func() float64 { return float64(d.ix.Keys()) }),
+		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+			Name: "ctscrub_index_incomplete_ips",
+			Help: "IPs whose index cannot prove completeness; their next scrub sweeps.",
+		}, func() float64 { return float64(d.ix.IncompleteIPs()) }),
+		prometheus.NewCounterFunc(prometheus.CounterOpts{
+			Name: "ctscrub_index_lost_total",
+			Help: "Recorder records lost (ring buffer full); their IPs were marked incomplete.",
+		}, func() float64 {
+			if d.rec == nil {
+				return 0
+			}
+			return float64(d.rec.Lost())
+		}),
+		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+			Name: "ctscrub_indexed_pods",
+			Help: "Pod interfaces the recorder is attached to.",
+		}, func() float64 { return float64(d.pods.activeCount()) }),
+	)
+	return m
+}
+
+// observe records one caller's view of one backend's scrub.
+func (m *metrics) observe(reason scrub.Reason, r scrub.Result) {
+	method := string(r.Method)
+	if method == "" {
+		method = string(scrub.MethodIndex)
+	}
+	m.duration.WithLabelValues(r.Backend, method, string(reason), string(r.Outcome)).Observe(r.Duration.Seconds())
+}
+
+// count records what a flight deleted (once per flight, not per caller).
+func (m *metrics) count(r scrub.Result) {
+	method := string(r.Method)
+	if method == "" {
+		method = string(scrub.MethodIndex)
+	}
+	for mp, n := range r.Deleted {
+		m.deleted.WithLabelValues(r.Backend, mp, method).Add(float64(n))
+	}
+}

@@ -1,0 +1,365 @@
+// Command scrubd is ctscrub's node daemon and its operator CLI.
+//
+//	scrubd [run] [flags]          run the daemon
+//	scrubd status                 daemon status
+//	scrubd scrub --ip X [--ip Y] [--dry-run] [--reason del]
+//	scrubd index [--ip X]         indexed pods, or one IP's index state
+//	scrubd ct stats               entries and capacity per CT table
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"log/slog"
+	"net/netip"
+	"os"
+	"os/signal"
+	"strings"
+	"syscall"
+	"text/tabwriter"
+	"time"
+
+	"github.com/ctscrub/ctscrub/scrubd/api"
+	"github.com/ctscrub/ctscrub/scrubd/client"
+	"github.com/ctscrub/ctscrub/scrubd/daemon"
+	"github.com/ctscrub/ctscrub/scrubd/scrub"
+)
+
+// version is set with -ldflags "-X main.version=...".
+var version = "dev"
+
+func main() {
+	args := os.Args[1:]
+	cmd := "run"
+	if len(args) > 0 && !strings.HasPrefix(args[0], "-") {
+		cmd, args = args[0], args[1:]
+	}
+	var err error
+	switch cmd {
+	case "run":
+		err = run(args)
+	case "status":
+		err = cliStatus(args)
+	case "scrub":
+		err = cliScrub(args)
+	case "index":
+		err = cliIndex(args)
+	case "ct":
+		if len(args) == 0 || args[0] != "stats" {
+			err = errors.New(`usage: scrubd ct stats`)
+		} else {
+			err = cliCTStats(args[1:])
+		}
+	case "version":
+		fmt.Println(version)
+	case "help", "-h", "--help":
+		usage(os.Stdout)
+	default:
+		usage(os.Stderr)
+		err = fmt.Errorf("unknown command %q", cmd)
+	}
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "scrubd:", err)
+		os.Exit(1)
+	}
+}
+
+func usage(w io.Writer) {
+	fmt.Fprint(w, `usage:
+  scrubd [run] [flags]                 run the node daemon (scrubd run -h for flags)
+  scrubd status                        daemon status
+  scrubd scrub --ip X [--ip Y] [--dry-run] [--reason del]
+                                       delete every CT entry of pod IPs (dry run: count)
+  scrubd index [--ip X]                indexed pods, or what the index holds for one IP
+  scrubd ct stats                      entries and capacity of each CT table
+CLI commands take --socket (default `+api.DefaultSocket+`), --timeout and --json.
+`)
+}
+
+// multiFlag collects a repeatable flag.
+type multiFlag []string
+
+func (m *multiFlag) String() string     { return strings.Join(*m, ",") }
+func (m *multiFlag) Set(s string) error { *m = append(*m, s); return nil }
+
+type durationFlag struct{ d *daemon.Duration }
+
+func (f durationFlag) String() string {
+	if f.d == nil {
+		return ""
+	}
+	return f.d.Duration.String()
+}
+func (f durationFlag) Set(s string) error { return f.d.UnmarshalText([]byte(s)) }
+
+func run(args []string) error {
+	fs := flag.NewFlagSet("scrubd run", flag.ContinueOnError)
+	var (
+		configPath = fs.String("config", "", "YAML or JSON config file (see conf/scrubd.yaml); flags given here win over it")
+		flagCfg    = daemon.DefaultConfig()
+		cidrs      multiFlag
+	)
+	fs.StringVar(&flagCfg.Socket, "socket", flagCfg.Socket, "API unix socket (created 0600, directory 0700)")
+	fs.StringVar(&flagCfg.CTRoot, "ct-root", flagCfg.CTRoot, "bpffs directory with Cilium's global CT maps")
+	fs.StringVar(&flagCfg.PinDir, "pin-dir", flagCfg.PinDir, "ctscrub's own bpffs directory (recorder maps and links)")
+	fs.StringVar(&flagCfg.StateFile, "state-file", flagCfg.StateFile, "attachments state file, for restarts")
+	fs.StringVar(&flagCfg.MetricsAddr, "metrics-addr", flagCfg.MetricsAddr, "address of /metrics, /healthz, /readyz (off: none)")
+	fs.Var(&cidrs, "pod-cidr", "pod CIDR of this node, repeatable or comma-separated (REQUIRED): scrubs of other IPs are refused")
+	fs.StringVar(&flagCfg.Backends, "backends", flagCfg.Backends, "auto, cilium, nfct or cilium,nfct")
+	fs.IntVar(&flagCfg.MaxInFlight, "max-in-flight", flagCfg.MaxInFlight, "scrubs running at once (more wait in the queue)")
+	fs.IntVar(&flagCfg.QueueLimit, "queue-limit", flagCfg.QueueLimit, "scrub requests admitted at once; past it: try again later")
+	fs.Var(durationFlag{&flagCfg.ShutdownGrace}, "shutdown-grace", "on SIGTERM, time in-flight scrubs get before they are cancelled")
+	fs.Var(durationFlag{&flagCfg.StoppedTTL}, "stopped-ttl", "how long a stopped attachment's IPs are remembered")
+	fs.Var(durationFlag{&flagCfg.StatsInterval}, "stats-interval", "refresh interval of ctscrub_ct_entries")
+	fs.BoolVar(&flagCfg.Pprof, "pprof", false, "serve /debug/pprof on the metrics address")
+	fs.StringVar(&flagCfg.LogLevel, "log-level", flagCfg.LogLevel, "debug, info, warn or error")
+	if err := fs.Parse(args); err != nil {
+		if errors.Is(err, flag.ErrHelp) {
+			return nil
+		}
+		return err
+	}
+	if fs.NArg() > 0 {
+		return fmt.Errorf("unexpected arguments %q", fs.Args())
+	}
+	flagCfg.PodCIDRs = cidrs
+
+	cfg := daemon.DefaultConfig()
+	if *configPath != "" {
+		if err := daemon.LoadConfigFile(*configPath, &cfg); err != nil {
+			return err
+		}
+	}
+	// Flags given on the command line win over the file.
+	fs.Visit(func(f *flag.Flag) {
+		switch f.Name {
+		case "socket":
+			cfg.Socket = flagCfg.Socket
+		case "ct-root":
+			cfg.CTRoot = flagCfg.CTRoot
+		case "pin-dir":
+			cfg.PinDir = flagCfg.PinDir
+		case "state-file":
+			cfg.StateFile = flagCfg.StateFile
+		case "metrics-addr":
+			cfg.MetricsAddr = flagCfg.MetricsAddr
+		case "pod-cidr":
+			cfg.PodCIDRs = flagCfg.PodCIDRs
+		case "backends":
+			cfg.Backends = flagCfg.Backends
+		case "max-in-flight":
+			cfg.MaxInFlight = flagCfg.MaxInFlight
+		case "queue-limit":
+			cfg.QueueLimit = flagCfg.QueueLimit
+		case "shutdown-grace":
+			cfg.ShutdownGrace = flagCfg.ShutdownGrace
+		case "stopped-ttl":
+			cfg.StoppedTTL = flagCfg.StoppedTTL
+		case "stats-interval":
+			cfg.StatsInterval = flagCfg.StatsInterval
+		case "pprof":
+			cfg.Pprof = flagCfg.Pprof
+		case "log-level":
+			cfg.LogLevel = flagCfg.LogLevel
+		}
+	})
+
+	var level slog.Level
+	if err := level.UnmarshalText([]byte(cfg.LogLevel)); err != nil {
+		return fmt.Errorf("log level %q: want debug, info, warn or error", cfg.LogLevel)
+	}
+	log := slog.New(slog.NewJSONHandler(os.Stderr, &slog.HandlerOptions{Level: level}))
+
+	d, err := daemon.Open(cfg, log, version)
+	if err != nil {
+		return err
+	}
+	defer d.Close()
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
+	defer stop()
+	return d.Run(ctx)
+}
+
+// cliFlags are the flags every CLI command takes.
+func cliFlags(name string) (*flag.FlagSet, *string, *time.Duration, *bool) {
+	fs := flag.NewFlagSet("scrubd "+name, flag.ContinueOnError)
+	socket := fs.String("socket", api.DefaultSocket, "scrubd's API socket")
+	timeout := fs.Duration("timeout", 2*time.Minute, "give up (and cancel the work) after this long")
+	asJSON := fs.Bool("json", false, "print the answer as JSON")
+	return fs, socket, timeout, asJSON
+}
+
+func parseCLI(fs *flag.FlagSet, args []string) error {
+	if err := fs.Parse(args); err != nil {
+		return err
+	}
+	if fs.NArg() > 0 {
+		return fmt.Errorf("unexpected arguments %q", fs.Args())
+	}
+	return nil
+}
+
+func printJSON(v any) error {
+	enc := json.NewEncoder(os.Stdout)
+	enc.SetIndent("", "  ")
+	return enc.Encode(v)
+}
+
+func cliStatus(args []string) error {
+	fs, socket, timeout, asJSON := cliFlags("status")
+	if err := parseCLI(fs, args); err != nil {
+		return err
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), *timeout)
+	defer cancel()
+	st, err := client.New(*socket).Status(ctx)
+	if err != nil {
+		return err
+	}
+	if *asJSON {
+		return printJSON(st)
+	}
+	tw := tabwriter.NewWriter(os.Stdout, 0, 4, 2, ' ', 0)
+	fmt.Fprintf(tw, "version\t%s\nready\t%v\nbackends\t%s\npod CIDRs\t%v\nindexed pods\t%d\nindex keys\t%d\nincomplete IPs\t%d\nin flight\t%d (queue limit %d)\nuptime\t%s\nmetrics\t%s\n",
+		st.Version, st.Ready, strings.Join(st.Backends, ","), st.PodCIDRs, st.IndexedPods, st.IndexKeys, st.IncompleteIPs, st.InFlight, st.QueueLimit, st.Uptime, st.Metrics)
+	return tw.Flush()
+}
+
+func cliScrub(args []string) error {
+	fs, socket, timeout, asJSON := cliFlags("scrub")
+	var ips multiFlag
+	fs.Var(&ips, "ip", "pod IP to scrub (repeatable)")
+	dry := fs.Bool("dry-run", false, "count the entries, delete nothing")
+	reason := fs.String("reason", string(scrub.ReasonDel), "add, del or gc (labels metrics and logs)")
+	if err := parseCLI(fs, args); err != nil {
+		return err
+	}
+	req := api.ScrubRequest{Reason: scrub.Reason(*reason), DryRun: *dry}
+	for _, s := range ips {
+		for _, p := range strings.Split(s, ",") {
+			ip, err := netip.ParseAddr(strings.TrimSpace(p))
+			if err != nil {
+				return fmt.Errorf("--ip %q: %v", p, err)
+			}
+			req.IPs = append(req.IPs, ip)
+		}
+	}
+	if len(req.IPs) == 0 {
+		return errors.New("give at least one --ip")
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), *timeout)
+	defer cancel()
+	resp, err := client.New(*socket).Scrub(ctx, req)
+	var results []scrub.Result
+	if err == nil {
+		results = resp.Results
+	} else if e, ok := client.APIError(err); ok {
+		results = e.Results
+	}
+	if *asJSON && results != nil {
+		printJSON(results)
+	} else {
+		for _, r := range results {
+			verb := "deleted"
+			if *dry {
+				verb = "would delete"
+			}
+			fmt.Printf("%s: %s %d entries by %s in %s (%s)", r.Backend, verb, r.Total, r.Method, r.Duration.Round(time.Microsecond), r.Outcome)
+			for m, n := range r.Deleted {
+				if n > 0 {
+					fmt.Printf(" %s=%d", m, n)
+				}
+			}
+			fmt.Println()
+		}
+	}
+	return err
+}
+
+func cliIndex(args []string) error {
+	fs, socket, timeout, asJSON := cliFlags("index")
+	ipFlag := fs.String("ip", "", "show what the index holds for this IP")
+	if err := parseCLI(fs, args); err != nil {
+		return err
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), *timeout)
+	defer cancel()
+	c := client.New(*socket)
+	if *ipFlag != "" {
+		ip, err := netip.ParseAddr(*ipFlag)
+		if err != nil {
+			return fmt.Errorf("--ip %q: %v", *ipFlag, err)
+		}
+		st, err := c.IndexIP(ctx, ip)
+		if err != nil {
+			return err
+		}
+		if *asJSON {
+			return printJSON(st)
+		}
+		fmt.Printf("%s: %d keys, ", st.IP, st.Keys)
+		if st.Complete {
+			fmt.Print("complete (next scrub: index)")
+		} else {
+			fmt.Printf("incomplete: %s (next scrub: sweep)", st.Incomplete)
+		}
+		if st.Owner != nil {
+			fmt.Printf(", pod %s/%s", st.Owner.ContainerID, st.Owner.IfName)
+		}
+		fmt.Println()
+		return nil
+	}
+	list, err := c.IndexList(ctx)
+	if err != nil {
+		return err
+	}
+	if *asJSON {
+		return printJSON(list)
+	}
+	tw := tabwriter.NewWriter(os.Stdout, 0, 4, 2, ' ', 0)
+	fmt.Fprintln(tw, "CONTAINER\tIFNAME\tIFINDEX\tIPS\tSINCE\tSTOPPED")
+	for _, groups := range [][]api.IndexedPod{list.Pods, list.Stopped} {
+		for _, p := range groups {
+			stopped := "-"
+			if !p.Stopped.IsZero() {
+				stopped = p.Stopped.Format(time.RFC3339)
+			}
+			fmt.Fprintf(tw, "%s\t%s\t%d\t%v\t%s\t%s\n", p.ContainerID, p.IfName, p.Ifindex, p.IPs, p.Since.Format(time.RFC3339), stopped)
+		}
+	}
+	return tw.Flush()
+}
+
+func cliCTStats(args []string) error {
+	fs, socket, timeout, asJSON := cliFlags("ct stats")
+	if err := parseCLI(fs, args); err != nil {
+		return err
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), *timeout)
+	defer cancel()
+	st, err := client.New(*socket).CTStats(ctx)
+	if err != nil {
+		return err
+	}
+	if *asJSON {
+		return printJSON(st)
+	}
+	tw := tabwriter.NewWriter(os.Stdout, 0, 4, 2, ' ', tabwriter.AlignRight)
+	fmt.Fprintln(tw, "BACKEND\tMAP\tENTRIES\tMAX\tUSED\t")
+	for _, m := range st.Maps {
+		used := "-"
+		entries := "?"
+		if m.Entries >= 0 {
+			entries = fmt.Sprint(m.Entries)
+			if m.MaxEntries > 0 {
+				used = fmt.Sprintf("%.1f%%", 100*float64(m.Entries)/float64(m.MaxEntries))
+			}
+		}
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%d\t%s\t\n", m.Backend, m.Map, entries, m.MaxEntries, used)
+	}
+	return tw.Flush()
+}
