@@ -44,16 +44,16 @@ type passArgs struct {
 	Floor             [numClocks]uint32
 	TestRefreshMarker uint64
 
-	NowKtimeNs    uint64
-	NowJiffies64  uint64
-	Now           [numClocks]uint32
-	Stopped       uint32
-	_             uint32
-	Visited       uint64
-	Deleted       uint64
-	Refreshed     uint64
-	Guarded       uint64
-	C             [numClocks]clockStats
+	NowKtimeNs   uint64
+	NowJiffies64 uint64
+	Now          [numClocks]uint32
+	Stopped      uint32
+	_            uint32
+	Visited      uint64
+	Deleted      uint64
+	Refreshed    uint64
+	Guarded      uint64
+	C            [numClocks]clockStats
 }
 
 // mapPass is bpf/expiry.c loaded for one CT map.
