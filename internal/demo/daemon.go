@@ -221,6 +221,9 @@ func parseScrubLine(line []byte) (scrubLine, bool) {
 		}
 	}
 	switch {
+	case m["duration_s"] != nil: // scrubd's field
+		f, _ := m["duration_s"].(float64)
+		s.Duration = time.Duration(f * float64(time.Second))
 	case m["duration_ms"] != nil:
 		f, _ := m["duration_ms"].(float64)
 		s.Duration = time.Duration(f * float64(time.Millisecond))

@@ -77,7 +77,7 @@ func Main() {
 		fmt.Fprintln(os.Stderr, "demo:", err)
 		os.Exit(2)
 	}
-	lk, err := lock()
+	lk, err := lock(5*time.Minute, out)
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "demo:", err)
 		os.Exit(1)

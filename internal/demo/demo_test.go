@@ -6,6 +6,7 @@ import (
 	"os"
 	"path/filepath"
 	"testing"
+	"time"
 
 	"github.com/ctscrub/ctscrub/scrubd/ctmap"
 )
@@ -78,9 +79,11 @@ func TestChainReusesIPs(t *testing.T) {
 	if _, err := os.Stat("/usr/lib/cni/bridge"); err != nil {
 		t.Skip("Debian's containernetworking-plugins not installed (scripts/setup.sh)")
 	}
-	if _, err := os.Stat("/sys/class/net/" + bridgeName); err == nil {
-		t.Skipf("bridge %s exists: a demo is running", bridgeName)
+	lk, err := lock(5*time.Minute, os.Stderr) // the demo uses the same names
+	if err != nil {
+		t.Fatal(err)
 	}
+	t.Cleanup(func() { lk.Close() })
 	work := t.TempDir()
 	c := &Cleanup{}
 	t.Cleanup(func() { c.Run(os.Stderr) })

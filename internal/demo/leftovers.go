@@ -19,17 +19,26 @@ const (
 	lockPath = "/run/ctscrub-demo.lock"
 )
 
-// lock makes sure one demo runs at a time on the machine: they share names.
-func lock() (*os.File, error) {
+// lock makes sure one demo (or test of this package) runs at a time on the
+// machine: they share names. It waits up to wait for a running one to end.
+func lock(wait time.Duration, w io.Writer) (*os.File, error) {
 	f, err := os.OpenFile(lockPath, os.O_CREATE|os.O_RDWR, 0o600)
 	if err != nil {
 		return nil, err
 	}
-	if err := syscall.Flock(int(f.Fd()), syscall.LOCK_EX|syscall.LOCK_NB); err != nil {
-		f.Close()
-		return nil, fmt.Errorf("another ctscrub demo is running on this machine (%s is locked): wait for it or stop it", lockPath)
+	if syscall.Flock(int(f.Fd()), syscall.LOCK_EX|syscall.LOCK_NB) == nil {
+		return f, nil
 	}
-	return f, nil
+	fmt.Fprintf(w, "Another ctscrub demo is running on this machine (%s is locked); waiting up to %s ...\n", lockPath, wait)
+	deadline := time.Now().Add(wait)
+	for time.Now().Before(deadline) {
+		time.Sleep(200 * time.Millisecond)
+		if syscall.Flock(int(f.Fd()), syscall.LOCK_EX|syscall.LOCK_NB) == nil {
+			return f, nil
+		}
+	}
+	f.Close()
+	return nil, fmt.Errorf("another ctscrub demo is still running (%s is locked): wait for it or stop it", lockPath)
 }
 
 // sysctl files the bridge plugin turns on (isGateway); the demo puts back

@@ -300,3 +300,28 @@ func (ch *chain) Del(ctx context.Context, p *pod) (time.Duration, error) {
 	}
 	return took, delNetns(namePrefix + "-" + p.Name)
 }
+
+// waitDAD waits until IPv6 duplicate address detection has finished on the
+// bridge (its gateway address answers neighbour solicitations only then):
+// the bridge plugin does not wait for it, a pod's first v6 packets to the
+// outside would be lost.
+func waitDAD(ctx context.Context, link string) error {
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		out, err := exec.Command("ip", "-6", "addr", "show", "dev", link, "tentative").CombinedOutput()
+		if err != nil {
+			return fmt.Errorf("ip -6 addr show dev %s: %v: %s", link, err, bytes.TrimSpace(out))
+		}
+		if len(bytes.TrimSpace(out)) == 0 {
+			return nil
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("IPv6 addresses of %s still tentative after 10 s: %s", link, bytes.TrimSpace(out))
+		}
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(100 * time.Millisecond):
+		}
+	}
+}

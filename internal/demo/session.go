@@ -85,6 +85,9 @@ func (s *session) run(ctx context.Context, nPods int) error {
 
 	p.section("4. Real traffic: pod to pod, pod to outside, outside to pod (TCP, UDP, ping; v4 and v6)")
 	p.f("   the outside host is netns %s at %s and %s\n", outsideNS, outsideAddr[0].Addr(), outsideAddr[1].Addr())
+	if err := waitDAD(ctx, bridgeName); err != nil {
+		return err
+	}
 	for _, pd := range pods {
 		if err := s.traffic(ctx, pd, pods); err != nil {
 			return err
@@ -356,8 +359,11 @@ func (s *session) metrics(ctx context.Context) {
 		if strings.HasPrefix(l, "#") {
 			continue
 		}
+		if strings.HasSuffix(l, " 0") && strings.HasPrefix(l, "ctscrub_scrub_") {
+			continue
+		}
 		for _, want := range []string{"ctscrub_scrub_duration_seconds_count", "ctscrub_scrub_deleted_entries_total", "ctscrub_index_keys", "ctscrub_index_incomplete_ips", "ctscrub_ct_entries"} {
-			if strings.HasPrefix(l, want) && shown < 16 {
+			if strings.HasPrefix(l, want) && shown < 20 {
 				p.f("   %s\n", l)
 				shown++
 			}

@@ -1,0 +1,244 @@
+package main
+
+import (
+	"bufio"
+	"bytes"
+	"encoding/json"
+	"errors"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"runtime"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/ctscrub/ctscrub/internal/demo"
+)
+
+// result is the demo's last line (RESULT {...}).
+type result struct {
+	Entries int `json:"entries"`
+	Scrubs  []struct {
+		Step    string `json:"step"`
+		Pod     string `json:"pod"`
+		Reason  string `json:"reason"`
+		Method  string `json:"method"`
+		Deleted int    `json:"deleted"`
+		Latency int64  `json:"latency_ns"`
+		Result  string `json:"result"`
+	} `json:"scrubs"`
+	NextKeyWalkS float64 `json:"nextkey_walk_s"`
+	WalkEntries  int     `json:"walk_entries"`
+	Reuse        []struct {
+		IP        string `json:"ip"`
+		OldPod    string `json:"old_pod"`
+		NewPod    string `json:"new_pod"`
+		OldHad    int    `json:"old_entries_before_del"`
+		LeftAtDel int    `json:"left_after_del"`
+		Inherited int    `json:"inherited_by_new_pod"`
+	} `json:"reuse"`
+	Metrics string `json:"metrics"`
+}
+
+func needDemoHost(t *testing.T) {
+	t.Helper()
+	if os.Geteuid() != 0 {
+		t.Skip("the demo needs root: BPF maps, network namespaces")
+	}
+	if _, err := os.Stat("/usr/lib/cni/bridge"); err != nil {
+		t.Skip("Debian's containernetworking-plugins not installed: run scripts/setup.sh")
+	}
+	if _, err := os.Stat("/sys/fs/bpf"); err != nil {
+		t.Skip("bpffs not mounted at /sys/fs/bpf: run scripts/setup.sh")
+	}
+}
+
+// buildAll builds scrubd, the plugin and the demo into a temp dir, as
+// `make demo` does into bin/.
+func buildAll(t *testing.T) string {
+	t.Helper()
+	goBin, err := exec.LookPath("go")
+	if err != nil {
+		goBin = filepath.Join(runtime.GOROOT(), "bin", "go")
+	}
+	dir := t.TempDir()
+	for name, pkg := range map[string]string{"scrubd": "../../scrubd", "ctscrub": "../../plugin", "ctscrub-demo": "."} {
+		cmd := exec.Command(goBin, "build", "-o", filepath.Join(dir, name), pkg)
+		cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
+		if out, err := cmd.CombinedOutput(); err != nil {
+			t.Fatalf("go build %s: %v\n%s", pkg, err, out)
+		}
+	}
+	return dir
+}
+
+// output collects the demo's stdout and lets a test wait for a line.
+type output struct {
+	mu  sync.Mutex
+	buf bytes.Buffer
+}
+
+func (o *output) Write(p []byte) (int, error) {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	return o.buf.Write(p)
+}
+
+func (o *output) String() string {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	return o.buf.String()
+}
+
+type run struct {
+	cmd  *exec.Cmd
+	done chan error
+}
+
+func startDemo(t *testing.T, bin string) (*run, *output) {
+	cmd := exec.Command(filepath.Join(bin, "ctscrub-demo"))
+	cmd.Env = append(os.Environ(), "DEMO_SHORT=1", "DEMO_BIN="+bin, "ENTRIES=", "PER_IP=")
+	out := &output{}
+	cmd.Stdout, cmd.Stderr = out, out
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	r := &run{cmd: cmd, done: make(chan error, 1)}
+	go func() { r.done <- cmd.Wait() }()
+	return r, out
+}
+
+func waitExit(t *testing.T, r *run, out *output, limit time.Duration) int {
+	t.Helper()
+	cmd, done := r.cmd, r.done
+	select {
+	case err := <-done:
+		var ee *exec.ExitError
+		if errors.As(err, &ee) {
+			return ee.ExitCode()
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+		return 0
+	case <-time.After(limit):
+		_ = cmd.Process.Signal(syscall.SIGTERM)
+		<-done
+		t.Fatalf("demo did not finish within %s; output:\n%s", limit, out)
+		return -1
+	}
+}
+
+func checkNoLeftovers(t *testing.T) {
+	t.Helper()
+	if left := demo.Leftovers(); len(left) > 0 {
+		t.Errorf("the demo left behind: %v", left)
+	}
+}
+
+// The short demo runs end to end: every scrub is complete, each reused IP's
+// new pod inherits none of the old pod's CT entries (which it had), the full
+// walk read at least ENTRIES entries, and nothing is left behind.
+func TestDemoShort(t *testing.T) {
+	needDemoHost(t)
+	bin := buildAll(t)
+	cmd, out := startDemo(t, bin)
+	code := waitExit(t, cmd, out, 10*time.Minute)
+	text := out.String()
+	t.Logf("demo output:\n%s", text)
+	if code != 0 {
+		t.Fatalf("demo exited %d", code)
+	}
+	var res result
+	sc := bufio.NewScanner(strings.NewReader(text))
+	sc.Buffer(nil, 1<<20)
+	found := false
+	for sc.Scan() {
+		if j, ok := strings.CutPrefix(sc.Text(), "RESULT "); ok {
+			if err := json.Unmarshal([]byte(j), &res); err != nil {
+				t.Fatalf("RESULT line: %v", err)
+			}
+			found = true
+		}
+	}
+	if !found {
+		t.Fatal("no RESULT line in the demo's output")
+	}
+	if res.WalkEntries < res.Entries || res.NextKeyWalkS <= 0 {
+		t.Errorf("full walk read %d entries in %g s; the maps were filled with %d", res.WalkEntries, res.NextKeyWalkS, res.Entries)
+	}
+	if len(res.Scrubs) == 0 {
+		t.Fatal("no scrub printed")
+	}
+	methods := map[string]int{}
+	for _, s := range res.Scrubs {
+		methods[s.Method]++
+		if s.Result != "complete" {
+			t.Errorf("%s: scrub %s by %s: result %q, want complete", s.Step, s.Reason, s.Method, s.Result)
+		}
+		if s.Method != "index" && s.Method != "sweep" {
+			t.Errorf("%s: scrub method %q", s.Step, s.Method)
+		}
+		if s.Latency <= 0 {
+			t.Errorf("%s: scrub latency %d ns", s.Step, s.Latency)
+		}
+	}
+	// The first scrub of each pre-filled IP sweeps (scrubd never saw those
+	// entries); the pods' own flows were indexed, so their DEL goes by index.
+	if methods["sweep"] == 0 || methods["index"] == 0 {
+		t.Errorf("scrub methods %v: want both sweeps (IPs scrubd never saw) and index scrubs (the pods' own flows)", methods)
+	}
+	if len(res.Reuse) == 0 {
+		t.Fatal("no IP was reused")
+	}
+	for _, r := range res.Reuse {
+		if r.OldHad == 0 {
+			t.Errorf("%s: old pod %s had no CT entries before its DEL: the traffic made none, the check proves nothing", r.IP, r.OldPod)
+		}
+		if r.LeftAtDel != 0 || r.Inherited != 0 {
+			t.Errorf("%s: %d entries left after %s's DEL, %d inherited by %s; want 0 and 0", r.IP, r.LeftAtDel, r.OldPod, r.Inherited, r.NewPod)
+		}
+	}
+	if !strings.Contains(text, "cleanup: done") {
+		t.Error("the demo did not report a clean cleanup")
+	}
+	checkNoLeftovers(t)
+}
+
+// SIGINT in the middle of the demo (pods up, traffic running) still removes
+// everything it created.
+func TestDemoInterrupted(t *testing.T) {
+	needDemoHost(t)
+	if testing.Short() {
+		t.Skip("-short")
+	}
+	bin := buildAll(t)
+	cmd, out := startDemo(t, bin)
+	deadline := time.Now().Add(5 * time.Minute)
+	for !strings.Contains(out.String(), "== 4.") {
+		select {
+		case err := <-cmd.done:
+			t.Fatalf("the demo ended (%v) before its traffic step; output:\n%s", err, out)
+		case <-time.After(20 * time.Millisecond):
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the demo never reached its traffic step; output:\n%s", out)
+		}
+	}
+	if err := cmd.cmd.Process.Signal(syscall.SIGINT); err != nil {
+		t.Fatal(err)
+	}
+	code := waitExit(t, cmd, out, 2*time.Minute)
+	text := out.String()
+	t.Logf("demo output:\n%s", text)
+	if code != 130 {
+		t.Errorf("interrupted demo exited %d, want 130", code)
+	}
+	if !strings.Contains(text, "cleanup: done") {
+		t.Error("the interrupted demo did not report a clean cleanup")
+	}
+	checkNoLeftovers(t)
+}
