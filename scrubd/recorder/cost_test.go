@@ -1,0 +1,27 @@
+package recorder
+
+import (
+	"os"
+	"testing"
+)
+
+func requireRoot(t testing.TB) {
+	t.Helper()
+	if os.Geteuid() != 0 {
+		t.Skip("needs root: BPF programs, maps and network namespaces")
+	}
+}
+
+// The cost figures themselves are checked by `make bench`; this test only
+// proves the measurement runs and yields positive, ordered numbers.
+func TestMeasurePacketCost(t *testing.T) {
+	requireRoot(t)
+	newNs, estNs, err := MeasurePacketCost(2000)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("recorder per packet: new flow %.0f ns, established flow %.0f ns", newNs, estNs)
+	if estNs <= 0 || newNs <= 0 {
+		t.Fatalf("non-positive cost: new %.1f established %.1f", newNs, estNs)
+	}
+}
