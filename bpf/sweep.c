@@ -217,7 +217,8 @@ int sweep6(struct sweep_args *args)
 
 /* Entry count for metrics without a walk: the kernel keeps a per-CPU element
  * counter for hash maps (6.6+); summing it costs O(CPUs). */
-struct bpf_map;
+struct bpf_map {
+} __attribute__((preserve_access_index));
 extern __s64 bpf_map_sum_elem_count(const struct bpf_map *map) __ksym __weak;
 
 struct count_args {

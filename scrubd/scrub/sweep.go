@@ -81,6 +81,10 @@ func (p *mapProg) close() {
 // loadProgs loads bpf/sweep.c once per CT map present in maps, with the map
 // given as the replacement of the program's placeholder, and the IP sets
 // shared by every instance.
+// countErr is why the cheap entry count could not be loaded (for Count's
+// documentation and the daemon's log).
+var countErr error
+
 func loadProgs(maps *ctmap.Maps) (progs [ctmap.NumKinds]*mapProg, ips4, ips6 *ebpf.Map, err error) {
 	spec, err := bpf.LoadSweep()
 	if err != nil {
@@ -146,6 +150,8 @@ func loadProgs(maps *ctmap.Maps) (progs [ctmap.NumKinds]*mapProg, ips4, ips6 *eb
 			MapReplacements: map[string]*ebpf.Map{"ct" + fam: m},
 		}); err == nil {
 			p.count = cobjs.Count
+		} else {
+			countErr = err
 		}
 	}
 	return progs, ips4, ips6, nil
@@ -177,6 +183,8 @@ type Sweeper struct {
 	active  bool // a runner goroutine exists
 
 	passes atomic.Uint64 // passes run (each over every map it needed)
+	inProg atomic.Bool   // the sweep program is running in the kernel
+	last   [ctmap.NumKinds]PassStats
 }
 
 // pass is one shared run of the sweep.
@@ -392,6 +400,7 @@ func (s *Sweeper) runner() {
 
 		s.mu.Lock()
 		p.err = err
+		s.last = p.stats
 		s.running = nil
 		s.setStop(0)
 		s.mu.Unlock()
@@ -441,7 +450,9 @@ func (s *Sweeper) runPass(p *pass) error {
 			return nil
 		}
 		prog.mu.Lock()
+		s.inProg.Store(true)
 		st, err := prog.run(flags)
+		s.inProg.Store(false)
 		prog.mu.Unlock()
 		if err != nil {
 			return err
@@ -537,6 +548,13 @@ func (s *Sweeper) Waiting() (pending, running int) {
 		running = s.running.callers
 	}
 	return pending, running
+}
+
+// lastStats returns the per-map statistics of the last pass.
+func (s *Sweeper) lastStats() [ctmap.NumKinds]PassStats {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.last
 }
 
 // countWalk counts a map's entries with the sweep program in count mode: a
