@@ -170,11 +170,11 @@ func (w *world) addFlows(ip, peer netip.Addr, n int, record bool) {
 			icmp = ctmap.ProtoICMPv6
 		}
 		flows = append(flows,
-			mk(ip, remote, 443, w.nextPort(), ctmap.ProtoTCP, ctmap.FlagOut),  // pod connects out
-			mk(ip, remote, 53, w.nextPort(), ctmap.ProtoUDP, ctmap.FlagOut),   // DNS
-			mk(remote, ip, 8080, w.nextPort(), ctmap.ProtoTCP, ctmap.FlagIn),  // remote connects in
-			mk(ip, peer, 5432, w.nextPort(), ctmap.ProtoTCP, ctmap.FlagOut),   // pod to pod
-			mk(ip, remote, 0, w.nextPort(), icmp, ctmap.FlagOut),              // ping: sport = id
+			mk(ip, remote, 443, w.nextPort(), ctmap.ProtoTCP, ctmap.FlagOut), // pod connects out
+			mk(ip, remote, 53, w.nextPort(), ctmap.ProtoUDP, ctmap.FlagOut),  // DNS
+			mk(remote, ip, 8080, w.nextPort(), ctmap.ProtoTCP, ctmap.FlagIn), // remote connects in
+			mk(ip, peer, 5432, w.nextPort(), ctmap.ProtoTCP, ctmap.FlagOut),  // pod to pod
+			mk(ip, remote, 0, w.nextPort(), icmp, ctmap.FlagOut),             // ping: sport = id
 		)
 	}
 	for _, f := range flows {
