@@ -161,7 +161,7 @@ func (s *session) addPod(ctx context.Context, name, step string) (*pod, error) {
 	s.servers[name] = srv
 	s.cleanup.Push("stop "+name+"'s servers", func() error { srv.Close(); return nil })
 	s.p.f("   %-6s ADD  %-13s %-20s host veth %-15s CNI ADD took %s\n", pd.Name, pd.V4, pd.V6, pd.HostVeth, dur(pd.AddTook))
-	s.scrubLines(step+" "+name, pd, "add", pd.AddTook)
+	s.scrubLines(step, pd, "add", pd.AddTook)
 	return pd, nil
 }
 
@@ -282,7 +282,7 @@ func (s *session) reuseIP(ctx context.Context, old *pod, name string, pods []*po
 	if srv := s.servers[old.Name]; srv != nil {
 		srv.Close()
 	}
-	s.scrubLines("DEL "+old.Name, old, "del", took)
+	s.scrubLines("DEL", old, "del", took)
 	left, err := entriesOf(s.maps, old.IPs()...)
 	if err != nil {
 		return err
@@ -319,16 +319,17 @@ func (s *session) summary() {
 		p.f("   no scrubs were logged (is bin/ctscrub in the chain?)\n")
 		return
 	}
-	p.f("   %-10s %-6s %-6s %-8s %10s %12s %-10s %12s\n", "step", "pod", "reason", "method", "deleted", "latency", "result", "CNI call")
+	p.f("   %-4s %-6s %-13s %-7s %-8s %10s %12s %-10s %12s\n", "CNI", "pod", "IPv4", "reason", "method", "deleted", "latency", "result", "CNI call")
 	var idx []time.Duration
 	for _, r := range s.rows {
-		p.f("   %-10s %-6s %-6s %-8s %10s %12s %-10s %12s\n", r.Step[:min(len(r.Step), 10)], r.Pod, r.Reason, r.Method, num(r.Deleted), dur(r.Latency), r.Result, dur(r.CNITotal))
+		p.f("   %-4s %-6s %-13s %-7s %-8s %10s %12s %-10s %12s\n", r.Step, r.Pod, strings.Fields(r.IPs + " -")[0], r.Reason, r.Method, num(r.Deleted), dur(r.Latency), r.Result, dur(r.CNITotal))
 		if r.Method == "index" {
 			idx = append(idx, r.Latency)
 		}
 	}
-	p.f("   %-10s %-6s %-6s %-8s %10s %12s   (%s entries read)\n", "walk", "-", "-", "nextkey", num(s.walkNK.Matches), dur(s.walkNK.Duration), num(s.walkNK.Entries))
-	p.f("   %-10s %-6s %-6s %-8s %10s %12s   (%s entries read)\n", "walk", "-", "-", "batch", num(s.walkB.Matches), dur(s.walkB.Duration), num(s.walkB.Entries))
+	p.f("   one full walk of the same maps, for comparison (what Cilium does for each of the scrubs above):\n")
+	p.f("   %-4s %-6s %-13s %-7s %-8s %10s %12s   (found; %s entries read)\n", "-", "-", "-", "-", "nextkey", num(s.walkNK.Matches), dur(s.walkNK.Duration), num(s.walkNK.Entries))
+	p.f("   %-4s %-6s %-13s %-7s %-8s %10s %12s   (found; %s entries read)\n", "-", "-", "-", "-", "batch", num(s.walkB.Matches), dur(s.walkB.Duration), num(s.walkB.Entries))
 	if len(idx) > 0 {
 		sort.Slice(idx, func(i, j int) bool { return idx[i] < idx[j] })
 		med := idx[len(idx)/2]
