@@ -1,0 +1,387 @@
+// Command expiry (make bench-expiry) measures one expiry pass of ctscrub
+// against the two ways Cilium garbage-collects a CT map, on the same map in
+// one run:
+//
+//   - ctscrub: the in-kernel pass (bpf/expiry.c through scrubd/expiry), once
+//     counting only (report) and once deleting (sweep);
+//   - Cilium 1.16: a NextKey + Lookup walk from user space deleting expired
+//     entries as it goes (two syscalls per entry, three per expired one);
+//   - Cilium 1.18+: BPF_MAP_LOOKUP_BATCH over the whole map, then one delete
+//     per expired entry.
+//
+// The map has Cilium's TCP4 layout and ENTRIES entries (default 4194304), half
+// of them expired; the expired half is written back between methods so each
+// sees the same map. The last line is JSON.
+//
+// NEXTKEY_MAX_VISITS (default 0 = whole map) stops the NextKey walk after
+// that many entries and extrapolates its time linearly to the whole map; the
+// JSON says whether it did.
+package main
+
+import (
+	"context"
+	"encoding/binary"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"log"
+	"os"
+	"runtime"
+	"strconv"
+	"time"
+
+	"github.com/cilium/ebpf"
+	"github.com/cilium/ebpf/rlimit"
+	"golang.org/x/sys/unix"
+
+	"github.com/ctscrub/ctscrub/scrubd/ctmap"
+	"github.com/ctscrub/ctscrub/scrubd/expiry"
+)
+
+func envInt(name string, def int) int {
+	s := os.Getenv(name)
+	if s == "" {
+		return def
+	}
+	v, err := strconv.Atoi(s)
+	if err != nil || v < 0 {
+		log.Fatalf("%s=%q: want a non-negative integer", name, s)
+	}
+	return v
+}
+
+// key is the i-th entry's key: distinct for every i below 2^32.
+func key(i int) ctmap.CTKey4 {
+	var k ctmap.CTKey4
+	binary.BigEndian.PutUint32(k[0:4], 0x0a000000|uint32(i>>8))  // daddr: initiator
+	binary.BigEndian.PutUint32(k[4:8], 0x0aff0000|uint32(i&0xff)) // saddr: responder
+	binary.BigEndian.PutUint16(k[8:10], 443)
+	binary.BigEndian.PutUint16(k[10:12], uint16(32768+i%28232))
+	k[12] = ctmap.ProtoTCP
+	k[13] = ctmap.FlagOut
+	return k
+}
+
+// lifetime of the i-th entry: odd entries expired (up to 50 min ago, or half
+// the uptime on a freshly booted machine: no entry predates the boot), even
+// ones live (for up to 6 h).
+func lifetime(i int, now uint32) uint32 {
+	if i%2 == 1 {
+		return now - 1 - uint32(i)%min(3000, now/2)
+	}
+	return now + 60 + uint32(i%21600)
+}
+
+func expired(lt, now uint32) bool { return lt < now }
+
+// monoNow is Cilium's ktime clock: CLOCK_MONOTONIC seconds, what
+// bpf_ktime_get_ns() / 1e9 reads.
+func monoNow() uint32 {
+	var ts unix.Timespec
+	if err := unix.ClockGettime(unix.CLOCK_MONOTONIC, &ts); err != nil {
+		log.Fatal(err)
+	}
+	return uint32(ts.Sec)
+}
+
+const chunk = 1 << 16
+
+// write puts entries i = start, start+step, ... < n.
+func write(m *ebpf.Map, n, start, step int, now uint32) {
+	keys := make([]ctmap.CTKey4, 0, chunk)
+	vals := make([]ctmap.Entry, 0, chunk)
+	flush := func() {
+		if len(keys) == 0 {
+			return
+		}
+		if _, err := m.BatchUpdate(keys, vals, nil); err != nil {
+			log.Fatalf("fill map: %v", err)
+		}
+		keys, vals = keys[:0], vals[:0]
+	}
+	for i := start; i < n; i += step {
+		keys = append(keys, key(i))
+		vals = append(vals, ctmap.EncodeEntry(ctmap.EntryFields{Lifetime: lifetime(i, now), Packets: 10, Bytes: 1500, Flags: 1}))
+		if len(keys) == chunk {
+			flush()
+		}
+	}
+	flush()
+}
+
+// count counts the map's entries with a batch walk (not timed).
+func count(m *ebpf.Map) int {
+	keys := make([]ctmap.CTKey4, chunk)
+	vals := make([]ctmap.Entry, chunk)
+	var cur ebpf.MapBatchCursor
+	total := 0
+	for {
+		n, err := m.BatchLookup(&cur, keys, vals, nil)
+		total += n
+		if errors.Is(err, ebpf.ErrKeyNotExist) {
+			return total
+		}
+		if err != nil {
+			log.Fatalf("count: %v", err)
+		}
+	}
+}
+
+// threadCPU is the calling thread's CPU time (user + system).
+func threadCPU() time.Duration {
+	var ru unix.Rusage
+	if err := unix.Getrusage(unix.RUSAGE_THREAD, &ru); err != nil {
+		log.Fatal(err)
+	}
+	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
+}
+
+// nextKeyGC is Cilium 1.16's way: walk with NextKey + Lookup from user space,
+// fetching the next key before deleting the current one (so the walk does not
+// restart), deleting entries whose lifetime is before now. It stops after
+// maxVisits entries when maxVisits > 0.
+func nextKeyGC(m *ebpf.Map, now uint32, maxVisits int) (visited, deleted int, err error) {
+	var cur, next ctmap.CTKey4
+	var v ctmap.Entry
+	if err := m.NextKey(nil, &cur); err != nil {
+		if errors.Is(err, ebpf.ErrKeyNotExist) {
+			return 0, 0, nil
+		}
+		return 0, 0, err
+	}
+	for {
+		nextErr := m.NextKey(&cur, &next)
+		if err := m.Lookup(&cur, &v); err == nil {
+			visited++
+			if expired(v.Lifetime(), now) {
+				if err := m.Delete(&cur); err == nil {
+					deleted++
+				} else if !errors.Is(err, ebpf.ErrKeyNotExist) {
+					return visited, deleted, err
+				}
+			}
+		}
+		if errors.Is(nextErr, ebpf.ErrKeyNotExist) {
+			return visited, deleted, nil
+		}
+		if nextErr != nil {
+			return visited, deleted, nextErr
+		}
+		if maxVisits > 0 && visited >= maxVisits {
+			return visited, deleted, nil
+		}
+		cur = next
+	}
+}
+
+// batchGC is Cilium 1.18+'s way: BPF_MAP_LOOKUP_BATCH over the whole map
+// collecting expired keys, then one delete per key.
+func batchGC(m *ebpf.Map, now uint32) (visited, deleted int, err error) {
+	size := 1 << 12
+	keys := make([]ctmap.CTKey4, size)
+	vals := make([]ctmap.Entry, size)
+	var doomed []ctmap.CTKey4
+	var cur ebpf.MapBatchCursor
+	for {
+		n, err := m.BatchLookup(&cur, keys, vals, nil)
+		if errors.Is(err, unix.ENOSPC) { // a bucket larger than the buffer
+			size *= 2
+			keys, vals = make([]ctmap.CTKey4, size), make([]ctmap.Entry, size)
+			continue
+		}
+		for i := range n {
+			visited++
+			if expired(vals[i].Lifetime(), now) {
+				doomed = append(doomed, keys[i])
+			}
+		}
+		if errors.Is(err, ebpf.ErrKeyNotExist) {
+			break
+		}
+		if err != nil {
+			return visited, deleted, err
+		}
+	}
+	for i := range doomed {
+		if err := m.Delete(&doomed[i]); err == nil {
+			deleted++
+		} else if !errors.Is(err, ebpf.ErrKeyNotExist) {
+			return visited, deleted, err
+		}
+	}
+	return visited, deleted, nil
+}
+
+type result struct {
+	Date                  string  `json:"date"`
+	Kernel                string  `json:"kernel"`
+	CPUs                  int     `json:"cpus"`
+	Entries               int     `json:"entries"`
+	Expired               int     `json:"expired"`
+	MaxEntries            int     `json:"max_entries"`
+	CtscrubReportS        float64 `json:"ctscrub_report_s"`
+	CtscrubReportCPUS     float64 `json:"ctscrub_report_cpu_s"`
+	CtscrubSweepS         float64 `json:"ctscrub_sweep_s"`
+	CtscrubSweepCPUS      float64 `json:"ctscrub_sweep_cpu_s"`
+	CtscrubDeleted        uint64  `json:"ctscrub_deleted"`
+	NextkeyGCS            float64 `json:"nextkey_gc_s"`
+	NextkeyCPUS           float64 `json:"nextkey_gc_cpu_s"`
+	NextkeyExtrapolated   bool    `json:"nextkey_extrapolated"`
+	NextkeyVisited        int     `json:"nextkey_visited"`
+	NextkeyDeleted        int     `json:"nextkey_deleted"`
+	BatchGCS              float64 `json:"batch_gc_s"`
+	BatchCPUS             float64 `json:"batch_gc_cpu_s"`
+	BatchDeleted          int     `json:"batch_deleted"`
+	SpeedupVsBatch        float64 `json:"speedup_vs_batch"`
+	SpeedupVsNextkey      float64 `json:"speedup_vs_nextkey"`
+	CtscrubCPUShareAt60s  float64 `json:"ctscrub_cpu_share_at_60s"`
+	TargetSpeedupVsBatch2 bool    `json:"target_2x_vs_batch_met"`
+	TargetCPUShare10pct   bool    `json:"target_cpu_share_le_10pct_met"`
+}
+
+func main() {
+	log.SetFlags(0)
+	if os.Geteuid() != 0 {
+		log.Fatal("bench-expiry needs root (BPF maps and programs)")
+	}
+	if err := rlimit.RemoveMemlock(); err != nil {
+		log.Fatal(err)
+	}
+	n := envInt("ENTRIES", 4194304)
+	if n < 1024 {
+		log.Fatalf("ENTRIES=%d: want at least 1024", n)
+	}
+	maxVisits := envInt("NEXTKEY_MAX_VISITS", 0)
+	// Headroom: an LRU map starts evicting before it is full, which would
+	// make the methods see different maps.
+	maxEntries := n + n/4
+	// Keep every timed syscall on one thread so RUSAGE_THREAD sees it.
+	runtime.LockOSThread()
+
+	m, err := ebpf.NewMap(ctmap.TCP4.Spec(uint32(maxEntries)))
+	if err != nil {
+		log.Fatalf("create %d-entry map: %v (needs ~%d MB of kernel memory)", maxEntries, err, maxEntries*140>>20)
+	}
+	defer m.Close()
+	now := monoNow()
+	t0 := time.Now()
+	write(m, n, 0, 1, now)
+	if c := count(m); c != n {
+		log.Fatalf("filled %d entries, want %d (LRU eviction?)", c, n)
+	}
+	nExpired := n / 2
+	fmt.Printf("map: %s, %d entries (%d expired), max_entries %d, filled in %s\n", ctmap.TCP4.Name(), n, nExpired, maxEntries, time.Since(t0).Round(time.Millisecond))
+	refill := func() {
+		write(m, n, 1, 2, now)
+		if c := count(m); c != n {
+			log.Fatalf("refilled to %d entries, want %d", c, n)
+		}
+	}
+
+	maps, err := ctmap.FromMaps([ctmap.NumKinds]*ebpf.Map{ctmap.TCP4: m})
+	if err != nil {
+		log.Fatal(err)
+	}
+	res := result{Date: time.Now().UTC().Format(time.RFC3339), CPUs: runtime.NumCPU(), Entries: n, Expired: nExpired, MaxEntries: maxEntries}
+	var uts unix.Utsname
+	if unix.Uname(&uts) == nil {
+		res.Kernel = unix.ByteSliceToString(uts.Release[:])
+	}
+	ctx := context.Background()
+
+	// ctscrub, report mode: counts only.
+	rep, err := expiry.New(maps, expiry.Config{Mode: expiry.ModeReport, Clock: expiry.ClockAuto, PassTimeout: 10 * time.Minute}, expiry.Options{})
+	if err != nil {
+		log.Fatal(err)
+	}
+	c0 := threadCPU()
+	r, err := rep.Pass(ctx)
+	res.CtscrubReportCPUS = (threadCPU() - c0).Seconds()
+	rep.Close()
+	if err != nil {
+		log.Fatal(err)
+	}
+	tot := r.Total()
+	res.CtscrubReportS = tot.Duration.Seconds()
+	if tot.Live != uint64(n-nExpired) || tot.Expired != uint64(nExpired) || !r.Decision.Confirmed || r.Decision.Clock != expiry.ClockKtime {
+		log.Fatalf("report pass: live %d expired %d decision %+v; want %d, %d, ktime confirmed", tot.Live, tot.Expired, r.Decision, n-nExpired, nExpired)
+	}
+	fmt.Printf("ctscrub report pass: %.3fs (thread CPU %.3fs), clock %s confirmed\n", res.CtscrubReportS, res.CtscrubReportCPUS, r.Decision.Clock)
+
+	// ctscrub, sweep mode. The clock is configured so the measured pass is
+	// the sweep alone (in auto mode the first pass counts, confirms, then
+	// sweeps; every later pass is one sweep like this one).
+	sw, err := expiry.New(maps, expiry.Config{Mode: expiry.ModeSweep, Clock: expiry.ClockKtime, PassTimeout: 10 * time.Minute}, expiry.Options{})
+	if err != nil {
+		log.Fatal(err)
+	}
+	c0 = threadCPU()
+	r, err = sw.Pass(ctx)
+	res.CtscrubSweepCPUS = (threadCPU() - c0).Seconds()
+	sw.Close()
+	if err != nil {
+		log.Fatal(err)
+	}
+	tot = r.Total()
+	res.CtscrubSweepS = tot.Duration.Seconds()
+	res.CtscrubDeleted = tot.Deleted
+	if left := count(m); tot.Deleted != uint64(nExpired) || left != n-nExpired {
+		log.Fatalf("ctscrub sweep deleted %d, %d left; want %d and %d", tot.Deleted, left, nExpired, n-nExpired)
+	}
+	fmt.Printf("ctscrub sweep pass: %.3fs (thread CPU %.3fs), deleted %d\n", res.CtscrubSweepS, res.CtscrubSweepCPUS, tot.Deleted)
+	refill()
+
+	// Cilium 1.16: NextKey + Lookup walk.
+	c0 = threadCPU()
+	start := time.Now()
+	visited, deleted, err := nextKeyGC(m, now, maxVisits)
+	took := time.Since(start)
+	res.NextkeyCPUS = (threadCPU() - c0).Seconds()
+	if err != nil {
+		log.Fatalf("NextKey GC: %v", err)
+	}
+	res.NextkeyVisited, res.NextkeyDeleted = visited, deleted
+	res.NextkeyGCS = took.Seconds()
+	if visited < n {
+		res.NextkeyExtrapolated = true
+		res.NextkeyGCS = took.Seconds() * float64(n) / float64(visited)
+		res.NextkeyCPUS = res.NextkeyCPUS * float64(n) / float64(visited)
+		fmt.Printf("Cilium 1.16 NextKey GC: %d of %d entries in %.3fs, extrapolated to %.3fs\n", visited, n, took.Seconds(), res.NextkeyGCS)
+	} else {
+		if deleted != nExpired {
+			log.Fatalf("NextKey GC deleted %d, want %d", deleted, nExpired)
+		}
+		fmt.Printf("Cilium 1.16 NextKey GC: %.3fs, deleted %d\n", res.NextkeyGCS, deleted)
+	}
+	refill()
+
+	// Cilium 1.18+: batch lookup, then deletes.
+	c0 = threadCPU()
+	start = time.Now()
+	visited, deleted, err = batchGC(m, now)
+	res.BatchGCS = time.Since(start).Seconds()
+	res.BatchCPUS = (threadCPU() - c0).Seconds()
+	if err != nil {
+		log.Fatalf("batch GC: %v", err)
+	}
+	res.BatchDeleted = deleted
+	if deleted != nExpired || visited != n {
+		log.Fatalf("batch GC visited %d deleted %d, want %d and %d", visited, deleted, n, nExpired)
+	}
+	fmt.Printf("Cilium 1.18+ batch GC: %.3fs, deleted %d\n", res.BatchGCS, deleted)
+
+	res.SpeedupVsBatch = round(res.BatchGCS / res.CtscrubSweepS)
+	res.SpeedupVsNextkey = round(res.NextkeyGCS / res.CtscrubSweepS)
+	res.CtscrubCPUShareAt60s = round(res.CtscrubSweepS / 60)
+	res.TargetSpeedupVsBatch2 = res.SpeedupVsBatch >= 2
+	res.TargetCPUShare10pct = res.CtscrubCPUShareAt60s <= 0.10
+	for _, p := range []*float64{&res.CtscrubReportS, &res.CtscrubReportCPUS, &res.CtscrubSweepS, &res.CtscrubSweepCPUS, &res.NextkeyGCS, &res.NextkeyCPUS, &res.BatchGCS, &res.BatchCPUS} {
+		*p = round(*p)
+	}
+	fmt.Printf("ctscrub sweep vs batch GC: %.2fx, vs NextKey GC: %.2fx; CPU share at a 60 s interval: %.2f%% of one core\n",
+		res.SpeedupVsBatch, res.SpeedupVsNextkey, 100*res.CtscrubCPUShareAt60s)
+	out, _ := json.Marshal(res)
+	fmt.Println(string(out))
+}
+
+func round(v float64) float64 { return float64(int64(v*10000+0.5)) / 10000 }
