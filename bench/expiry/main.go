@@ -53,7 +53,7 @@ func envInt(name string, def int) int {
 // key is the i-th entry's key: distinct for every i below 2^32.
 func key(i int) ctmap.CTKey4 {
 	var k ctmap.CTKey4
-	binary.BigEndian.PutUint32(k[0:4], 0x0a000000|uint32(i>>8))  // daddr: initiator
+	binary.BigEndian.PutUint32(k[0:4], 0x0a000000|uint32(i>>8))   // daddr: initiator
 	binary.BigEndian.PutUint32(k[4:8], 0x0aff0000|uint32(i&0xff)) // saddr: responder
 	binary.BigEndian.PutUint16(k[8:10], 443)
 	binary.BigEndian.PutUint16(k[10:12], uint16(32768+i%28232))
