@@ -1,6 +1,7 @@
 package demo
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"net/netip"
@@ -226,7 +227,7 @@ type fillPlan struct {
 }
 
 // fill writes plan into the maps and returns the number of entries put in.
-func fill(m *ctMaps, plan fillPlan) (int, time.Duration, error) {
+func fill(ctx context.Context, m *ctMaps, plan fillPlan) (int, time.Duration, error) {
 	start := time.Now()
 	g := newFlowGen(m)
 	for _, ip := range plan.Owners {
@@ -239,6 +240,9 @@ func fill(m *ctMaps, plan fillPlan) (int, time.Duration, error) {
 	flows := (plan.Entries - len(plan.Owners)*(plan.PerOwner/2)*2) / 2
 	nbg := len(plan.Background)
 	for i := 0; i < flows; i++ {
+		if i%65536 == 0 && ctx.Err() != nil {
+			return g.put, time.Since(start), ctx.Err()
+		}
 		if err := g.flow(plan.Background[i%nbg], i/nbg); err != nil {
 			return g.put, time.Since(start), err
 		}

@@ -165,7 +165,7 @@ func Run(ctx context.Context, cfg Config, cleanup *Cleanup, w io.Writer) error {
 	}
 	nbg := max(64, cfg.Entries/256)
 	nbg -= nbg % 4
-	put, took, err := fill(maps, fillPlan{
+	put, took, err := fill(ctx, maps, fillPlan{
 		Entries:    cfg.Entries,
 		Background: backgroundPods(bgPods4, bgPods6, nbg),
 		Owners:     owners,

@@ -35,7 +35,7 @@ func TestFillAndWalks(t *testing.T) {
 	t.Cleanup(func() { m.Close() })
 	owners4, owners6 := podRange(2)
 	owners := append(owners4, owners6...)
-	put, _, err := fill(m, fillPlan{Entries: entries, Background: backgroundPods(bgPods4, bgPods6, 128), Owners: owners, PerOwner: perOwner})
+	put, _, err := fill(context.Background(), m, fillPlan{Entries: entries, Background: backgroundPods(bgPods4, bgPods6, 128), Owners: owners, PerOwner: perOwner})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -55,7 +55,7 @@ func TestFillAndWalks(t *testing.T) {
 		}
 	}
 	for _, ip := range owners {
-		nk, err := nextKeyWalk(m, []netip.Addr{ip})
+		nk, err := nextKeyWalk(context.Background(), m, []netip.Addr{ip})
 		if err != nil {
 			t.Fatal(err)
 		}

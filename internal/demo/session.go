@@ -100,7 +100,7 @@ func (s *session) run(ctx context.Context, nPods int) error {
 	victim := pods[1]
 	p.section("5. One full walk of the same maps, as Cilium scrubs one IP")
 	p.f("   looking for %s's entries (%s), deleting nothing:\n", victim.Name, ipList(victim.IPs()))
-	if s.walkNK, err = nextKeyWalk(s.maps, victim.IPs()); err != nil {
+	if s.walkNK, err = nextKeyWalk(ctx, s.maps, victim.IPs()); err != nil {
 		return err
 	}
 	p.f("   NextKey+Lookup walk (Cilium 1.16):   read %s entries in %s, %s of them %s's\n",

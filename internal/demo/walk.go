@@ -1,6 +1,7 @@
 package demo
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"net/netip"
@@ -22,7 +23,7 @@ type walkResult struct {
 // nextKeyWalk reads every entry with BPF_MAP_GET_NEXT_KEY + BPF_MAP_LOOKUP_ELEM,
 // two syscalls per entry, as Cilium 1.16's ctmap.GC does for an endpoint's
 // scrub. It deletes nothing: the demo times the walk, ctscrub does the delete.
-func nextKeyWalk(m *ctMaps, ips []netip.Addr) (walkResult, error) {
+func nextKeyWalk(ctx context.Context, m *ctMaps, ips []netip.Addr) (walkResult, error) {
 	var r walkResult
 	start := time.Now()
 	for _, k := range ctmap.Kinds {
@@ -48,6 +49,9 @@ func nextKeyWalk(m *ctMaps, ips []netip.Addr) (walkResult, error) {
 				return r, fmt.Errorf("walk %s: lookup: %w", k.Name(), err)
 			}
 			r.Entries++
+			if r.Entries%65536 == 0 && ctx.Err() != nil {
+				return r, ctx.Err()
+			}
 			if keyHas(k, key, ips) {
 				r.Matches++
 			}
