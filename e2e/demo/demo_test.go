@@ -252,3 +252,40 @@ func TestDemoInterrupted(t *testing.T) {
 	}
 	checkNoLeftovers(t)
 }
+
+// A demo killed with SIGKILL cannot clean up; the next run removes what it
+// left (netns, links, the daemon, pins, work dir) before it starts.
+func TestDemoAfterKill(t *testing.T) {
+	needDemoHost(t)
+	if testing.Short() {
+		t.Skip("-short")
+	}
+	bin := buildAll(t)
+	first, out := startDemo(t, bin)
+	deadline := time.Now().Add(5 * time.Minute)
+	for !strings.Contains(out.String(), "== 4.") {
+		select {
+		case err := <-first.done:
+			t.Fatalf("the demo ended (%v) before its traffic step; output:\n%s", err, out)
+		case <-time.After(20 * time.Millisecond):
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the demo never reached its traffic step; output:\n%s", out)
+		}
+	}
+	_ = first.cmd.Process.Kill()
+	<-first.done
+	if len(demo.Leftovers()) == 0 {
+		t.Fatal("a killed demo left nothing behind: this test would prove nothing")
+	}
+	second, out2 := startDemo(t, bin)
+	code := waitExit(t, second, out2, 10*time.Minute)
+	text := out2.String()
+	if code != 0 {
+		t.Fatalf("demo after a killed one exited %d; output:\n%s", code, text)
+	}
+	if !strings.Contains(text, "Removed what an interrupted run left behind") || !strings.Contains(text, "scrubd pid") {
+		t.Errorf("the second run did not report removing the killed run's leftovers (netns, daemon); output:\n%s", text)
+	}
+	checkNoLeftovers(t)
+}
