@@ -11,6 +11,7 @@ import (
 	"github.com/containernetworking/cni/pkg/skel"
 	"github.com/containernetworking/cni/pkg/types"
 	current "github.com/containernetworking/cni/pkg/types/100"
+	"github.com/containernetworking/cni/pkg/version"
 
 	"github.com/ctscrub/ctscrub/scrubd/api"
 	"github.com/ctscrub/ctscrub/scrubd/client"
@@ -176,9 +177,27 @@ func cmdDel(args *skel.CmdArgs) error {
 	cl := client.New(conf.Socket)
 	id := attachmentID(args)
 	if err := del(ctx, cl, conf, args, ips); err != nil {
+		if client.IsUnavailable(err.err) && neverAdded(conf) {
+			fmt.Fprintf(stderr, "ctscrub: DEL %s: scrubd is unavailable, but without prevResult at cniVersion %s the runtime has no successful ADD on record: the pod never ran, nothing of it to scrub; letting the chain release its IP\n",
+				id, conf.CNIVersion)
+			return nil
+		}
 		return failure(conf, "DEL", id, err.what, err.err)
 	}
 	return nil
+}
+
+// neverAdded reports whether a DEL's config says the runtime has no record of
+// a successful ADD: from 0.4.0 on, runtimes pass the cached result of the ADD
+// as prevResult, and cache it only when the whole chain succeeded. Such a DEL
+// is the cleanup of a failed ADD (or a repeat of a DEL that succeeded), so the
+// pod never ran and failing it would only leak the netns and the IP.
+func neverAdded(conf *Config) bool {
+	if conf.PrevResult != nil {
+		return false
+	}
+	ok, err := version.GreaterThanOrEqualTo(conf.CNIVersion, "0.4.0")
+	return err == nil && ok
 }
 
 func del(ctx context.Context, cl *client.Client, conf *Config, args *skel.CmdArgs, ips []netip.Addr) *stepError {
@@ -228,7 +247,7 @@ func del(ctx context.Context, cl *client.Client, conf *Config, args *skel.CmdArg
 	}
 	if rec != nil {
 		// After the scrub, so that the index covers every flow up to it.
-		err := cl.IndexStop(ctx, api.IndexStopRequest{Attachment: me})
+		err := cl.IndexStop(ctx, api.IndexStopRequest{Attachment: me, Netns: args.Netns})
 		if e, ok := client.APIError(err); ok && e.Code == api.CodeNotFound {
 			err = nil // a concurrent DEL stopped it first
 		}

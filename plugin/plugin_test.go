@@ -149,8 +149,20 @@ func TestDaemonSocketMissing(t *testing.T) {
 		}
 		_, _, err = run(t, cmdDel, cmdArgs(stdin(t, ver, fail, prevResult(ver))))
 		mustCNIError(t, err, types.ErrPluginNotAvailable)
+		// DEL without prevResult: from 0.4.0 on, the runtime has no
+		// successful ADD on record (the cleanup of a failed ADD), so the pod
+		// never ran and DEL lets the chain release the IP. Below 0.4.0 DEL
+		// never gets prevResult, so nothing can be concluded: it fails.
+		_, logged, err := run(t, cmdDel, cmdArgs(stdin(t, ver, fail, nil)))
+		if ver >= "0.4.0" {
+			if err != nil || !strings.Contains(logged, "the pod never ran") {
+				t.Errorf("%s DEL without prevResult, no scrubd: %v, stderr %q", ver, err, logged)
+			}
+		} else {
+			mustCNIError(t, err, types.ErrPluginNotAvailable)
+		}
 
-		out, logged, err := run(t, cmdAdd, cmdArgs(stdin(t, ver, ignore, prevResult(ver))))
+		out, logged, err = run(t, cmdAdd, cmdArgs(stdin(t, ver, ignore, prevResult(ver))))
 		if err != nil {
 			t.Fatalf("%s ADD ignore: %v", ver, err)
 		}

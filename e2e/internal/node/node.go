@@ -1,0 +1,306 @@
+// Package node sets up, for the end-to-end tests of e2e/cni and e2e/cri, what
+// a Cilium node has: Cilium-layout CT maps in a private bpffs directory, a real
+// scrubd running as a subprocess on a temp socket, and the ctscrub plugin
+// binary. Everything it creates is removed by t.Cleanup, also on failure.
+package node
+
+import (
+	"bufio"
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"fmt"
+	"net"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"runtime"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/cilium/ebpf"
+
+	"github.com/ctscrub/ctscrub/scrubd/client"
+	"github.com/ctscrub/ctscrub/scrubd/ctmap"
+)
+
+// RequireRoot skips the test unless it runs as root with bpffs mounted.
+func RequireRoot(t *testing.T) {
+	t.Helper()
+	if os.Geteuid() != 0 {
+		t.Skip("needs root: BPF maps, network namespaces, scrubd")
+	}
+	if _, err := os.Stat("/sys/fs/bpf"); err != nil {
+		t.Skip("needs bpffs at /sys/fs/bpf (run scripts/setup.sh)")
+	}
+}
+
+// RequireTool skips the test when a program is not installed and returns its
+// path. It also looks in $GOPATH/bin, where scripts/setup.sh puts crictl.
+func RequireTool(t *testing.T, name string) string {
+	t.Helper()
+	if p, err := exec.LookPath(name); err == nil {
+		return p
+	}
+	if out, err := exec.Command("go", "env", "GOPATH").Output(); err == nil {
+		p := filepath.Join(strings.TrimSpace(string(out)), "bin", name)
+		if _, err := os.Stat(p); err == nil {
+			return p
+		}
+	}
+	t.Skipf("%s is not installed (scripts/setup.sh installs it)", name)
+	return ""
+}
+
+// Suffix returns a short random suffix for names shared with other tests
+// running on the machine (netns, links, bridges).
+func Suffix() string {
+	b := make([]byte, 3)
+	rand.Read(b)
+	return hex.EncodeToString(b)
+}
+
+// ModuleRoot is the repository's root (where go.mod is).
+func ModuleRoot(t *testing.T) string {
+	t.Helper()
+	_, file, _, _ := runtime.Caller(0)
+	return filepath.Clean(filepath.Join(filepath.Dir(file), "..", "..", ".."))
+}
+
+var (
+	buildMu  sync.Mutex
+	buildDir string
+	built    = map[string]string{}
+)
+
+// Build builds a package of this module (./plugin, ./scrubd) once per test
+// process and returns the binary's path.
+func Build(t *testing.T, pkg, name string) string {
+	t.Helper()
+	buildMu.Lock()
+	defer buildMu.Unlock()
+	if p, ok := built[pkg]; ok {
+		return p
+	}
+	if buildDir == "" {
+		d, err := os.MkdirTemp("", "ctscrub-e2e-bin-")
+		if err != nil {
+			t.Fatal(err)
+		}
+		buildDir = d // removed by CleanupBuilds from TestMain
+	}
+	out := filepath.Join(buildDir, name)
+	cmd := exec.Command("go", "build", "-o", out, pkg)
+	cmd.Dir = ModuleRoot(t)
+	cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
+	if b, err := cmd.CombinedOutput(); err != nil {
+		t.Fatalf("go build %s: %v\n%s", pkg, err, b)
+	}
+	built[pkg] = out
+	return out
+}
+
+// CleanupBuilds removes what Build built; call it from TestMain.
+func CleanupBuilds() {
+	if buildDir != "" {
+		os.RemoveAll(buildDir)
+	}
+}
+
+// CTMaps are Cilium's four global CT maps, made with Cilium's layout in a
+// private bpffs directory (never /sys/fs/bpf/tc/globals).
+type CTMaps struct {
+	Root string
+	*ctmap.Maps
+}
+
+// NewCTMaps creates the maps with maxEntries each and pins them.
+func NewCTMaps(t *testing.T, maxEntries uint32) *CTMaps {
+	t.Helper()
+	root, err := os.MkdirTemp("/sys/fs/bpf", "ctscrub-test-")
+	if err != nil {
+		t.Fatalf("bpffs temp dir: %v", err)
+	}
+	t.Cleanup(func() { os.RemoveAll(root) })
+	var ms [ctmap.NumKinds]*ebpf.Map
+	for _, k := range ctmap.Kinds {
+		m, err := ebpf.NewMap(k.Spec(maxEntries))
+		if err != nil {
+			t.Fatalf("create %s: %v", k.Name(), err)
+		}
+		t.Cleanup(func() { m.Close() })
+		if err := m.Pin(filepath.Join(root, k.Name())); err != nil {
+			t.Fatalf("pin %s: %v", k.Name(), err)
+		}
+		ms[k] = m
+	}
+	maps, err := ctmap.FromMaps(ms)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return &CTMaps{Root: root, Maps: maps}
+}
+
+// Scrubd is a scrubd process serving a test.
+type Scrubd struct {
+	Socket      string
+	MetricsAddr string
+	PinDir      string
+	Client      *client.Client
+	log         *os.File
+	logPath     string
+}
+
+// Options for StartScrubd.
+type Options struct {
+	CTRoot   string
+	PodCIDRs []string
+	Args     []string // more flags
+}
+
+// StartScrubd runs the scrubd binary on a temp socket, a private pin dir and
+// state file, and waits until it is ready. Its log is printed when the test
+// fails.
+func StartScrubd(t *testing.T, opts Options) *Scrubd {
+	t.Helper()
+	bin := Build(t, "./scrubd", "scrubd")
+	// Unix socket paths are limited to 108 bytes: keep the dir short.
+	dir, err := os.MkdirTemp("", "ctscrub-e2e-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { os.RemoveAll(dir) })
+	pin, err := os.MkdirTemp("/sys/fs/bpf", "ctscrub-test-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { os.RemoveAll(pin) })
+	s := &Scrubd{
+		Socket:      filepath.Join(dir, "scrubd.sock"),
+		MetricsAddr: freeAddr(t),
+		PinDir:      pin,
+		logPath:     filepath.Join(dir, "scrubd.log"),
+	}
+	s.Client = client.New(s.Socket)
+	if s.log, err = os.Create(s.logPath); err != nil {
+		t.Fatal(err)
+	}
+	args := []string{"run",
+		"--socket", s.Socket,
+		"--ct-root", opts.CTRoot,
+		"--pin-dir", pin,
+		"--state-file", filepath.Join(dir, "attachments.json"),
+		"--metrics-addr", s.MetricsAddr,
+		"--pod-cidr", strings.Join(opts.PodCIDRs, ","),
+		"--backends", "cilium",
+		"--log-level", "debug",
+	}
+	cmd := exec.Command(bin, append(args, opts.Args...)...)
+	cmd.Stdout, cmd.Stderr = s.log, s.log
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	exited := make(chan error, 1)
+	go func() { exited <- cmd.Wait() }()
+	t.Cleanup(func() {
+		cmd.Process.Signal(os.Interrupt)
+		select {
+		case <-exited:
+		case <-time.After(10 * time.Second):
+			cmd.Process.Kill()
+			<-exited
+		}
+		if t.Failed() {
+			b, _ := os.ReadFile(s.logPath)
+			t.Logf("scrubd log:\n%s", b)
+		}
+		s.log.Close()
+	})
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+		st, err := s.Client.Status(ctx)
+		cancel()
+		if err == nil && st.Ready {
+			return s
+		}
+		select {
+		case err := <-exited:
+			b, _ := os.ReadFile(s.logPath)
+			t.Fatalf("scrubd exited before it was ready: %v\n%s", err, b)
+		default:
+		}
+		if time.Now().After(deadline) {
+			b, _ := os.ReadFile(s.logPath)
+			t.Fatalf("scrubd not ready after 30s (last: %v)\n%s", err, b)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+// Log returns scrubd's log so far.
+func (s *Scrubd) Log(t *testing.T) string {
+	t.Helper()
+	b, err := os.ReadFile(s.logPath)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return string(b)
+}
+
+func freeAddr(t *testing.T) string {
+	t.Helper()
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	return l.Addr().String()
+}
+
+// Metric returns the sum of every sample of the metric name whose labels
+// include all of labels (Prometheus text format from scrubd's /metrics).
+func (s *Scrubd) Metric(t *testing.T, name string, labels map[string]string) float64 {
+	t.Helper()
+	resp, err := http.Get("http://" + s.MetricsAddr + "/metrics")
+	if err != nil {
+		t.Fatalf("scrape scrubd metrics: %v", err)
+	}
+	defer resp.Body.Close()
+	var sum float64
+	sc := bufio.NewScanner(resp.Body)
+	sc.Buffer(make([]byte, 1<<20), 1<<20)
+	for sc.Scan() {
+		line := sc.Text()
+		if strings.HasPrefix(line, "#") {
+			continue
+		}
+		series, value, ok := strings.Cut(line, " ")
+		if !ok {
+			continue
+		}
+		metric, lbls, _ := strings.Cut(series, "{")
+		if metric != name {
+			continue
+		}
+		match := true
+		for k, v := range labels {
+			if !strings.Contains(lbls, fmt.Sprintf("%s=%q", k, v)) {
+				match = false
+			}
+		}
+		if !match {
+			continue
+		}
+		f, err := strconv.ParseFloat(strings.Fields(value)[0], 64)
+		if err != nil {
+			t.Fatalf("metric line %q: %v", line, err)
+		}
+		sum += f
+	}
+	return sum
+}
