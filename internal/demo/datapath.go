@@ -1,17 +1,54 @@
 package demo
 
+import (
+	"fmt"
+	"path/filepath"
+
+	"github.com/cilium/ebpf"
+
+	"github.com/ctscrub/ctscrub/bpf"
+	"github.com/ctscrub/ctscrub/internal/testsupport/standin"
+)
+
 // datapath turns the pods' real packets into CT entries in the demo's maps,
-// as Cilium's datapath would on the pods' host-side veths.
+// as Cilium's datapath would on the pods' host-side veths. It is the stand-in
+// from internal/testsupport (TEST SUPPORT: there is no Cilium here).
 type datapath interface {
 	Attach(hostVeth string) error
 	Close() error
 }
 
-// noDatapath stands in until internal/testsupport/standin is there: traffic
-// flows but creates no CT entries.
-type noDatapath struct{}
+type standinDatapath struct{ dp *standin.Datapath }
 
-func (noDatapath) Attach(string) error { return nil }
-func (noDatapath) Close() error        { return nil }
+func (s standinDatapath) Attach(hostVeth string) error { return s.dp.AttachHostSide(hostVeth) }
+func (s standinDatapath) Close() error                 { return s.dp.Close() }
 
-func newDatapath(m *ctMaps) (datapath, error) { return noDatapath{}, nil }
+// newDatapath loads the stand-in over the demo's CT maps. The stand-in also
+// reads Cilium's service maps, which the demo creates empty beside the CT
+// maps (the demo has no service VIPs); scrubd's recorder finds them there too.
+// The CT maps are the demo's own (sized per map for the fill), not
+// standin.CreateMaps' (one size for all).
+func newDatapath(m *ctMaps) (datapath, error) {
+	spec, err := bpf.LoadCiliumStandin()
+	if err != nil {
+		return nil, fmt.Errorf("stand-in: parse BPF object: %w", err)
+	}
+	for _, n := range []string{standin.Services4, standin.Services6, standin.Backends4, standin.Backends6} {
+		s := spec.Maps[n].Copy()
+		s.MaxEntries = standin.ServiceEntries
+		mp, err := ebpf.NewMap(s)
+		if err != nil {
+			return nil, fmt.Errorf("stand-in: create service map %s: %w", n, err)
+		}
+		err = mp.Pin(filepath.Join(m.dir, n))
+		mp.Close()
+		if err != nil {
+			return nil, fmt.Errorf("stand-in: pin service map %s in %s: %w", n, m.dir, err)
+		}
+	}
+	dp, err := standin.Load(m.dir, nil)
+	if err != nil {
+		return nil, err
+	}
+	return standinDatapath{dp}, nil
+}

@@ -182,6 +182,14 @@ func Run(ctx context.Context, cfg Config, cleanup *Cleanup, w io.Writer) error {
 		return ctx.Err()
 	}
 
+	// The stand-in and its (empty) service maps exist before scrubd starts:
+	// scrubd's recorder looks the service maps up under --ct-root.
+	dp, err := newDatapath(maps)
+	if err != nil {
+		return err
+	}
+	cleanup.Push("unload the Cilium datapath stand-in", dp.Close)
+
 	// 2. scrubd.
 	p.section("2. scrubd, the node daemon, on those maps")
 	d, err := startDaemon(ctx, cleanup, daemonConfig{
@@ -213,11 +221,6 @@ func Run(ctx context.Context, cfg Config, cleanup *Cleanup, w io.Writer) error {
 	if err != nil {
 		return err
 	}
-	dp, err := newDatapath(maps)
-	if err != nil {
-		return err
-	}
-	cleanup.Push("unload the Cilium datapath stand-in", dp.Close)
 
 	s := &session{cfg: cfg, p: p, ch: ch, d: d, maps: maps, dp: dp, cleanup: cleanup}
 	return s.run(ctx, nPods)

@@ -131,6 +131,12 @@ func (s *session) run(ctx context.Context, nPods int) error {
 	s.summary()
 	s.metrics(ctx)
 	s.printJSON()
+	for _, r := range s.reuse {
+		if r.LeftAtDel != 0 || r.Inherited != 0 {
+			return fmt.Errorf("%s: %d CT entries of %s were left after its DEL and %s inherited %d: the scrub was not complete",
+				r.IP, r.LeftAtDel, r.OldPod, r.NewPod, r.Inherited)
+		}
+	}
 	return nil
 }
 
@@ -302,7 +308,11 @@ func (s *session) reuseIP(ctx context.Context, old *pod, name string, pods []*po
 	if !same {
 		verdict = "DIFFERENT IPs (host-local did not reuse)"
 	}
-	p.f("          %s got %s %s; CT entries it inherits from %s: %d\n", nw.Name, verdict, old.Name, old.Name, inherited)
+	mark := "ok"
+	if inherited != 0 {
+		mark = "NOT CLEAN: these would steer the new pod's traffic by the old pod's state"
+	}
+	p.f("          %s got %s %s had; CT entries it inherits from %s: %d (%s)\n", nw.Name, verdict, old.Name, old.Name, inherited, mark)
 	for _, ip := range nw.IPs() {
 		s.reuse = append(s.reuse, reuseCheck{IP: ip.String(), OldPod: old.Name, NewPod: nw.Name, OldHad: had, LeftAtDel: left, Inherited: inherited})
 	}
