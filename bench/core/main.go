@@ -1,0 +1,492 @@
+// Command core is `make bench`: one IP's CT scrub through the index against
+// Cilium 1.16's NextKey walk, Cilium 1.18+'s batch-lookup walk and the
+// in-kernel sweep, all on the same Cilium-layout maps in one run, plus the
+// recorder's cost per packet and the index's memory per key.
+//
+// It creates its own maps in a private bpffs directory and never touches
+// Cilium's. Sizes come from the environment:
+//
+//	ENTRIES     entries in the CT maps (default 1048576)
+//	PER_IP      entries of the scrubbed IP (default 1000)
+//	PODS        pod IPs owning the other entries (default 1024)
+//	INDEX_REPS  index scrubs (default 100, at least 20)
+//	REF_1M      0 to skip the 1M-entry reference series run when ENTRIES > 1M
+//
+// The last line of output is one JSON object with every figure.
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"math"
+	"net/netip"
+	"os"
+	"os/signal"
+	"runtime"
+	"slices"
+	"strconv"
+	"strings"
+	"syscall"
+	"text/tabwriter"
+	"time"
+
+	"github.com/cilium/ebpf/rlimit"
+
+	"github.com/ctscrub/ctscrub/scrubd/ctmap"
+	"github.com/ctscrub/ctscrub/scrubd/index"
+	"github.com/ctscrub/ctscrub/scrubd/recorder"
+	"github.com/ctscrub/ctscrub/scrubd/scrub"
+)
+
+const refEntries = 1 << 20
+
+type config struct {
+	entries, perIP, pods, indexReps int
+	ref1M                           bool
+}
+
+func envInt(name string, def int) (int, error) {
+	s := os.Getenv(name)
+	if s == "" {
+		return def, nil
+	}
+	v, err := strconv.Atoi(strings.ReplaceAll(s, "_", ""))
+	if err != nil || v < 0 {
+		return 0, fmt.Errorf("%s=%q: want a non-negative integer", name, s)
+	}
+	return v, nil
+}
+
+func parseConfig() (config, error) {
+	var c config
+	var err error
+	if c.entries, err = envInt("ENTRIES", refEntries); err != nil {
+		return c, err
+	}
+	if c.perIP, err = envInt("PER_IP", 1000); err != nil {
+		return c, err
+	}
+	if c.pods, err = envInt("PODS", 1024); err != nil {
+		return c, err
+	}
+	if c.indexReps, err = envInt("INDEX_REPS", 100); err != nil {
+		return c, err
+	}
+	ref, err := envInt("REF_1M", 1)
+	if err != nil {
+		return c, err
+	}
+	c.ref1M = ref != 0 && c.entries > refEntries
+	switch {
+	case c.perIP < 2:
+		return c, fmt.Errorf("PER_IP=%d: want at least 2 (a flow and its related entry)", c.perIP)
+	case c.entries < 2*c.perIP:
+		return c, fmt.Errorf("ENTRIES=%d: want at least 2*PER_IP=%d", c.entries, 2*c.perIP)
+	case c.entries > 1<<26:
+		return c, fmt.Errorf("ENTRIES=%d: at most %d (Cilium clamps CT maps to 16,777,216)", c.entries, 1<<26)
+	case c.pods < 1 || c.pods > 1<<20:
+		return c, fmt.Errorf("PODS=%d: want 1 to %d", c.pods, 1<<20)
+	case c.indexReps < 20:
+		return c, fmt.Errorf("INDEX_REPS=%d: want at least 20 (the p99 needs them)", c.indexReps)
+	}
+	return c, nil
+}
+
+// result is the JSON line.
+type result struct {
+	Date    string `json:"date"`
+	Machine string `json:"machine"`
+	Entries int    `json:"entries"`
+	PerIP   int    `json:"per_ip"`
+	Pods    int    `json:"pods"`
+
+	NextKeyWalkS    float64 `json:"nextkey_walk_s"`
+	NextKeyReps     int     `json:"nextkey_reps"`
+	BatchWalkS      float64 `json:"batch_walk_s"`
+	BatchReps       int     `json:"batch_reps"`
+	SweepS          float64 `json:"sweep_s"`
+	SweepReps       int     `json:"sweep_reps"`
+	IndexMedianS    float64 `json:"index_median_s"`
+	IndexP99S       float64 `json:"index_p99_s"`
+	IndexMaxS       float64 `json:"index_max_s"`
+	IndexReps       int     `json:"index_reps"`
+	IndexMedian1MS  float64 `json:"index_median_1m_s,omitempty"`
+	IndexerNsPacket float64 `json:"indexer_ns_per_packet"`
+	IndexerNsNew    float64 `json:"indexer_ns_new_flow"`
+	ApplyNsRecord   float64 `json:"index_apply_ns_per_record"`
+	IndexBytesKey   float64 `json:"index_bytes_per_key"`
+	IndexKeys       int64   `json:"index_keys"`
+	CountUs         float64 `json:"count_us"`
+	CountCheap      bool    `json:"count_kfunc"`
+	FillS           float64 `json:"fill_s"`
+
+	NextKeyOverIndex float64 `json:"nextkey_over_index"`
+	BatchOverIndex   float64 `json:"batch_over_index"`
+	BatchOverSweep   float64 `json:"batch_over_sweep"`
+	Index16MOver1M   float64 `json:"index_over_1m,omitempty"`
+
+	Targets map[string]bool `json:"targets"`
+}
+
+func main() {
+	cfg, err := parseConfig()
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "bench:", err)
+		os.Exit(2)
+	}
+	if os.Geteuid() != 0 {
+		fmt.Fprintln(os.Stderr, "bench: needs root (creates BPF maps and runs BPF programs); run it with sudo")
+		os.Exit(2)
+	}
+	if err := rlimit.RemoveMemlock(); err != nil {
+		fmt.Fprintln(os.Stderr, "bench: lift RLIMIT_MEMLOCK:", err)
+		os.Exit(1)
+	}
+	if err := run(cfg); err != nil {
+		fmt.Fprintln(os.Stderr, "bench:", err)
+		os.Exit(1)
+	}
+}
+
+// live tracks the node whose bpffs dir must go on an interrupt.
+var live = make(chan *node, 1)
+
+func run(cfg config) error {
+	sig := make(chan os.Signal, 1)
+	signal.Notify(sig, os.Interrupt, syscall.SIGTERM)
+	go func() {
+		<-sig
+		select {
+		case nd := <-live:
+			os.RemoveAll(nd.dir)
+		default:
+		}
+		fmt.Fprintln(os.Stderr, "bench: interrupted; private maps removed")
+		os.Exit(130)
+	}()
+
+	res := result{
+		Date:    time.Now().UTC().Format(time.RFC3339),
+		Machine: machine(),
+		Entries: cfg.entries, PerIP: cfg.perIP, Pods: cfg.pods,
+		Targets: map[string]bool{},
+	}
+	fmt.Printf("ctscrub core bench: %d entries, %d of them the target IP's, %d pod IPs; %s\n",
+		cfg.entries, cfg.perIP, cfg.pods, res.Machine)
+
+	// The recorder's cost per packet (H1's measurement, BPF_PROG_TEST_RUN).
+	newNs, estNs, err := recorder.MeasurePacketCost(20000)
+	if err != nil {
+		return fmt.Errorf("recorder cost: %w", err)
+	}
+	res.IndexerNsPacket, res.IndexerNsNew = estNs, newNs
+
+	if cfg.ref1M {
+		fmt.Printf("reference: index scrubs at %d entries (same PER_IP) for the size ratio ...\n", refEntries)
+		med, _, _, err := indexOnly(cfg, refEntries)
+		if err != nil {
+			return fmt.Errorf("1M reference: %w", err)
+		}
+		res.IndexMedian1MS = med.Seconds()
+		runtime.GC()
+	}
+
+	nd, c, err := setup(cfg, cfg.entries)
+	if err != nil {
+		return err
+	}
+	defer nd.close()
+	defer c.Close()
+	res.FillS = nd.fillTime.Seconds()
+	res.ApplyNsRecord = float64(nd.applyTime.Nanoseconds()) / float64(nd.records)
+	res.IndexBytesKey = nd.heapPerKey
+	res.IndexKeys = nd.indexKeys
+	res.CountCheap = c.CountIsCheap()
+	fmt.Printf("filled in %.1f s (BatchUpdate + recorder.Apply of %d records, %.0f ns each); index: %d keys, %.1f bytes/key\n",
+		nd.fillTime.Seconds(), nd.records, res.ApplyNsRecord, nd.indexKeys, nd.heapPerKey)
+
+	t := time.Now()
+	const countReps = 100
+	for range countReps {
+		if _, err := c.Count(ctmap.TCP4); err != nil {
+			return err
+		}
+	}
+	res.CountUs = float64(time.Since(t).Microseconds()) / countReps
+
+	// (4) The index scrub.
+	idx, err := indexSeries(nd, c, cfg.indexReps)
+	if err != nil {
+		return err
+	}
+	res.IndexReps = len(idx)
+	res.IndexMedianS = quantile(idx, 0.5).Seconds()
+	res.IndexP99S = quantile(idx, 0.99).Seconds()
+	res.IndexMaxS = slices.Max(idx).Seconds()
+
+	// (3) The sweep, through the backend (the IP marked incomplete).
+	sweep, err := series("sweep", 5, 30*time.Second, nd, func() error {
+		nd.ix.MarkIncomplete(target, index.ReasonLost)
+		r, err := c.Scrub(context.Background(), scrub.Request{IPs: []netip.Addr{target}, Reason: scrub.ReasonDel})
+		if err == nil && (r.Method != scrub.MethodSweep || r.Total != nd.k) {
+			err = fmt.Errorf("sweep scrub: %+v, want method sweep and %d deleted", r, nd.k)
+		}
+		return err
+	})
+	if err != nil {
+		return err
+	}
+	res.SweepS, res.SweepReps = median(sweep).Seconds(), len(sweep)
+
+	// (2) Cilium 1.18+'s batch-lookup walk.
+	batch, err := series("batch walk", 5, 30*time.Second, nd, func() error {
+		st, err := batchWalk(nd.maps, target, 4096)
+		if err == nil && st.deleted != nd.k {
+			err = fmt.Errorf("batch walk deleted %d, want %d", st.deleted, nd.k)
+		}
+		return err
+	})
+	if err != nil {
+		return err
+	}
+	res.BatchWalkS, res.BatchReps = median(batch).Seconds(), len(batch)
+
+	// (1) Cilium 1.16's NextKey + Lookup walk.
+	nextKey, err := series("NextKey walk", 3, 30*time.Second, nd, func() error {
+		st, err := nextKeyWalk(nd.maps, target)
+		if err == nil && st.deleted != nd.k {
+			err = fmt.Errorf("NextKey walk deleted %d, want %d", st.deleted, nd.k)
+		}
+		return err
+	})
+	if err != nil {
+		return err
+	}
+	res.NextKeyWalkS, res.NextKeyReps = median(nextKey).Seconds(), len(nextKey)
+
+	res.NextKeyOverIndex = res.NextKeyWalkS / res.IndexMedianS
+	res.BatchOverIndex = res.BatchWalkS / res.IndexMedianS
+	res.BatchOverSweep = res.BatchWalkS / res.SweepS
+	if res.IndexMedian1MS > 0 {
+		res.Index16MOver1M = res.IndexMedianS / res.IndexMedian1MS
+	}
+	res.Targets["index_median_le_1ms"] = res.IndexMedianS <= 0.001
+	res.Targets["index_p99_le_5ms"] = res.IndexP99S <= 0.005
+	res.Targets["index_10000x_nextkey"] = res.NextKeyOverIndex >= 10000
+	res.Targets["index_1000x_batch"] = res.BatchOverIndex >= 1000
+	res.Targets["sweep_faster_than_batch"] = res.SweepS < res.BatchWalkS
+	res.Targets["indexer_le_100ns_established"] = res.IndexerNsPacket <= 100
+	res.Targets["index_le_100_bytes_per_key"] = res.IndexBytesKey <= 100
+	if res.IndexMedian1MS > 0 {
+		res.Targets["index_size_ratio_le_1.5"] = res.Index16MOver1M <= 1.5
+	}
+
+	printTable(res)
+	line, err := json.Marshal(res)
+	if err != nil {
+		return err
+	}
+	fmt.Println(string(line))
+	return nil
+}
+
+// setup creates and fills a node of n entries and loads the backend on it.
+func setup(cfg config, n int) (*node, *scrub.Cilium, error) {
+	nd, err := newNode(n, cfg.perIP, cfg.pods)
+	if err != nil {
+		return nil, nil, err
+	}
+	select {
+	case <-live:
+	default:
+	}
+	live <- nd
+	c, err := scrub.NewCilium(nd.maps, nd.ix, scrub.CiliumOptions{})
+	if err != nil {
+		nd.close()
+		return nil, nil, err
+	}
+	if c.CountIsCheap() {
+		nd.count = c.Count
+	}
+	fmt.Printf("filling %d entries ...\n", n)
+	if err := nd.fill(); err != nil {
+		c.Close()
+		nd.close()
+		return nil, nil, err
+	}
+	return nd, c, nil
+}
+
+// indexOnly runs the index series on a node of n entries, then frees it.
+func indexOnly(cfg config, n int) (med, p99 time.Duration, reps int, err error) {
+	nd, c, err := setup(cfg, n)
+	if err != nil {
+		return 0, 0, 0, err
+	}
+	defer nd.close()
+	defer c.Close()
+	d, err := indexSeries(nd, c, cfg.indexReps)
+	if err != nil {
+		return 0, 0, 0, err
+	}
+	fmt.Printf("  %d entries: index scrub median %s, p99 %s over %d scrubs\n", n, fmtDur(quantile(d, 0.5)), fmtDur(quantile(d, 0.99)), len(d))
+	return quantile(d, 0.5), quantile(d, 0.99), len(d), nil
+}
+
+// indexSeries times reps index scrubs of the target, refilling and
+// re-indexing its entries before each, and checks each scrub.
+func indexSeries(nd *node, c *scrub.Cilium, reps int) ([]time.Duration, error) {
+	var d []time.Duration
+	for i := range reps {
+		if i > 0 {
+			if err := nd.refill(); err != nil {
+				return nil, err
+			}
+		}
+		if st := nd.ix.State(target); !st.Complete || st.Keys != nd.k {
+			return nil, fmt.Errorf("index before scrub %d: %+v, want complete with %d keys", i, st, nd.k)
+		}
+		t := time.Now()
+		r, err := c.Scrub(context.Background(), scrub.Request{IPs: []netip.Addr{target}, Reason: scrub.ReasonDel})
+		el := time.Since(t)
+		if err != nil {
+			return nil, fmt.Errorf("index scrub %d: %w", i, err)
+		}
+		if r.Method != scrub.MethodIndex || r.Total != nd.k {
+			return nil, fmt.Errorf("index scrub %d: %+v, want method index and %d deleted", i, r, nd.k)
+		}
+		if left := nd.targetLeft(); left != 0 {
+			return nil, fmt.Errorf("index scrub %d left %d of the target's entries", i, left)
+		}
+		d = append(d, el)
+	}
+	// Once: every other entry is still there.
+	if err := nd.check("index scrub"); err != nil {
+		return nil, err
+	}
+	nd.refill()
+	return d, nil
+}
+
+// series times a full-map method: the first run always, more while they fit
+// in budget, at most maxReps. The target's entries are refilled (and
+// re-indexed) before each run; the first run is checked for exactness.
+func series(name string, maxReps int, budget time.Duration, nd *node, fn func() error) ([]time.Duration, error) {
+	var d []time.Duration
+	var total time.Duration
+	for len(d) < maxReps {
+		if len(d) > 0 && total+total/time.Duration(len(d)) > budget {
+			break
+		}
+		if len(d) > 0 {
+			if err := nd.refill(); err != nil {
+				return nil, err
+			}
+		}
+		t := time.Now()
+		if err := fn(); err != nil {
+			return nil, fmt.Errorf("%s: %w", name, err)
+		}
+		el := time.Since(t)
+		d = append(d, el)
+		total += el
+		fmt.Printf("  %s: %s\n", name, fmtDur(el))
+		if len(d) == 1 {
+			if err := nd.check(name); err != nil {
+				return nil, err
+			}
+		}
+	}
+	if err := nd.refill(); err != nil {
+		return nil, err
+	}
+	return d, nil
+}
+
+func median(d []time.Duration) time.Duration { return quantile(d, 0.5) }
+
+// quantile is the nearest-rank quantile.
+func quantile(d []time.Duration, q float64) time.Duration {
+	s := slices.Clone(d)
+	slices.Sort(s)
+	i := int(math.Ceil(q*float64(len(s)))) - 1
+	return s[max(0, min(i, len(s)-1))]
+}
+
+func fmtDur(d time.Duration) string {
+	switch {
+	case d >= time.Second:
+		return fmt.Sprintf("%.2f s", d.Seconds())
+	case d >= time.Millisecond:
+		return fmt.Sprintf("%.3f ms", float64(d.Microseconds())/1000)
+	default:
+		return fmt.Sprintf("%.1f µs", float64(d.Nanoseconds())/1000)
+	}
+}
+
+func secs(s float64) string { return fmtDur(time.Duration(s * float64(time.Second))) }
+
+func printTable(r result) {
+	fmt.Println()
+	w := tabwriter.NewWriter(os.Stdout, 0, 0, 2, ' ', 0)
+	fmt.Fprintf(w, "scrub of one IP (%d of %d entries)\ttime\truns\tvs index\n", r.PerIP, r.Entries)
+	fmt.Fprintf(w, "Cilium 1.16 NextKey+Lookup walk\t%s\t%d\t%.0fx\n", secs(r.NextKeyWalkS), r.NextKeyReps, r.NextKeyOverIndex)
+	fmt.Fprintf(w, "Cilium 1.18+ batch-lookup walk\t%s\t%d\t%.0fx\n", secs(r.BatchWalkS), r.BatchReps, r.BatchOverIndex)
+	fmt.Fprintf(w, "ctscrub sweep (in-kernel, 1 pass)\t%s\t%d\t%.0fx\n", secs(r.SweepS), r.SweepReps, r.SweepS/r.IndexMedianS)
+	fmt.Fprintf(w, "ctscrub index scrub, median\t%s\t%d\t1x\n", secs(r.IndexMedianS), r.IndexReps)
+	fmt.Fprintf(w, "ctscrub index scrub, p99 / max\t%s / %s\t\t\n", secs(r.IndexP99S), secs(r.IndexMaxS))
+	if r.IndexMedian1MS > 0 {
+		fmt.Fprintf(w, "index scrub median at 1M entries\t%s\t%d\t(%d entries / 1M: %.2fx)\n", secs(r.IndexMedian1MS), r.IndexReps, r.Entries, r.Index16MOver1M)
+	}
+	w.Flush()
+	fmt.Printf("walks are timed fewer times than index scrubs (runs column) where a run is slow.\n")
+	fmt.Printf("sweep vs batch walk: %.2fx faster\n", r.BatchOverSweep)
+	fmt.Printf("recorder per packet: established %.1f ns, new flow %.1f ns (BPF_PROG_TEST_RUN); index apply %.0f ns/record\n",
+		r.IndexerNsPacket, r.IndexerNsNew, r.ApplyNsRecord)
+	fmt.Printf("index memory: %.1f bytes per key (%d keys); entry count per map: %.1f µs (kfunc counter: %v)\n",
+		r.IndexBytesKey, r.IndexKeys, r.CountUs, r.CountCheap)
+	var missed []string
+	for name, ok := range r.Targets {
+		if !ok {
+			missed = append(missed, name)
+		}
+	}
+	slices.Sort(missed)
+	if len(missed) == 0 {
+		fmt.Println("targets: all met")
+	} else {
+		fmt.Println("targets MISSED:", strings.Join(missed, ", "))
+	}
+}
+
+func machine() string {
+	cpu := "?"
+	if b, err := os.ReadFile("/proc/cpuinfo"); err == nil {
+		for _, l := range strings.Split(string(b), "\n") {
+			if strings.HasPrefix(l, "model name") {
+				cpu = strings.TrimSpace(strings.SplitN(l, ":", 2)[1])
+				break
+			}
+		}
+	}
+	var u syscall.Utsname
+	kernel := "?"
+	if syscall.Uname(&u) == nil {
+		b := make([]byte, 0, len(u.Release))
+		for _, c := range u.Release {
+			if c == 0 {
+				break
+			}
+			b = append(b, byte(c))
+		}
+		kernel = string(b)
+	}
+	var si syscall.Sysinfo_t
+	mem := "?"
+	if syscall.Sysinfo(&si) == nil {
+		mem = fmt.Sprintf("%.0f GiB", float64(si.Totalram)*float64(si.Unit)/(1<<30))
+	}
+	return fmt.Sprintf("%d CPUs %s, %s, Linux %s", runtime.NumCPU(), cpu, mem, kernel)
+}
