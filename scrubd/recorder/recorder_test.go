@@ -1,0 +1,533 @@
+package recorder_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"net/netip"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/cilium/ebpf"
+
+	"github.com/ctscrub/ctscrub/internal/testsupport/netpods"
+	"github.com/ctscrub/ctscrub/internal/testsupport/standin"
+	"github.com/ctscrub/ctscrub/scrubd/ctmap"
+	"github.com/ctscrub/ctscrub/scrubd/index"
+	"github.com/ctscrub/ctscrub/scrubd/recorder"
+)
+
+// world is one node with pods, the Cilium stand-in creating CT entries on
+// the host-side veths and the recorder attached inside each pod feeding a
+// real index.
+type world struct {
+	node   *netpods.Node
+	pods   []*netpods.Pod
+	dp     *standin.Datapath
+	ct     *ctmap.Maps
+	rec    *recorder.Recorder
+	pinDir string
+	ix     *index.Index
+	stop   func()
+}
+
+func newWorld(t *testing.T, npods int) *world {
+	t.Helper()
+	if os.Geteuid() != 0 {
+		t.Skip("needs root: BPF, tcx and network namespaces")
+	}
+	w := &world{node: netpods.NewNode(t)}
+	ctDir := standin.TempDir(t)
+	if err := standin.CreateMaps(ctDir, 65536); err != nil {
+		t.Fatal(err)
+	}
+	dp, err := standin.Load(ctDir, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { dp.Close() })
+	w.dp = dp
+	if w.ct, err = dp.Maps(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { w.ct.Close() })
+
+	w.pinDir = filepath.Join(standin.TempDir(t), "ctscrub")
+	w.rec = w.loadRecorder(t, ctDir)
+	w.ix = index.New(index.Config{PodCIDRs: w.node.PodCIDRs()})
+	w.run(t)
+
+	for range npods {
+		p := w.node.AddPod()
+		if err := w.node.Do(func() error { return dp.AttachHostSide(p.HostVeth) }); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := w.rec.Attach(p.Path, "eth0"); err != nil {
+			t.Fatal(err)
+		}
+		p.ServeEcho()
+		// Cleanup order: detach before the netns goes away is not
+		// required (Detach copes), but keeps pins from leaking.
+		t.Cleanup(func() {
+			if err := w.rec.Detach(p.Path, "eth0"); err != nil {
+				t.Errorf("detach: %v", err)
+			}
+		})
+		w.pods = append(w.pods, p)
+	}
+	w.node.Remote.ServeEcho()
+	w.node.ServeEcho()
+	return w
+}
+
+func (w *world) loadRecorder(t *testing.T, ctDir string) *recorder.Recorder {
+	t.Helper()
+	rec, err := recorder.Load(recorder.Options{PinDir: w.pinDir, CTRoot: ctDir, RingBytes: 1 << 20})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { rec.Close() })
+	if v4, v6 := rec.VIPDetection(); !v4 || !v6 {
+		t.Fatalf("VIP detection off (v4 %v, v6 %v) although the stand-in's service maps are pinned in %s", v4, v6, ctDir)
+	}
+	return rec
+}
+
+func (w *world) run(t *testing.T) {
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	rec, ix := w.rec, w.ix
+	go func() { done <- rec.Run(ctx, ix) }()
+	w.stop = func() {
+		cancel()
+		if err := <-done; err != nil {
+			t.Errorf("recorder.Run: %v", err)
+		}
+	}
+	t.Cleanup(func() {
+		if w.stop != nil {
+			w.stop()
+			w.stop = nil
+		}
+	})
+}
+
+// podIPs are all pod addresses of the world.
+func (w *world) podIPs() []netip.Addr {
+	var ips []netip.Addr
+	for _, p := range w.pods {
+		ips = append(ips, p.Addr4, p.Addr6)
+	}
+	return ips
+}
+
+// missing dumps all four CT maps and returns every (pod IP, key) pair of an
+// entry that contains a pod IP but is not among that IP's indexed keys, and
+// the number of such (IP, entry) pairs in the maps.
+func (w *world) missing(t *testing.T, ips []netip.Addr) (missing []string, total int) {
+	t.Helper()
+	have4 := map[netip.Addr]map[ctmap.CTKey4]bool{}
+	have6 := map[netip.Addr]map[ctmap.CTKey6]bool{}
+	for _, ip := range ips {
+		k4, k6, _ := w.ix.Take(ip)
+		w.ix.Return(ip, k4, k6)
+		have4[ip], have6[ip] = map[ctmap.CTKey4]bool{}, map[ctmap.CTKey6]bool{}
+		for _, k := range k4 {
+			have4[ip][k] = true
+		}
+		for _, k := range k6 {
+			have6[ip][k] = true
+		}
+	}
+	for _, kind := range ctmap.Kinds {
+		m := w.ct.Map(kind)
+		var v ctmap.Entry
+		if kind.IPv6() {
+			var k ctmap.CTKey6
+			it := m.Iterate()
+			for it.Next(&k, &v) {
+				for _, ip := range ips {
+					if k.Has(ip) {
+						total++
+						if !have6[ip][k] {
+							missing = append(missing, fmt.Sprintf("%s: %s (%s)", ip, k, kind))
+						}
+					}
+				}
+			}
+			if err := it.Err(); err != nil {
+				t.Fatal(err)
+			}
+		} else {
+			var k ctmap.CTKey4
+			it := m.Iterate()
+			for it.Next(&k, &v) {
+				for _, ip := range ips {
+					if k.Has(ip) {
+						total++
+						if !have4[ip][k] {
+							missing = append(missing, fmt.Sprintf("%s: %s (%s)", ip, k, kind))
+						}
+					}
+				}
+			}
+			if err := it.Err(); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	return missing, total
+}
+
+// requireIndexed waits (the ring buffer is asynchronous) until every CT
+// entry with one of ips is indexed under that IP.
+func (w *world) requireIndexed(t *testing.T, ips []netip.Addr, minEntries int) {
+	t.Helper()
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		missing, total := w.missing(t, ips)
+		if len(missing) == 0 && total >= minEntries {
+			t.Logf("%d (pod IP, CT entry) pairs, all indexed", total)
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%d of %d (pod IP, CT entry) pairs not indexed (want at least %d pairs):\n%s",
+				len(missing), total, minEntries, strings.Join(missing, "\n"))
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+func lookup4(t *testing.T, m *ebpf.Map, k ctmap.CTKey4) bool {
+	t.Helper()
+	var v ctmap.Entry
+	err := m.Lookup(k, &v)
+	if errors.Is(err, ebpf.ErrKeyNotExist) {
+		return false
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	return true
+}
+
+func lookup6(t *testing.T, m *ebpf.Map, k ctmap.CTKey6) bool {
+	t.Helper()
+	var v ctmap.Entry
+	err := m.Lookup(k, &v)
+	if errors.Is(err, ebpf.ErrKeyNotExist) {
+		return false
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	return true
+}
+
+// Every CT entry that real TCP, UDP and ICMP traffic (v4 and v6; pod to
+// pod on the node, pod to outside, outside to pod) creates is found in the
+// index of each pod IP it contains.
+func TestEveryEntryIndexed(t *testing.T) {
+	w := newWorld(t, 2)
+	a, b, remote := w.pods[0], w.pods[1], w.node.Remote
+
+	type flow struct {
+		from *netpods.Host
+		to   netip.Addr
+	}
+	var flows []flow
+	for _, fam := range []int{4, 6} {
+		pick := func(h *netpods.Host) netip.Addr {
+			if fam == 4 {
+				return h.Addr4
+			}
+			return h.Addr6
+		}
+		flows = append(flows,
+			flow{&a.Host, pick(&b.Host)},      // pod -> pod, same node
+			flow{&b.Host, pick(&a.Host)},      // and back, as a new flow
+			flow{&a.Host, pick(remote)},       // pod -> outside
+			flow{remote, pick(&b.Host)},       // outside -> pod
+			flow{&a.Host, pick(&a.Host)},      // pod -> itself (never leaves the pod)
+			flow{&b.Host, pick(&w.node.Host)}, // pod -> node (gateway)
+		)
+	}
+	for _, f := range flows {
+		if err := f.from.TCP(f.to, netpods.EchoPort); err != nil {
+			t.Fatal(err)
+		}
+		if err := f.from.UDP(f.to, netpods.EchoPort); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := f.from.Ping(f.to); err != nil {
+			t.Fatal(err)
+		}
+	}
+
+	// The stand-in must have produced the entries this test is about,
+	// or the check below proves nothing. a -> b TCP over IPv4: OUT and
+	// IN entries with a as initiator.
+	tcp4 := w.ct.Map(ctmap.TCP4)
+	var found bool
+	var k ctmap.CTKey4
+	var v ctmap.Entry
+	it := tcp4.Iterate()
+	for it.Next(&k, &v) {
+		if k.DAddr() == a.Addr4 && k.SAddr() == b.Addr4 && k.DPort() == netpods.EchoPort && k.Flags() == ctmap.FlagOut {
+			found = lookup4(t, tcp4, k.WithFlags(ctmap.FlagIn)) && lookup4(t, w.ct.Map(ctmap.Any4), k.Related())
+		}
+	}
+	if !found {
+		t.Fatalf("stand-in created no OUT+IN+related entries for TCP %s -> %s", a.Addr4, b.Addr4)
+	}
+
+	// 5 pod-bearing flows per family and protocol at least, each an entry
+	// plus a related entry.
+	w.requireIndexed(t, w.podIPs(), 2*3*2*5)
+	if lost := w.rec.Lost(); lost != 0 {
+		t.Errorf("recorder lost %d records", lost)
+	}
+	for _, ip := range w.podIPs() {
+		if st := w.ix.State(ip); st.Incomplete == index.ReasonLost || st.Incomplete == index.ReasonService {
+			t.Errorf("%s marked incomplete (%s) without a loss or a service", ip, st.Incomplete)
+		}
+	}
+}
+
+// ICMP echo keys follow Cilium's convention: the requester's identifier is
+// the initiator's "port" (sport = id, dport = 0).
+func TestICMPEchoKey(t *testing.T) {
+	w := newWorld(t, 1)
+	a, remote := w.pods[0], w.node.Remote
+	id, err := a.Ping(remote.Addr4)
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := ctmap.NewKey4(a.Addr4, remote.Addr4, 0, id, ctmap.ProtoICMP, ctmap.FlagOut)
+	if !lookup4(t, w.ct.Map(ctmap.Any4), want) {
+		t.Fatalf("stand-in: no entry %s", want)
+	}
+	id6, err := remote.Ping(a.Addr6)
+	if err != nil {
+		t.Fatal(err)
+	}
+	want6 := ctmap.NewKey6(remote.Addr6, a.Addr6, 0, id6, ctmap.ProtoICMPv6, ctmap.FlagIn)
+	if !lookup6(t, w.ct.Map(ctmap.Any6), want6) {
+		t.Fatalf("stand-in: no entry %s", want6)
+	}
+	w.requireIndexed(t, []netip.Addr{a.Addr4, a.Addr6}, 4)
+	k4, k6, _ := w.ix.Take(a.Addr4)
+	w.ix.Return(a.Addr4, k4, k6)
+	if !containsKey(k4, want) {
+		t.Fatalf("index of %s lacks %s: %v", a.Addr4, want, k4)
+	}
+}
+
+func containsKey[K comparable](ks []K, k K) bool {
+	for _, x := range ks {
+		if x == k {
+			return true
+		}
+	}
+	return false
+}
+
+// A flow to a service VIP (per-packet load balancing: Cilium's entries name
+// a backend the pod never sees) marks the pod IP incomplete.
+func TestServiceVIPMarksIncomplete(t *testing.T) {
+	w := newWorld(t, 2)
+	a, b := w.pods[0], w.pods[1]
+	vip4 := netip.MustParseAddrPort("10.96.0.10:53")
+	vip6 := netip.MustParseAddrPort("[fd00:96::10]:53")
+	if err := w.dp.AddService(ctmap.ProtoUDP, vip4, netip.AddrPortFrom(b.Addr4, netpods.EchoPort)); err != nil {
+		t.Fatal(err)
+	}
+	if err := w.dp.AddService(ctmap.ProtoUDP, vip6, netip.AddrPortFrom(b.Addr6, netpods.EchoPort)); err != nil {
+		t.Fatal(err)
+	}
+	for _, vip := range []netip.AddrPort{vip4, vip6} {
+		if err := a.SendUDP(vip.Addr(), vip.Port()); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// The stand-in's SERVICE entry: pod in saddr, VIP in daddr.
+	var k ctmap.CTKey4
+	var v ctmap.Entry
+	var svc bool
+	it := w.ct.Map(ctmap.Any4).Iterate()
+	for it.Next(&k, &v) {
+		if k.Flags() == ctmap.FlagService && k.SAddr() == a.Addr4 && k.DAddr() == vip4.Addr() && k.SPort() == vip4.Port() {
+			svc = true
+		}
+	}
+	if !svc {
+		t.Fatal("stand-in created no SERVICE entry")
+	}
+	for _, ip := range []netip.Addr{a.Addr4, a.Addr6} {
+		deadline := time.Now().Add(5 * time.Second)
+		for w.ix.State(ip).Incomplete != index.ReasonService {
+			if time.Now().After(deadline) {
+				t.Fatalf("%s not marked incomplete after a flow to a VIP: %+v", ip, w.ix.State(ip))
+			}
+			time.Sleep(50 * time.Millisecond)
+		}
+	}
+	// b talked to no VIP: its state must not say so.
+	if st := w.ix.State(b.Addr4); st.Incomplete == index.ReasonService {
+		t.Fatalf("%s marked as a VIP client", b.Addr4)
+	}
+}
+
+// A daemon restart: the pinned links stay attached while no daemon runs,
+// records made meanwhile wait in the pinned ring buffer, and a new Load with
+// the same PinDir reads them and keeps recording.
+func TestRestartKeepsRecording(t *testing.T) {
+	w := newWorld(t, 1)
+	a, remote := w.pods[0], w.node.Remote
+	if err := a.TCP(remote.Addr4, netpods.EchoPort); err != nil {
+		t.Fatal(err)
+	}
+	w.requireIndexed(t, []netip.Addr{a.Addr4}, 2)
+
+	// Daemon down.
+	w.stop()
+	w.stop = nil
+	if err := w.rec.Close(); err != nil {
+		t.Fatal(err)
+	}
+	links, err := os.ReadDir(filepath.Join(w.pinDir, "links"))
+	if err != nil || len(links) != 2 {
+		t.Fatalf("pinned links after close: %v, %v", links, err)
+	}
+	// Traffic while down.
+	if err := a.UDP(remote.Addr4, netpods.EchoPort); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := a.Ping(remote.Addr6); err != nil {
+		t.Fatal(err)
+	}
+
+	// Daemon up again, with a fresh index fed by the same pins.
+	w.rec = w.loadRecorder(t, w.ct.Root)
+	w.ix = index.New(index.Config{PodCIDRs: w.node.PodCIDRs()})
+	w.run(t)
+	// Re-attaching after a restart is idempotent.
+	for range 2 {
+		if _, err := w.rec.Attach(a.Path, "eth0"); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// Made while down: UDP v4 and ICMPv6 entries of a.
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		k4, k6, _ := w.ix.Take(a.Addr4)
+		w.ix.Return(a.Addr4, k4, k6)
+		var udp bool
+		for _, k := range k4 {
+			udp = udp || (k.NextHdr() == ctmap.ProtoUDP && k.SAddr() == remote.Addr4)
+		}
+		k4, k6, _ = w.ix.Take(a.Addr6)
+		w.ix.Return(a.Addr6, k4, k6)
+		var icmp6 bool
+		for _, k := range k6 {
+			icmp6 = icmp6 || (k.NextHdr() == ctmap.ProtoICMPv6 && k.SAddr() == remote.Addr6 && k.Flags() == ctmap.FlagOut)
+		}
+		if udp && icmp6 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("records made while the daemon was down not read after restart (udp %v, icmpv6 %v)", udp, icmp6)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	// And new traffic is recorded by the new instance.
+	if err := a.TCP(remote.Addr6, netpods.EchoPort); err != nil {
+		t.Fatal(err)
+	}
+	w.requireIndexed(t, []netip.Addr{a.Addr6}, 3) // TCP and ICMPv6 towards remote share the related entry
+}
+
+// Detach stops recording, and succeeds again when the links or the
+// network namespace are gone.
+func TestDetach(t *testing.T) {
+	w := newWorld(t, 1)
+	a, remote := w.pods[0], w.node.Remote
+	if err := w.rec.Detach(a.Path, "eth0"); err != nil {
+		t.Fatal(err)
+	}
+	if err := a.UDP(remote.Addr4, netpods.EchoPort); err != nil {
+		t.Fatal(err)
+	}
+	// The stand-in saw it; the recorder must not have.
+	time.Sleep(300 * time.Millisecond)
+	if missing, total := w.missing(t, []netip.Addr{a.Addr4}); total == 0 || len(missing) != total {
+		t.Fatalf("after Detach: %d entries, %d not indexed; want all not indexed", total, len(missing))
+	}
+	if err := w.rec.Detach(a.Path, "eth0"); err != nil {
+		t.Fatalf("second Detach: %v", err)
+	}
+	if err := w.rec.Detach("/var/run/netns/ctscrub-does-not-exist", "eth0"); err != nil {
+		t.Fatalf("Detach of a gone netns: %v", err)
+	}
+	if _, err := w.rec.Attach("/var/run/netns/ctscrub-does-not-exist", "eth0"); err == nil {
+		t.Fatal("Attach to a missing netns succeeded")
+	}
+}
+
+// ForgetFlow makes the recorder record a flow again (index pruning relies
+// on it after Cilium dropped the flow's entry).
+func TestForgetFlow(t *testing.T) {
+	w := newWorld(t, 1)
+	a, remote := w.pods[0], w.node.Remote
+	if err := a.UDP(remote.Addr4, netpods.EchoPort); err != nil {
+		t.Fatal(err)
+	}
+	w.requireIndexed(t, []netip.Addr{a.Addr4}, 2)
+	k4, _, _ := w.ix.Take(a.Addr4) // the index forgets (as after a prune)
+	var flowKey ctmap.CTKey4
+	for _, k := range k4 {
+		if k.NextHdr() == ctmap.ProtoUDP {
+			flowKey = k
+		}
+	}
+	if flowKey.NextHdr() != ctmap.ProtoUDP {
+		t.Fatalf("no UDP key indexed: %v", k4)
+	}
+	if err := w.rec.ForgetFlow4(flowKey); err != nil {
+		t.Fatal(err)
+	}
+	// The same 5-tuple again: a connected UDP socket from the same port is
+	// not available to the helper, so send from the flow's port directly.
+	err := a.Do(func() error { return sendUDPFrom(flowKey.SPort(), remote.Addr4, flowKey.DPort()) })
+	if err != nil {
+		t.Fatal(err)
+	}
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		k4, k6, _ := w.ix.Take(a.Addr4)
+		w.ix.Return(a.Addr4, k4, k6)
+		if containsKey(k4, flowKey) {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("flow %s not recorded again after ForgetFlow4", flowKey)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+// sendUDPFrom sends one datagram from local port sport (in the current
+// netns).
+func sendUDPFrom(sport uint16, dst netip.Addr, dport uint16) error {
+	c, err := net.ListenUDP("udp4", &net.UDPAddr{Port: int(sport)})
+	if err != nil {
+		return err
+	}
+	defer c.Close()
+	_, err = c.WriteToUDPAddrPort([]byte("again"), netip.AddrPortFrom(dst, dport))
+	return err
+}
