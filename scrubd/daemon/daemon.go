@@ -135,6 +135,9 @@ func (d *Daemon) Registerer() prometheus.Registerer { return d.m.reg }
 // Gatherer serves the registry (tests read metrics from it).
 func (d *Daemon) Gatherer() prometheus.Gatherer { return d.m.reg }
 
+// Index is the daemon's IP-to-CT-key index.
+func (d *Daemon) Index() *index.Index { return d.ix }
+
 // AddTask adds work to run beside the API; call it before Run.
 func (d *Daemon) AddTask(t Task) { d.tasks = append(d.tasks, t) }
 
@@ -206,7 +209,7 @@ func (d *Daemon) Run(ctx context.Context) error {
 
 	// Stop accepting; in-flight scrubs get ShutdownGrace, then are cancelled
 	// (they stop within the backend's bound and answer "cancelled").
-	d.log.Info("scrubd stopping", "in_flight", d.admitted.Load(), "grace", d.cfg.ShutdownGrace.Duration)
+	d.log.Info("scrubd stopping", "in_flight", d.admitted.Load(), "grace", d.cfg.ShutdownGrace.Duration.String())
 	graceCtx, cancelGrace := context.WithTimeout(context.Background(), d.cfg.ShutdownGrace.Duration)
 	if err := apiSrv.Shutdown(graceCtx); err != nil {
 		d.log.Warn("shutdown grace over: cancelling in-flight scrubs", "in_flight", d.admitted.Load())

@@ -62,8 +62,8 @@ func (d *Daemon) metricsHandler() http.Handler {
 
 // withDeadline makes the caller's deadline (api.DeadlineHeader) the request
 // context's deadline. The work stops a little before it, so that the answer
-// with the partial results still reaches the caller in time: a tenth of the
-// time left, at most 50 ms. A caller that disconnects cancels the context too
+// with the partial results still reaches the caller in time: a quarter of
+// the time left, at most 50 ms (the bound a cancelled scrub stops within). A caller that disconnects cancels the context too
 // (net/http does that).
 func withDeadline(next http.Handler) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
@@ -77,7 +77,7 @@ func withDeadline(next http.Handler) http.Handler {
 			writeError(w, &api.Error{Code: api.CodeBadRequest, Message: fmt.Sprintf("header %s %q: %v (want RFC 3339 with nanoseconds, UTC)", api.DeadlineHeader, h, err)})
 			return
 		}
-		margin := min(time.Until(dl)/10, 50*time.Millisecond)
+		margin := min(time.Until(dl)/4, 50*time.Millisecond)
 		ctx, cancel := context.WithDeadline(r.Context(), dl.Add(-max(margin, 0)))
 		defer cancel()
 		next.ServeHTTP(w, r.WithContext(ctx))
@@ -282,8 +282,17 @@ func (d *Daemon) scrub(ctx context.Context, ips []netip.Addr, reason scrub.Reaso
 	for i, b := range d.backends {
 		merged[i] = scrub.Result{Backend: b.Name(), Outcome: scrub.Complete, Deleted: map[string]int{}, PerIP: map[string]scrub.Method{}}
 	}
+	var workStart, workEnd time.Time
 	for i, f := range fs {
-		res, _ := d.flights.wait(ctx, f)
+		res, finished := d.flights.wait(ctx, f)
+		if finished && !f.start.IsZero() {
+			if workStart.IsZero() || f.start.Before(workStart) {
+				workStart = f.start
+			}
+			if f.end.After(workEnd) {
+				workEnd = f.end
+			}
+		}
 		for j, b := range d.backends {
 			if j < len(res) {
 				mergeResult(&merged[j], res[j])
@@ -310,7 +319,8 @@ func (d *Daemon) scrub(ctx context.Context, ips []netip.Addr, reason scrub.Reaso
 		}
 		d.log.Log(ctx, lvl, "scrub", "ips", ips, "reason", reason, "backend", r.Backend, "method", r.Method,
 			"deleted", r.Total, "per_map", r.Deleted, "duration_s", elapsed.Seconds(), "result", r.Outcome,
-			"shared", sharedAny, "dry_run", dry, "container_id", containerID, "error", r.Error)
+			"shared", sharedAny, "dry_run", dry, "container_id", containerID, "error", r.Error,
+			"work_start", workStart, "work_end", workEnd)
 	}
 	return merged
 }
