@@ -308,10 +308,10 @@ func TestRefusedIPsDeleteNothing(t *testing.T) {
 		ips  []string
 		code string
 	}{
-		{[]string{"100.64.0.0"}, api.CodeNotPodIP},              // the node's range, outside the pod CIDRs
-		{[]string{"0.0.0.0"}, api.CodeNotPodIP},                 // unspecified
-		{[]string{"::"}, api.CodeNotPodIP},                      // unspecified v6
-		{[]string{"127.0.0.1"}, api.CodeNotPodIP},               // loopback
+		{[]string{"100.64.0.0"}, api.CodeNotPodIP},               // the node's range, outside the pod CIDRs
+		{[]string{"0.0.0.0"}, api.CodeNotPodIP},                  // unspecified
+		{[]string{"::"}, api.CodeNotPodIP},                       // unspecified v6
+		{[]string{"127.0.0.1"}, api.CodeNotPodIP},                // loopback
 		{[]string{"10.244.3.7", "100.64.0.0"}, api.CodeNotPodIP}, // one bad IP refuses the whole request
 		{[]string{"10.244.3.7", "0.0.0.0"}, api.CodeNotPodIP},
 	} {
