@@ -15,6 +15,8 @@ type Evidence struct {
 	// Implausible: entries further in the future than any CT timeout, or
 	// below the clock's floor.
 	Implausible [numClocks]uint64
+	// Live: entries not yet expired in that clock.
+	Live [numClocks]uint64
 }
 
 func (e *Evidence) add(a passArgs) {
@@ -22,6 +24,7 @@ func (e *Evidence) add(a passArgs) {
 	for c := range numClocks {
 		e.Plausible[c] += a.C[c].Plausible
 		e.Implausible[c] += a.C[c].Implausible
+		e.Live[c] += a.C[c].Live
 	}
 }
 
@@ -57,8 +60,11 @@ func clockIndex(c Clock) int {
 
 // Decide picks the clock from evidence. Auto confirms a clock only when at
 // least minEvidence entries are plausible in it, it is not refuted, and the
-// other clock is; anything else is ambiguous and deletes nothing. A configured
-// clock deletes unless the entries refute it.
+// other clock is refuted, or (both fitting, which happens for ktime after
+// ~194 days of uptime, when seconds of ktime reach jiffies' floor) at least
+// minEvidence entries are live in it and none in the other. Anything else is
+// ambiguous and deletes nothing. A configured clock deletes unless the
+// entries refute it.
 func Decide(cfg Clock, e Evidence, minEvidence int) Decision {
 	if cfg == ClockKtime || cfg == ClockJiffies {
 		c := clockIndex(cfg)
@@ -83,6 +89,13 @@ func Decide(cfg Clock, e Evidence, minEvidence int) Decision {
 	case 0:
 		return Decision{Clock: ClockKtime, Why: fmt.Sprintf("ambiguous clock: the entries fit neither ktime (%d implausible) nor jiffies (%d implausible) of %d; not deleting (set the clock explicitly if you know it)", e.Implausible[clockKtime], e.Implausible[clockJiffies], e.Entries)}
 	case 2:
+		// Live entries of one clock read as expired in the other: a clock in
+		// which nothing is live while the other has live entries is wrong.
+		for c := range numClocks {
+			if e.Live[c] >= uint64(minEvidence) && e.Live[1-c] == 0 {
+				return Decision{Clock: clockName(c), Confirmed: true, Delete: true, Why: fmt.Sprintf("clock %s confirmed: the entries fit both clocks, but %d are live in %s and none in %s", clockName(c), e.Live[c], clockName(c), clockName(1-c))}
+			}
+		}
 		return Decision{Clock: ClockKtime, Why: fmt.Sprintf("ambiguous clock: the %d entries fit both ktime and jiffies; not deleting (set the clock explicitly if you know it)", e.Entries)}
 	}
 	c := ok[0]

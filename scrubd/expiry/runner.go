@@ -36,6 +36,7 @@ type Runner struct {
 	mu       sync.Mutex // serialises passes and guards the state below
 	decision Decision
 	hz       int
+	walks    int // walks so far: each starts one map further on
 
 	// testRefreshMarker switches on bpf/expiry.c's TEST ONLY refresh hook.
 	testRefreshMarker uint64
@@ -248,10 +249,20 @@ func (r *Runner) params(sweep bool, clock Clock) passArgs {
 func (r *Runner) walk(ctx context.Context, sweep bool, clock Clock) (Report, error) {
 	rep := Report{Swept: sweep}
 	var errs []error
+	// Each walk starts at the next map, so a deadline that stops walks on a
+	// huge first map does not starve the others.
+	var order []*mapPass
 	for _, p := range r.passes {
-		if p == nil {
-			continue
+		if p != nil {
+			order = append(order, p)
 		}
+	}
+	if len(order) > 0 {
+		k := r.walks % len(order)
+		order = append(order[k:], order[:k]...)
+	}
+	r.walks++
+	for _, p := range order {
 		out, took, err := p.run(ctx, r.params(sweep, clock))
 		if err != nil {
 			errs = append(errs, err)
