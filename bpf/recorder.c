@@ -17,8 +17,19 @@
 char __license[] SEC("license") = "Dual BSD/GPL";
 
 /* The flow as seen from the pod: local = the pod's side. Direction-free, so
- * a flow's packets both ways hit the same entry. IPv4 is v4-mapped. */
-struct seen_key {
+ * a flow's packets both ways hit the same entry. One map per family keeps
+ * the IPv4 key at 16 bytes: hashing and comparing it is most of the cost of
+ * an established flow's packet. */
+struct seen_key4 {
+	__be32 local;
+	__be32 remote;
+	__be16 lport;
+	__be16 rport;
+	__u8 proto;
+	__u8 pad[3];
+};
+
+struct seen_key6 {
 	__u32 local[4];
 	__u32 remote[4];
 	__be16 lport;
@@ -37,10 +48,17 @@ struct {
  * recorded key). An eviction only re-sends a record; the index dedups. */
 struct {
 	__uint(type, BPF_MAP_TYPE_LRU_HASH);
-	__type(key, struct seen_key);
+	__type(key, struct seen_key4);
 	__type(value, __u8);
 	__uint(max_entries, 1 << 18);
-} rec_seen SEC(".maps");
+} rec_seen4 SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__type(key, struct seen_key6);
+	__type(value, __u8);
+	__uint(max_entries, 1 << 18);
+} rec_seen6 SEC(".maps");
 
 /* Records that did not fit in the ring buffer, per pod IP (v4-mapped). */
 struct {
@@ -117,66 +135,90 @@ static __always_inline int to_service(const struct flow *f)
 	}
 }
 
-static __always_inline int record(struct __sk_buff *skb, int egress)
+/* Emits the record of a new flow. Returns 0 when it is in the ring buffer
+ * (the caller then marks the flow seen), -1 when the ring was full (the
+ * loss is counted against the pod IP; the flow stays unseen so its next
+ * packet tries again). */
+static __always_inline int emit(struct __sk_buff *skb, const struct flow *f, int egress, __u8 dir)
 {
-	struct flow f = {};
-	struct seen_key k;
 	struct record *r;
-	__u8 dir, flags, *seen;
-
-	if (flow_parse(skb, &f) < 0)
-		return TCX_NEXT;
-
-	if (egress) {
-		__builtin_memcpy(k.local, f.src, 16);
-		__builtin_memcpy(k.remote, f.dst, 16);
-		k.lport = f.sport;
-		k.rport = f.dport;
-		dir = CT_F_OUT;
-	} else {
-		__builtin_memcpy(k.local, f.dst, 16);
-		__builtin_memcpy(k.remote, f.src, 16);
-		k.lport = f.dport;
-		k.rport = f.sport;
-		dir = CT_F_IN;
-	}
-	k.proto = f.proto;
-	k.pad[0] = k.pad[1] = k.pad[2] = 0;
-
-	seen = bpf_map_lookup_elem(&rec_seen, &k);
-	if (seen) {
-		/* Established flow: done. The one exception is a TCP SYN
-		 * opening the 5-tuple the other way round (port reuse after
-		 * Cilium's entry expired): Cilium then creates the key with
-		 * the other initiator. */
-		if (f.proto != PROTO_TCP || (f.tcp_flags & (TCPF_SYN | TCPF_ACK)) != TCPF_SYN ||
-		    *seen == dir)
-			return TCX_NEXT;
-	}
+	__u8 flags = dir;
 
 	r = bpf_ringbuf_reserve(&rec_events, sizeof(*r), 0);
 	if (!r) {
-		/* Not marked seen: the flow's next packet tries again. */
-		count_lost(k.local);
-		return TCX_NEXT;
+		count_lost(egress ? f->src : f->dst);
+		return -1;
 	}
 	__builtin_memset(r, 0, sizeof(*r));
-	r->family = f.family;
+	r->family = f->family;
 	r->kind = REC_FLOW;
 	r->ifindex = skb->ifindex;
-	flags = dir;
-	if (egress && to_service(&f)) {
+	if (egress && to_service(f)) {
 		/* The pod IP goes in daddr, as in an OUT key. */
 		r->kind = REC_SERVICE;
 		flags = CT_F_SERVICE;
 	}
-	if (f.family == 4)
-		flow_key4(&f, (struct ct_key4 *)r->key, flags);
+	if (f->family == 4)
+		flow_key4(f, (struct ct_key4 *)r->key, flags);
 	else
-		flow_key6(&f, (struct ct_key6 *)r->key, flags);
+		flow_key6(f, (struct ct_key6 *)r->key, flags);
 	bpf_ringbuf_submit(r, 0);
+	return 0;
+}
 
-	bpf_map_update_elem(&rec_seen, &k, &dir, BPF_ANY);
+/* Whether a packet of an already recorded flow needs a new record: only a
+ * TCP SYN opening the 5-tuple the other way round (port reuse after
+ * Cilium's entry expired), for which Cilium creates the key with the other
+ * initiator. */
+static __always_inline int reopened(const struct flow *f, __u8 seen, __u8 dir)
+{
+	return f->proto == PROTO_TCP && (f->tcp_flags & (TCPF_SYN | TCPF_ACK)) == TCPF_SYN &&
+	       seen != dir;
+}
+
+static __always_inline int record(struct __sk_buff *skb, int egress)
+{
+	struct flow f = {};
+	__u8 dir = egress ? CT_F_OUT : CT_F_IN;
+	__u8 *seen;
+
+	if (flow_parse(skb, &f) < 0)
+		return TCX_NEXT;
+
+	if (f.family == 4) {
+		struct seen_key4 k = {
+			.local = egress ? f.src[3] : f.dst[3],
+			.remote = egress ? f.dst[3] : f.src[3],
+			.lport = egress ? f.sport : f.dport,
+			.rport = egress ? f.dport : f.sport,
+			.proto = f.proto,
+		};
+
+		seen = bpf_map_lookup_elem(&rec_seen4, &k);
+		if (seen && !reopened(&f, *seen, dir))
+			return TCX_NEXT;
+		if (emit(skb, &f, egress, dir) == 0)
+			bpf_map_update_elem(&rec_seen4, &k, &dir, BPF_ANY);
+	} else {
+		struct seen_key6 k = {
+			.lport = egress ? f.sport : f.dport,
+			.rport = egress ? f.dport : f.sport,
+			.proto = f.proto,
+		};
+
+		if (egress) {
+			__builtin_memcpy(k.local, f.src, 16);
+			__builtin_memcpy(k.remote, f.dst, 16);
+		} else {
+			__builtin_memcpy(k.local, f.dst, 16);
+			__builtin_memcpy(k.remote, f.src, 16);
+		}
+		seen = bpf_map_lookup_elem(&rec_seen6, &k);
+		if (seen && !reopened(&f, *seen, dir))
+			return TCX_NEXT;
+		if (emit(skb, &f, egress, dir) == 0)
+			bpf_map_update_elem(&rec_seen6, &k, &dir, BPF_ANY);
+	}
 	return TCX_NEXT;
 }
 

@@ -43,7 +43,17 @@ type RecorderLbService struct {
 	Pad         [2]uint8
 }
 
-type RecorderSeenKey struct {
+type RecorderSeenKey4 struct {
+	_      structs.HostLayout
+	Local  uint32
+	Remote uint32
+	Lport  uint16
+	Rport  uint16
+	Proto  uint8
+	Pad    [3]uint8
+}
+
+type RecorderSeenKey6 struct {
 	_      structs.HostLayout
 	Local  [4]uint32
 	Remote [4]uint32
@@ -62,7 +72,8 @@ const (
 	RecorderMapRecEvents           = "rec_events"
 	RecorderMapRecLost             = "rec_lost"
 	RecorderMapRecLostTotal        = "rec_lost_total"
-	RecorderMapRecSeen             = "rec_seen"
+	RecorderMapRecSeen4            = "rec_seen4"
+	RecorderMapRecSeen6            = "rec_seen6"
 	RecorderProgRecorderEgress     = "recorder_egress"
 	RecorderProgRecorderIngress    = "recorder_ingress"
 )
@@ -122,7 +133,8 @@ type RecorderMapSpecs struct {
 	RecEvents           *ebpf.MapSpec `ebpf:"rec_events"`
 	RecLost             *ebpf.MapSpec `ebpf:"rec_lost"`
 	RecLostTotal        *ebpf.MapSpec `ebpf:"rec_lost_total"`
-	RecSeen             *ebpf.MapSpec `ebpf:"rec_seen"`
+	RecSeen4            *ebpf.MapSpec `ebpf:"rec_seen4"`
+	RecSeen6            *ebpf.MapSpec `ebpf:"rec_seen6"`
 }
 
 // RecorderVariableSpecs contains global variables before they are loaded into the kernel.
@@ -156,7 +168,8 @@ type RecorderMaps struct {
 	RecEvents           *ebpf.Map `ebpf:"rec_events"`
 	RecLost             *ebpf.Map `ebpf:"rec_lost"`
 	RecLostTotal        *ebpf.Map `ebpf:"rec_lost_total"`
-	RecSeen             *ebpf.Map `ebpf:"rec_seen"`
+	RecSeen4            *ebpf.Map `ebpf:"rec_seen4"`
+	RecSeen6            *ebpf.Map `ebpf:"rec_seen6"`
 }
 
 func (m *RecorderMaps) Close() error {
@@ -166,7 +179,8 @@ func (m *RecorderMaps) Close() error {
 		m.RecEvents,
 		m.RecLost,
 		m.RecLostTotal,
-		m.RecSeen,
+		m.RecSeen4,
+		m.RecSeen6,
 	)
 }
 

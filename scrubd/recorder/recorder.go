@@ -35,7 +35,7 @@ const DefaultPinDir = "/sys/fs/bpf/ctscrub"
 // Defaults for Options.
 const (
 	DefaultRingBytes   = 8 << 20 // ~150k records of burst while user space is busy or down
-	DefaultSeenEntries = 1 << 18 // flows remembered per node (about 120 bytes each in the kernel)
+	DefaultSeenEntries = 1 << 18 // flows remembered per node and family (72 bytes each for IPv4, 96 for IPv6 in the kernel)
 )
 
 // Names of Cilium's service maps, looked up under Options.CTRoot.
@@ -46,7 +46,7 @@ const (
 
 // The recorder's pinned maps (under Options.PinDir). Their names are the
 // map names in bpf/recorder.c.
-var pinnedMaps = []string{"rec_events", "rec_seen", "rec_lost", "rec_lost_total"}
+var pinnedMaps = []string{"rec_events", "rec_seen4", "rec_seen6", "rec_lost", "rec_lost_total"}
 
 // Options configure Load.
 type Options struct {
@@ -59,8 +59,8 @@ type Options struct {
 	// RingBytes sizes the ring buffer: a power of two, at least one page.
 	// Default DefaultRingBytes.
 	RingBytes int
-	// SeenEntries sizes the per-node cache of recorded flows. Default
-	// DefaultSeenEntries.
+	// SeenEntries sizes the per-node caches of recorded flows (one per
+	// family). Default DefaultSeenEntries.
 	SeenEntries int
 	// Log receives operational messages. Default slog.Default().
 	Log *slog.Logger
@@ -109,7 +109,8 @@ func Load(opts Options) (*Recorder, error) {
 		return nil, fmt.Errorf("recorder: parse embedded BPF object: %w", err)
 	}
 	spec.Maps["rec_events"].MaxEntries = uint32(opts.RingBytes)
-	spec.Maps["rec_seen"].MaxEntries = uint32(opts.SeenEntries)
+	spec.Maps["rec_seen4"].MaxEntries = uint32(opts.SeenEntries)
+	spec.Maps["rec_seen6"].MaxEntries = uint32(opts.SeenEntries)
 	for _, n := range pinnedMaps {
 		spec.Maps[n].Pinning = ebpf.PinByName
 	}
@@ -407,16 +408,29 @@ func (r *Recorder) Lost() uint64 {
 	return v
 }
 
-// seenKey is struct seen_key in bpf/recorder.c: the flow from one pod's
-// side (local address and port first), IPv4 v4-mapped.
-type seenKey [40]byte
+// seenKey4 and seenKey6 are struct seen_key4/seen_key6 in bpf/recorder.c:
+// the flow from one pod's side (local address and port first).
+type (
+	seenKey4 [16]byte
+	seenKey6 [40]byte
+)
 
-func newSeenKey(local, remote [16]byte, lport, rport [2]byte, proto uint8) seenKey {
-	var k seenKey
-	copy(k[0:16], local[:])
-	copy(k[16:32], remote[:])
-	copy(k[32:34], lport[:])
-	copy(k[34:36], rport[:])
+func newSeenKey4(local, remote []byte, lport, rport []byte, proto uint8) seenKey4 {
+	var k seenKey4
+	copy(k[0:4], local)
+	copy(k[4:8], remote)
+	copy(k[8:10], lport)
+	copy(k[10:12], rport)
+	k[12] = proto
+	return k
+}
+
+func newSeenKey6(local, remote []byte, lport, rport []byte, proto uint8) seenKey6 {
+	var k seenKey6
+	copy(k[0:16], local)
+	copy(k[16:32], remote)
+	copy(k[32:34], lport)
+	copy(k[34:36], rport)
 	k[36] = proto
 	return k
 }
@@ -430,9 +444,11 @@ func (r *Recorder) ForgetFlow4(k ctmap.CTKey4) error {
 	if k.Flags()&ctmap.FlagRelated != 0 {
 		return nil
 	}
-	d, s := netip.AddrFrom4([4]byte(k[0:4])).As16(), netip.AddrFrom4([4]byte(k[4:8])).As16()
-	dport, sport := [2]byte(k[8:10]), [2]byte(k[10:12])
-	return r.forget(newSeenKey(d, s, sport, dport, k.NextHdr()), newSeenKey(s, d, dport, sport, k.NextHdr()))
+	d, s, dport, sport := k[0:4], k[4:8], k[8:10], k[10:12]
+	// The initiator (daddr, sport) as the local side, then the responder.
+	return r.forget(r.objs.RecSeen4,
+		newSeenKey4(d, s, sport, dport, k.NextHdr()),
+		newSeenKey4(s, d, dport, sport, k.NextHdr()))
 }
 
 // ForgetFlow6 is ForgetFlow4 for IPv6 keys.
@@ -440,14 +456,15 @@ func (r *Recorder) ForgetFlow6(k ctmap.CTKey6) error {
 	if k.Flags()&ctmap.FlagRelated != 0 {
 		return nil
 	}
-	d, s := [16]byte(k[0:16]), [16]byte(k[16:32])
-	dport, sport := [2]byte(k[32:34]), [2]byte(k[34:36])
-	return r.forget(newSeenKey(d, s, sport, dport, k.NextHdr()), newSeenKey(s, d, dport, sport, k.NextHdr()))
+	d, s, dport, sport := k[0:16], k[16:32], k[32:34], k[34:36]
+	return r.forget(r.objs.RecSeen6,
+		newSeenKey6(d, s, sport, dport, k.NextHdr()),
+		newSeenKey6(s, d, dport, sport, k.NextHdr()))
 }
 
-func (r *Recorder) forget(keys ...seenKey) error {
+func (r *Recorder) forget(m *ebpf.Map, keys ...any) error {
 	for _, k := range keys {
-		if err := r.objs.RecSeen.Delete(k); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
+		if err := m.Delete(k); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
 			return fmt.Errorf("recorder: forget flow: %w", err)
 		}
 	}
