@@ -183,16 +183,22 @@ func (c *Cilium) Scrub(ctx context.Context, req Request) (Result, error) {
 		return finish(nil)
 	}
 
-	// The sweep for the rest. Keys are taken before it: entries of flows
-	// recorded while it runs must stay indexed.
+	// The sweep for the rest. Each IP's keys are taken and the IP declared
+	// tracked before the pass starts: a flow recorded while the pass runs
+	// stays indexed (its entry may be created after the pass went by), and
+	// records lost meanwhile mark the IP incomplete again rather than being
+	// wiped by a Track at the end.
 	res.Method = MethodSweep
 	for _, ip := range sweepIPs {
 		res.PerIP[ip.String()] = MethodSweep
-		if req.DryRun || slices.ContainsFunc(taken, func(h held) bool { return h.ip == ip }) {
+		if req.DryRun {
 			continue
 		}
-		k4, k6, _ := c.ix.Take(ip)
-		taken = append(taken, held{ip, k4, k6})
+		if !slices.ContainsFunc(taken, func(h held) bool { return h.ip == ip }) {
+			k4, k6, _ := c.ix.Take(ip)
+			taken = append(taken, held{ip, k4, k6})
+		}
+		c.ix.Track(ip)
 	}
 	sr, err := c.sweeper.Sweep(ctx, sweepIPs, req.DryRun)
 	for k, n := range sr.Deleted {
@@ -200,16 +206,11 @@ func (c *Cilium) Scrub(ctx context.Context, req Request) (Result, error) {
 			res.Deleted[ctmap.Kind(k).Name()] += n
 		}
 	}
-	if !req.DryRun {
-		if err == nil && sr.Complete {
-			for _, ip := range sweepIPs {
-				c.ix.Track(ip)
-			}
-		} else {
-			for _, h := range taken {
-				c.ix.Return(h.ip, h.k4, h.k6)
-				c.ix.MarkIncomplete(h.ip, index.ReasonCancelled)
-			}
+	if !req.DryRun && (err != nil || !sr.Complete) {
+		// Entries from before the pass may be left: the next scrub sweeps.
+		for _, h := range taken {
+			c.ix.Return(h.ip, h.k4, h.k6)
+			c.ix.MarkIncomplete(h.ip, index.ReasonCancelled)
 		}
 	}
 	if err == nil && !sr.Complete {

@@ -572,3 +572,28 @@ func dumpKind(t *testing.T, c *Cilium, k ctmap.Kind) []ctmap.CTKey4 {
 	}
 	return out
 }
+
+// Flows recorded and records lost while a sweep pass runs must survive its
+// end: the keys stay indexed and a loss keeps the IP incomplete.
+func TestSweepKeepsWhatHappensDuringPass(t *testing.T) {
+	w, c := bigWorld(t, 1<<20)
+	ip := netip.AddrFrom4([4]byte{10, 244, 0, 11})
+	done := make(chan error, 1)
+	go func() {
+		_, err := c.Scrub(context.Background(), Request{IPs: []netip.Addr{ip}})
+		done <- err
+	}()
+	waitFor(t, c.Sweeper().inProg.Load)
+	w.addFlows(ip, remote4, 1, true) // recorded while the pass runs
+	c.ix.MarkIncomplete(ip, index.ReasonLost)
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+	st := c.ix.State(ip)
+	if st.Complete || st.Incomplete != index.ReasonLost {
+		t.Errorf("a loss during the pass was wiped: %+v", st)
+	}
+	if st.Keys == 0 {
+		t.Errorf("keys recorded during the pass were dropped: %+v", st)
+	}
+}
