@@ -304,6 +304,16 @@ func (n *NFCT) catchUp(ctx context.Context) bool {
 // fallback. When ctx ends it stops between batches and returns Cancelled, what
 // it deleted, and ctx's error.
 func (n *NFCT) Scrub(ctx context.Context, req scrub.Request) (scrub.Result, error) {
+	return n.scrub(ctx, req, false)
+}
+
+// Sweep scrubs req.IPs through the fallback whatever the index knows: what a
+// scrub of incomplete IPs costs (benchmarks), or a belt-and-braces cleanup.
+func (n *NFCT) Sweep(ctx context.Context, req scrub.Request) (scrub.Result, error) {
+	return n.scrub(ctx, req, true)
+}
+
+func (n *NFCT) scrub(ctx context.Context, req scrub.Request, sweep bool) (scrub.Result, error) {
 	start := time.Now()
 	res := scrub.Result{
 		Backend: n.Name(),
@@ -333,7 +343,7 @@ func (n *NFCT) Scrub(ctx context.Context, req scrub.Request) (scrub.Result, erro
 			return finish(fmt.Errorf("nfct scrub: invalid IP in request"))
 		}
 		fs, complete := n.ix.take(ip)
-		if !complete || !caughtUp {
+		if !complete || !caughtUp || sweep {
 			fallback = append(fallback, ip)
 			res.PerIP[ip.String()] = scrub.MethodSweep
 			continue
