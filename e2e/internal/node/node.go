@@ -9,6 +9,7 @@ import (
 	"context"
 	"crypto/rand"
 	"encoding/hex"
+	"errors"
 	"fmt"
 	"net"
 	"net/http"
@@ -23,6 +24,7 @@ import (
 	"time"
 
 	"github.com/cilium/ebpf"
+	"github.com/vishvananda/netns"
 
 	"github.com/ctscrub/ctscrub/scrubd/client"
 	"github.com/ctscrub/ctscrub/scrubd/ctmap"
@@ -303,4 +305,59 @@ func (s *Scrubd) Metric(t *testing.T, name string, labels map[string]string) flo
 		sum += f
 	}
 	return sum
+}
+
+// NewNetns creates a named network namespace (under /var/run/netns) and
+// deletes it when the test ends. It returns its path, a CNI_NETNS.
+func NewNetns(t *testing.T, name string) string {
+	t.Helper()
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
+	orig, err := netns.Get()
+	if err != nil {
+		t.Fatalf("get current netns: %v", err)
+	}
+	defer orig.Close()
+	ns, err := netns.NewNamed(name)
+	if serr := netns.Set(orig); serr != nil {
+		// This thread is in the wrong namespace: keep it locked so Go
+		// discards it with the goroutine.
+		runtime.LockOSThread()
+		t.Fatalf("return to the original netns: %v", serr)
+	}
+	if err != nil {
+		t.Fatalf("create netns %s: %v", name, err)
+	}
+	ns.Close()
+	t.Cleanup(func() { netns.DeleteNamed(name) })
+	return filepath.Join("/var/run/netns", name)
+}
+
+// Do runs fn on a locked OS thread inside the network namespace at path.
+// Programs fn starts (CNI plugins run by libcni) and sockets it opens live in
+// that namespace.
+func Do(path string, fn func() error) error {
+	runtime.LockOSThread()
+	orig, err := netns.Get()
+	if err != nil {
+		runtime.UnlockOSThread()
+		return fmt.Errorf("get current netns: %w", err)
+	}
+	defer orig.Close()
+	target, err := netns.GetFromPath(path)
+	if err != nil {
+		runtime.UnlockOSThread()
+		return fmt.Errorf("open netns %s: %w", path, err)
+	}
+	defer target.Close()
+	if err := netns.Set(target); err != nil {
+		runtime.UnlockOSThread()
+		return fmt.Errorf("enter netns %s: %w", path, err)
+	}
+	ferr := fn()
+	if err := netns.Set(orig); err != nil {
+		return errors.Join(ferr, fmt.Errorf("return from netns %s: %w", path, err))
+	}
+	runtime.UnlockOSThread()
+	return ferr
 }
