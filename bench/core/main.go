@@ -143,16 +143,24 @@ func main() {
 		fmt.Fprintln(os.Stderr, "bench: lift RLIMIT_MEMLOCK:", err)
 		os.Exit(1)
 	}
-	if err := run(cfg); err != nil {
+	res, err := run(cfg)
+	if err != nil {
 		fmt.Fprintln(os.Stderr, "bench:", err)
 		os.Exit(1)
 	}
+	printTable(res)
+	line, err := json.Marshal(res)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "bench:", err)
+		os.Exit(1)
+	}
+	fmt.Println(string(line))
 }
 
 // live tracks the node whose bpffs dir must go on an interrupt.
 var live = make(chan *node, 1)
 
-func run(cfg config) error {
+func run(cfg config) (result, error) {
 	sig := make(chan os.Signal, 1)
 	signal.Notify(sig, os.Interrupt, syscall.SIGTERM)
 	go func() {
@@ -178,7 +186,7 @@ func run(cfg config) error {
 	// The recorder's cost per packet (H1's measurement, BPF_PROG_TEST_RUN).
 	newNs, estNs, err := recorder.MeasurePacketCost(20000)
 	if err != nil {
-		return fmt.Errorf("recorder cost: %w", err)
+		return res, fmt.Errorf("recorder cost: %w", err)
 	}
 	res.IndexerNsPacket, res.IndexerNsNew = estNs, newNs
 
@@ -186,7 +194,7 @@ func run(cfg config) error {
 		fmt.Printf("reference: index scrubs at %d entries (same PER_IP) for the size ratio ...\n", refEntries)
 		med, _, _, err := indexOnly(cfg, refEntries)
 		if err != nil {
-			return fmt.Errorf("1M reference: %w", err)
+			return res, fmt.Errorf("1M reference: %w", err)
 		}
 		res.IndexMedian1MS = med.Seconds()
 		runtime.GC()
@@ -194,7 +202,7 @@ func run(cfg config) error {
 
 	nd, c, err := setup(cfg, cfg.entries)
 	if err != nil {
-		return err
+		return res, err
 	}
 	defer nd.close()
 	defer c.Close()
@@ -210,7 +218,7 @@ func run(cfg config) error {
 	const countReps = 100
 	for range countReps {
 		if _, err := c.Count(ctmap.TCP4); err != nil {
-			return err
+			return res, err
 		}
 	}
 	res.CountUs = float64(time.Since(t).Microseconds()) / countReps
@@ -218,7 +226,7 @@ func run(cfg config) error {
 	// (4) The index scrub.
 	idx, err := indexSeries(nd, c, cfg.indexReps)
 	if err != nil {
-		return err
+		return res, err
 	}
 	res.IndexReps = len(idx)
 	res.IndexMedianS = quantile(idx, 0.5).Seconds()
@@ -235,7 +243,7 @@ func run(cfg config) error {
 		return err
 	})
 	if err != nil {
-		return err
+		return res, err
 	}
 	res.SweepS, res.SweepReps = median(sweep).Seconds(), len(sweep)
 
@@ -248,7 +256,7 @@ func run(cfg config) error {
 		return err
 	})
 	if err != nil {
-		return err
+		return res, err
 	}
 	res.BatchWalkS, res.BatchReps = median(batch).Seconds(), len(batch)
 
@@ -261,7 +269,7 @@ func run(cfg config) error {
 		return err
 	})
 	if err != nil {
-		return err
+		return res, err
 	}
 	res.NextKeyWalkS, res.NextKeyReps = median(nextKey).Seconds(), len(nextKey)
 
@@ -282,13 +290,7 @@ func run(cfg config) error {
 		res.Targets["index_size_ratio_le_1.5"] = res.Index16MOver1M <= 1.5
 	}
 
-	printTable(res)
-	line, err := json.Marshal(res)
-	if err != nil {
-		return err
-	}
-	fmt.Println(string(line))
-	return nil
+	return res, nil
 }
 
 // setup creates and fills a node of n entries and loads the backend on it.
