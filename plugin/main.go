@@ -6,6 +6,7 @@
 package main
 
 import (
+	"fmt"
 	"io"
 	"os"
 
@@ -28,6 +29,13 @@ var (
 )
 
 func main() {
+	if len(os.Args) > 1 && (os.Args[1] == "install" || os.Args[1] == "uninstall") {
+		if err := runSubcommand(os.Args[1], os.Args[2:], os.Stdout); err != nil {
+			fmt.Fprintln(os.Stderr, "ctscrub:", err)
+			os.Exit(1)
+		}
+		return
+	}
 	skel.PluginMainFuncs(skel.CNIFuncs{
 		Add:    cmdAdd,
 		Del:    cmdDel,

@@ -1,0 +1,117 @@
+package main
+
+import (
+	"bytes"
+	"encoding/json"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+)
+
+// What Cilium's agent writes (v1.16, default options).
+const ciliumConflist = `{
+  "cniVersion": "0.3.1",
+  "name": "cilium",
+  "plugins": [
+    {
+       "type": "cilium-cni",
+       "enable-debug": false,
+       "log-file": "/var/run/cilium/cilium-cni.log"
+    }
+  ]
+}
+`
+
+func pluginTypes(t *testing.T, path string) []string {
+	t.Helper()
+	list, err := readConflist(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var types []string
+	for _, p := range list["plugins"].([]any) {
+		types = append(types, p.(map[string]any)["type"].(string))
+	}
+	return types
+}
+
+func TestInstallChainsAfterCilium(t *testing.T) {
+	bin, conf := t.TempDir(), t.TempDir()
+	path := filepath.Join(conf, "05-cilium.conflist")
+	os.WriteFile(path, []byte(ciliumConflist), 0o644)
+	// A config that sorts after Cilium's and has no cilium-cni: left alone.
+	other := filepath.Join(conf, "10-other.conflist")
+	os.WriteFile(other, []byte(`{"cniVersion":"1.0.0","name":"x","plugins":[{"type":"bridge"}]}`), 0o644)
+
+	var out bytes.Buffer
+	if err := runSubcommand("install", []string{"--bin-dir", bin, "--conf-dir", conf}, &out); err != nil {
+		t.Fatal(err)
+	}
+	if got := strings.Join(pluginTypes(t, path), ","); got != "cilium-cni,ctscrub" {
+		t.Fatalf("plugins %s, want cilium-cni,ctscrub", got)
+	}
+	list, _ := readConflist(path)
+	cilium := list["plugins"].([]any)[0].(map[string]any)
+	if cilium["log-file"] != "/var/run/cilium/cilium-cni.log" || list["cniVersion"] != "0.3.1" {
+		t.Fatalf("Cilium's own settings changed: %v", list)
+	}
+	entry, _ := json.Marshal(list["plugins"].([]any)[1])
+	if _, err := parseConfig(append(entry[:len(entry)-1], []byte(`,"cniVersion":"0.3.1","name":"cilium"}`)...)); err != nil {
+		t.Fatalf("inserted entry %s does not parse: %v", entry, err)
+	}
+	st, err := os.Stat(filepath.Join(bin, "ctscrub"))
+	if err != nil || st.Mode().Perm() != 0o755 {
+		t.Fatalf("plugin binary: %v, %v", st, err)
+	}
+	if b, _ := os.ReadFile(other); !strings.Contains(string(b), `"bridge"`) || strings.Contains(string(b), "ctscrub") {
+		t.Fatalf("other conflist changed: %s", b)
+	}
+
+	// Idempotent: a second run changes nothing and says nothing.
+	first, _ := os.ReadFile(path)
+	out.Reset()
+	if err := runSubcommand("install", []string{"--bin-dir", bin, "--conf-dir", conf}, &out); err != nil {
+		t.Fatal(err)
+	}
+	if again, _ := os.ReadFile(path); !bytes.Equal(first, again) || out.Len() != 0 {
+		t.Fatalf("second install changed the file or wrote %q", out.String())
+	}
+
+	// Cilium rewrites its file (agent restart): install puts the entry back.
+	os.WriteFile(path, []byte(ciliumConflist), 0o644)
+	if err := runSubcommand("install", []string{"--bin-dir", bin, "--conf-dir", conf}, &out); err != nil {
+		t.Fatal(err)
+	}
+	if got := strings.Join(pluginTypes(t, path), ","); got != "cilium-cni,ctscrub" {
+		t.Fatalf("after Cilium's rewrite: %s", got)
+	}
+
+	if err := runSubcommand("uninstall", []string{"--conf-dir", conf, "--bin-dir", bin, "--remove-binary"}, &out); err != nil {
+		t.Fatal(err)
+	}
+	if got := strings.Join(pluginTypes(t, path), ","); got != "cilium-cni" {
+		t.Fatalf("after uninstall: %s", got)
+	}
+	if _, err := os.Stat(filepath.Join(bin, "ctscrub")); !os.IsNotExist(err) {
+		t.Fatalf("binary still there: %v", err)
+	}
+}
+
+func TestInstallErrors(t *testing.T) {
+	conf := t.TempDir()
+	os.WriteFile(filepath.Join(conf, "10-bridge.conflist"), []byte(`{"cniVersion":"1.0.0","name":"x","plugins":[{"type":"bridge"}]}`), 0o644)
+	for name, tc := range map[string]struct {
+		args []string
+		want string
+	}{
+		"no cilium conflist": {nil, `no *.conflist in ` + conf + ` has a plugin of type "cilium-cni"`},
+		"bad entry":          {[]string{"--entry", `{"type":"ctscrub","failurePolicy":"maybe"}`}, `failurePolicy "maybe"`},
+		"entry not ctscrub":  {[]string{"--entry", `{"type":"bridge"}`}, `"type": "ctscrub"`},
+	} {
+		err := runSubcommand("install", append([]string{"--bin-dir", t.TempDir(), "--conf-dir", conf}, tc.args...), &bytes.Buffer{})
+		if err == nil || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("%s: error %v, want it to say %q", name, err, tc.want)
+		}
+	}
+}
