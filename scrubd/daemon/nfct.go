@@ -1,0 +1,85 @@
+package daemon
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"net/netip"
+	"os"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/ctscrub/ctscrub/scrubd/api"
+	"github.com/ctscrub/ctscrub/scrubd/nfct"
+)
+
+// Help of the index metrics, shared by every backend's series: a registry
+// accepts one name with several backend labels only when the help matches.
+const (
+	HelpIndexKeys       = "(IP, CT entry) pairs in the index, per backend."
+	HelpIndexIncomplete = "IPs whose index cannot prove completeness, per backend; their next scrub sweeps (nfct: falls back to the filtered flush or a dump)."
+	HelpIndexLost       = "Index events lost, per backend (cilium: recorder records, ring buffer full; nfct: conntrack events the kernel dropped on the event socket); the IPs they may concern were marked incomplete."
+)
+
+// OpenNFCT starts the nf_conntrack backend on the host's table. With auto it
+// returns (nil, nil), leaving the backend off, when nf_conntrack is not
+// loaded, or when Cilium's maps are present and nf_conntrack holds no flow of
+// a pod IP (Cilium with its kube-proxy replacement keeps pod flows in its own
+// maps only).
+func OpenNFCT(cidrs []netip.Prefix, auto, ciliumPresent bool, log *slog.Logger) (*nfct.NFCT, error) {
+	if _, err := os.Stat("/proc/sys/net/netfilter/nf_conntrack_max"); err != nil {
+		if auto {
+			log.Info("nf_conntrack not loaded: nfct backend off")
+			return nil, nil
+		}
+		return nil, fmt.Errorf("nfct backend: nf_conntrack is not loaded on this node (/proc/sys/net/netfilter/nf_conntrack_max: %v)", err)
+	}
+	n, err := nfct.New(nfct.Config{PodCIDRs: cidrs})
+	if err != nil {
+		if auto {
+			log.Warn("nfct backend off", "err", err)
+			return nil, nil
+		}
+		return nil, fmt.Errorf("nfct backend: %w", err)
+	}
+	if st := n.Stats(); auto && ciliumPresent && st.Keys == 0 {
+		n.Close()
+		log.Info("nf_conntrack holds no pod flows beside Cilium's maps: nfct backend off")
+		return nil, nil
+	}
+	st := n.Stats()
+	log.Info("nfct backend on", "indexed_entries", st.Keys, "ips", st.IPs,
+		"event_buffer_bytes", st.EventBuffer, "filtered_flush", st.FilteredFlush)
+	return n, nil
+}
+
+// NFCTStats reports nf_conntrack's occupancy from the kernel's global stats
+// (no walk): ctscrub_ct_entries / ctscrub_ct_max_entries{backend="nfct",map="nf_conntrack"}.
+func NFCTStats(n *nfct.NFCT) StatsSource { return nfctStats{n} }
+
+type nfctStats struct{ n *nfct.NFCT }
+
+func (s nfctStats) CTStats(context.Context) ([]api.MapStats, error) {
+	st := api.MapStats{Backend: s.n.Name(), Map: nfct.MapName, Entries: -1}
+	entries, maxEntries, err := s.n.Count()
+	if err == nil {
+		st.Entries, st.MaxEntries = entries, maxEntries
+	}
+	return []api.MapStats{st}, err
+}
+
+// NFCTCollectors are the nfct index's series of ctscrub_index_keys,
+// ctscrub_index_incomplete_ips and ctscrub_index_lost_total, labelled
+// backend="nfct". Register them on the daemon's registry (Registerer); the
+// Cilium series of the same names must carry backend="cilium" and the same help.
+func NFCTCollectors(n *nfct.NFCT) []prometheus.Collector {
+	l := prometheus.Labels{"backend": "nfct"}
+	return []prometheus.Collector{
+		prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "ctscrub_index_keys", Help: HelpIndexKeys, ConstLabels: l},
+			func() float64 { return float64(n.Stats().Keys) }),
+		prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "ctscrub_index_incomplete_ips", Help: HelpIndexIncomplete, ConstLabels: l},
+			func() float64 { return float64(n.Stats().IncompleteIPs) }),
+		prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "ctscrub_index_lost_total", Help: HelpIndexLost, ConstLabels: l},
+			func() float64 { return float64(n.Lost()) }),
+	}
+}
