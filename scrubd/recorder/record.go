@@ -3,6 +3,7 @@ package recorder
 import (
 	"encoding/binary"
 	"fmt"
+	"net/netip"
 
 	"github.com/ctscrub/ctscrub/scrubd/ctmap"
 	"github.com/ctscrub/ctscrub/scrubd/index"
@@ -88,4 +89,14 @@ func (r *Record) Encode() []byte {
 	binary.NativeEndian.PutUint32(b[4:8], r.Ifindex)
 	copy(b[8:], r.Key[:])
 	return b
+}
+
+// addrs returns the two addresses of the record's key.
+func (r *Record) addrs() [2]netip.Addr {
+	if r.Family == 4 {
+		k := ctmap.CTKey4(r.Key[:ctmap.KeySize4])
+		return [2]netip.Addr{k.DAddr(), k.SAddr()}
+	}
+	k := ctmap.CTKey6(r.Key[:ctmap.KeySize6])
+	return [2]netip.Addr{k.DAddr(), k.SAddr()}
 }

@@ -64,6 +64,11 @@ type Options struct {
 	SeenEntries int
 	// Log receives operational messages. Default slog.Default().
 	Log *slog.Logger
+	// CT, when set, lets Run prune keys Cilium no longer holds from an IP
+	// whose set doubled since its last prune (see Prune). Without it the
+	// daemon must call Prune itself or stale keys accumulate until a scrub
+	// takes them.
+	CT *ctmap.Maps
 }
 
 // Recorder is the loaded recorder.
@@ -361,6 +366,26 @@ func (r *Recorder) Run(ctx context.Context, ix *index.Index) error {
 	}()
 	defer wg.Wait()
 
+	var q *pruneQueue
+	if r.opts.CT != nil {
+		q = newPruneQueue()
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for {
+				select {
+				case <-ctx.Done():
+					return
+				case ip := <-q.ch:
+					q.taken(ip)
+					if _, err := r.Prune(ix, r.opts.CT, ip); err != nil {
+						r.opts.Log.Warn("recorder: prune", "ip", ip, "err", err)
+					}
+				}
+			}
+		}()
+	}
+
 	var rec ringbuf.Record
 	for {
 		if err := rd.ReadInto(&rec); err != nil {
@@ -378,6 +403,13 @@ func (r *Recorder) Run(ctx context.Context, ix *index.Index) error {
 			continue
 		}
 		Apply(ix, &rc)
+		if q != nil {
+			for _, ip := range rc.addrs() {
+				if ix.Owns(ip) && ix.NeedsPrune(ip) {
+					q.offer(ip)
+				}
+			}
+		}
 	}
 }
 

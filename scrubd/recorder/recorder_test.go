@@ -86,7 +86,7 @@ func newWorld(t *testing.T, npods int) *world {
 
 func (w *world) loadRecorder(t *testing.T, ctDir string) *recorder.Recorder {
 	t.Helper()
-	rec, err := recorder.Load(recorder.Options{PinDir: w.pinDir, CTRoot: ctDir, RingBytes: 1 << 20})
+	rec, err := recorder.Load(recorder.Options{PinDir: w.pinDir, CTRoot: ctDir, RingBytes: 1 << 20, CT: w.ct})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -478,16 +478,17 @@ func TestDetach(t *testing.T) {
 	}
 }
 
-// ForgetFlow makes the recorder record a flow again (index pruning relies
-// on it after Cilium dropped the flow's entry).
-func TestForgetFlow(t *testing.T) {
+// Prune drops the keys of entries Cilium no longer holds and forgets their
+// flows, so the same 5-tuple is recorded again when it comes back.
+func TestPrune(t *testing.T) {
 	w := newWorld(t, 1)
 	a, remote := w.pods[0], w.node.Remote
 	if err := a.UDP(remote.Addr4, netpods.EchoPort); err != nil {
 		t.Fatal(err)
 	}
 	w.requireIndexed(t, []netip.Addr{a.Addr4}, 2)
-	k4, _, _ := w.ix.Take(a.Addr4) // the index forgets (as after a prune)
+	k4, k6, _ := w.ix.Take(a.Addr4)
+	w.ix.Return(a.Addr4, k4, k6)
 	var flowKey ctmap.CTKey4
 	for _, k := range k4 {
 		if k.NextHdr() == ctmap.ProtoUDP {
@@ -497,27 +498,93 @@ func TestForgetFlow(t *testing.T) {
 	if flowKey.NextHdr() != ctmap.ProtoUDP {
 		t.Fatalf("no UDP key indexed: %v", k4)
 	}
-	if err := w.rec.ForgetFlow4(flowKey); err != nil {
-		t.Fatal(err)
+	// Cilium's GC removes the flow's entries.
+	for _, k := range []ctmap.CTKey4{flowKey, flowKey.Related()} {
+		if err := w.ct.Map(k.Kind()).Delete(k); err != nil {
+			t.Fatalf("delete %s: %v", k, err)
+		}
 	}
-	// The same 5-tuple again: a connected UDP socket from the same port is
-	// not available to the helper, so send from the flow's port directly.
-	err := a.Do(func() error { return sendUDPFrom(flowKey.SPort(), remote.Addr4, flowKey.DPort()) })
+	dropped, err := w.rec.Prune(w.ix, w.ct, a.Addr4)
 	if err != nil {
 		t.Fatal(err)
 	}
-	deadline := time.Now().Add(5 * time.Second)
+	if dropped != 2 {
+		t.Fatalf("Prune dropped %d keys, want 2 (the flow and its related key)", dropped)
+	}
+	k4, k6, _ = w.ix.Take(a.Addr4)
+	w.ix.Return(a.Addr4, k4, k6)
+	if containsKey(k4, flowKey) {
+		t.Fatalf("%s still indexed after Prune", flowKey)
+	}
+
+	// The same 5-tuple again: Cilium re-creates the entry, the recorder
+	// (its seen cache forgotten) records it again.
+	err = a.Do(func() error { return sendUDPFrom(flowKey.SPort(), remote.Addr4, flowKey.DPort()) })
+	if err != nil {
+		t.Fatal(err)
+	}
+	w.requireIndexed(t, []netip.Addr{a.Addr4}, 2)
+	k4, k6, _ = w.ix.Take(a.Addr4)
+	w.ix.Return(a.Addr4, k4, k6)
+	if !containsKey(k4, flowKey) {
+		t.Fatalf("flow %s not recorded again after Prune", flowKey)
+	}
+}
+
+// With Options.CT, Run prunes an IP on its own once its set doubled.
+func TestAutoPrune(t *testing.T) {
+	w := newWorld(t, 1)
+	a, remote := w.pods[0], w.node.Remote
+	// 600 UDP flows (distinct source ports) now and 500 later: 1,101 keys
+	// (they share one related key), past the first prune threshold
+	// (1,024) while the second batch is recorded.
+	var sent []uint16
+	err := a.Do(func() error {
+		for port := uint16(20000); port < 20600; port++ {
+			if err := sendUDPFrom(port, remote.Addr4, netpods.EchoPort); err != nil {
+				return err
+			}
+			sent = append(sent, port)
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	w.requireIndexed(t, []netip.Addr{a.Addr4}, 601)
+	// Cilium's GC removes the first 600 flows.
+	for _, port := range sent {
+		k := ctmap.NewKey4(a.Addr4, remote.Addr4, netpods.EchoPort, port, ctmap.ProtoUDP, ctmap.FlagOut)
+		if err := w.ct.Map(ctmap.Any4).Delete(k); err != nil {
+			t.Fatalf("delete %s: %v", k, err)
+		}
+	}
+	err = a.Do(func() error {
+		for port := uint16(30000); port < 30500; port++ {
+			if err := sendUDPFrom(port, remote.Addr4, netpods.EchoPort); err != nil {
+				return err
+			}
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	deadline := time.Now().Add(10 * time.Second)
 	for {
-		k4, k6, _ := w.ix.Take(a.Addr4)
-		w.ix.Return(a.Addr4, k4, k6)
-		if containsKey(k4, flowKey) {
+		st := w.ix.State(a.Addr4)
+		// 1,101 keys at most were indexed; a prune leaves the 500 live
+		// flows, their related key and whatever arrived after it.
+		if st.Keys <= 600 {
+			t.Logf("%d keys after the automatic prune", st.Keys)
 			break
 		}
 		if time.Now().After(deadline) {
-			t.Fatalf("flow %s not recorded again after ForgetFlow4", flowKey)
+			t.Fatalf("no automatic prune: %d keys indexed for %s", st.Keys, a.Addr4)
 		}
-		time.Sleep(50 * time.Millisecond)
+		time.Sleep(100 * time.Millisecond)
 	}
+	w.requireIndexed(t, []netip.Addr{a.Addr4}, 501)
 }
 
 // sendUDPFrom sends one datagram from local port sport (in the current
