@@ -667,57 +667,6 @@ func TestDeadlineCancelsSweepAndRetryCompletes(t *testing.T) {
 	}
 }
 
-func TestAttachmentsAndStateFile(t *testing.T) {
-	root := newCTRoot(t, 1024)
-	cfg := testConfig(t, root)
-	td := startDaemon(t, cfg)
-	ctx := context.Background()
-	a := api.Attachment{ContainerID: "c0ffee", IfName: "eth0"}
-	ip := mustAddr("10.244.5.5")
-	// No recorder is loaded in this test (the daemon runs without one), so
-	// the netns is only remembered.
-	if err := td.c.IndexStart(ctx, api.IndexStartRequest{Attachment: a, Netns: "/proc/1/ns/net", IPs: []netip.Addr{ip}}); err != nil {
-		t.Fatal(err)
-	}
-	if err := td.c.IndexStart(ctx, api.IndexStartRequest{Attachment: api.Attachment{ContainerID: "x", IfName: "eth0"}, Netns: "/proc/1/ns/net", IPs: []netip.Addr{mustAddr("192.168.0.1")}}); err == nil {
-		t.Errorf("index start with a non-pod IP accepted")
-	}
-	list, err := td.c.IndexList(ctx)
-	if err != nil || len(list.Pods) != 1 || list.Pods[0].Attachment != a {
-		t.Fatalf("index list: %+v, %v", list, err)
-	}
-	st, err := td.c.IndexIP(ctx, ip)
-	if err != nil || st.Owner == nil || *st.Owner != a {
-		t.Errorf("index ip: %+v, %v", st, err)
-	}
-	data, err := os.ReadFile(cfg.StateFile)
-	if err != nil || !strings.Contains(string(data), "c0ffee") {
-		t.Errorf("state file after start: %q, %v", data, err)
-	}
-	if err := td.c.IndexStop(ctx, api.IndexStopRequest{Attachment: a}); err != nil {
-		t.Fatal(err)
-	}
-	// A second DEL (containerd sends one on rmp) is fine.
-	if err := td.c.IndexStop(ctx, api.IndexStopRequest{Attachment: a}); err != nil {
-		t.Errorf("second index stop: %v", err)
-	}
-	// DEL without prevResult learns the IPs from the stopped attachment.
-	pod, err := td.c.IndexPod(ctx, a)
-	if err != nil || len(pod.IPs) != 1 || pod.IPs[0] != ip || pod.Stopped.IsZero() {
-		t.Errorf("index pod after stop: %+v, %v", pod, err)
-	}
-	// GC with no valid attachment forgets it.
-	gc, err := td.c.GC(ctx, nil)
-	if err != nil || len(gc.Dropped) != 1 {
-		t.Errorf("gc: %+v, %v", gc, err)
-	}
-	if _, err := td.c.IndexPod(ctx, a); err == nil {
-		t.Errorf("attachment still known after gc")
-	} else if e, ok := client.APIError(err); !ok || e.Code != api.CodeNotFound {
-		t.Errorf("index pod after gc: %v, want not_found", err)
-	}
-}
-
 func TestConfigFile(t *testing.T) {
 	dir := t.TempDir()
 	y := filepath.Join(dir, "c.yaml")

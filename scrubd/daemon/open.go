@@ -9,6 +9,7 @@ import (
 
 	"github.com/ctscrub/ctscrub/scrubd/ctmap"
 	"github.com/ctscrub/ctscrub/scrubd/index"
+	"github.com/ctscrub/ctscrub/scrubd/recorder"
 	"github.com/ctscrub/ctscrub/scrubd/scrub"
 )
 
@@ -42,7 +43,7 @@ func Open(cfg Config, log *slog.Logger, version string) (*Daemon, error) {
 			}
 			opts.Backends = append(opts.Backends, closeMapsToo{c, maps})
 			opts.Stats = append(opts.Stats, CiliumStats(maps, c))
-			rec, err := openRecorder(cfg, ix, log)
+			rec, err := openRecorder(cfg, log)
 			if err != nil {
 				c.Close()
 				return fail(err)
@@ -78,10 +79,12 @@ type closeMapsToo struct {
 
 func (c closeMapsToo) Close() error { return errors.Join(c.Cilium.Close(), c.maps.Close()) }
 
-// openRecorder loads the recorder (scrubd/recorder) and pins it under
-// cfg.PinDir. Until the recorder package is built in, scrubd runs without it:
-// nothing is indexed, every scrub sweeps.
-func openRecorder(cfg Config, ix *index.Index, log *slog.Logger) (Recorder, error) {
-	log.Warn("recorder not built into this scrubd: no flow is indexed, every scrub sweeps")
-	return nil, nil
+// openRecorder loads the recorder (scrubd/recorder) with its maps and links
+// pinned under cfg.PinDir, so they outlive a daemon restart.
+func openRecorder(cfg Config, log *slog.Logger) (Recorder, error) {
+	rec, err := recorder.Load(recorder.Options{PinDir: cfg.PinDir, CTRoot: cfg.CTRoot, Log: log})
+	if err != nil {
+		return nil, err
+	}
+	return rec, nil
 }

@@ -1,0 +1,332 @@
+package daemon
+
+import (
+	"context"
+	"errors"
+	"net/netip"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/cilium/ebpf"
+
+	"github.com/ctscrub/ctscrub/internal/testsupport/netpods"
+	"github.com/ctscrub/ctscrub/internal/testsupport/standin"
+	"github.com/ctscrub/ctscrub/scrubd/api"
+	"github.com/ctscrub/ctscrub/scrubd/client"
+	"github.com/ctscrub/ctscrub/scrubd/ctmap"
+	"github.com/ctscrub/ctscrub/scrubd/index"
+	"github.com/ctscrub/ctscrub/scrubd/scrub"
+)
+
+// standinRoot makes a fake Cilium root with the CT and service maps and the
+// Cilium datapath stand-in's programs over them.
+func standinRoot(t *testing.T, entries uint32) (*ctRoot, *standin.Datapath) {
+	t.Helper()
+	requireRoot(t)
+	dir := standin.TempDir(t)
+	if err := standin.CreateMaps(dir, entries); err != nil {
+		t.Fatal(err)
+	}
+	dp, err := standin.Load(dir, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { dp.Close() })
+	r := &ctRoot{dir: dir}
+	for _, k := range ctmap.Kinds {
+		m, err := ebpf.LoadPinnedMap(filepath.Join(dir, k.Name()), nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		r.maps[k] = m
+		t.Cleanup(func() { m.Close() })
+	}
+	return r, dp
+}
+
+// entriesOf walks every CT map and counts the entries holding ip.
+func (r *ctRoot) entriesOf(t *testing.T, ip netip.Addr) int {
+	t.Helper()
+	n := 0
+	for _, k := range ctmap.Kinds {
+		var v ctmap.Entry
+		if k.IPv6() {
+			var key ctmap.CTKey6
+			it := r.maps[k].Iterate()
+			for it.Next(&key, &v) {
+				if key.Has(ip) {
+					n++
+				}
+			}
+			if err := it.Err(); err != nil {
+				t.Fatal(err)
+			}
+		} else {
+			var key ctmap.CTKey4
+			it := r.maps[k].Iterate()
+			for it.Next(&key, &v) {
+				if key.Has(ip) {
+					n++
+				}
+			}
+			if err := it.Err(); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	return n
+}
+
+func podConfig(t *testing.T, root *ctRoot) Config {
+	cfg := testConfig(t, root)
+	cfg.PodCIDRs = []string{netpods.PodCIDR4.String(), netpods.PodCIDR6.String()}
+	return cfg
+}
+
+// The whole chain on a real pod: index start attaches the recorder in the
+// pod's netns, the ADD scrub sweeps and makes the IPs tracked, real traffic
+// (through the Cilium stand-in) creates CT entries the recorder indexes, and
+// the DEL scrub deletes every one of them through the index.
+func TestIndexedPodEndToEnd(t *testing.T) {
+	root, dp := standinRoot(t, 1<<16)
+	node := netpods.NewNode(t)
+	node.Remote.ServeEcho()
+	pod := node.AddPod()
+	pod.ServeEcho()
+	if err := node.Do(func() error { return dp.AttachHostSide(pod.HostVeth) }); err != nil {
+		t.Fatal(err)
+	}
+	cfg := podConfig(t, root)
+	td := startDaemon(t, cfg)
+	ctx := context.Background()
+	a := api.Attachment{ContainerID: "c0ffee", IfName: "eth0"}
+	ips := []netip.Addr{pod.Addr4, pod.Addr6}
+
+	if err := td.c.IndexStart(ctx, api.IndexStartRequest{Attachment: a, Netns: pod.Path, IPs: ips}); err != nil {
+		t.Fatalf("index start: %v", err)
+	}
+	if err := td.c.IndexStart(ctx, api.IndexStartRequest{Attachment: api.Attachment{ContainerID: "x", IfName: "eth0"}, Netns: pod.Path, IPs: []netip.Addr{netip.MustParseAddr("192.0.2.2")}}); err == nil {
+		t.Errorf("index start with a non-pod IP accepted")
+	}
+	add, err := td.c.Scrub(ctx, api.ScrubRequest{IPs: ips, Reason: scrub.ReasonAdd, ContainerID: a.ContainerID})
+	if err != nil {
+		t.Fatalf("ADD scrub: %v", err)
+	}
+	if m := add.Results[0].Method; m != scrub.MethodSweep {
+		t.Errorf("ADD scrub of never-seen IPs used %s, want sweep", m)
+	}
+	for _, ip := range ips {
+		if st := td.Index().State(ip); !st.Complete {
+			t.Fatalf("%s incomplete after the ADD sweep: %s", ip, st.Incomplete)
+		}
+	}
+
+	// Traffic in and out, both families.
+	for _, f := range []func() error{
+		func() error { return pod.TCP(node.Remote.Addr4, netpods.EchoPort) },
+		func() error { return pod.UDP(node.Remote.Addr6, netpods.EchoPort) },
+		func() error { return node.Remote.TCP(pod.Addr4, netpods.EchoPort) },
+		func() error { return node.Remote.TCP(pod.Addr6, netpods.EchoPort) },
+	} {
+		if err := f(); err != nil {
+			t.Fatalf("traffic: %v", err)
+		}
+	}
+	before := root.entriesOf(t, pod.Addr4) + root.entriesOf(t, pod.Addr6)
+	if before == 0 {
+		t.Fatal("the stand-in made no CT entries for the pod's traffic")
+	}
+	waitFor(t, "the recorder to index the pod's flows", func() bool {
+		s4, err4 := td.c.IndexIP(ctx, pod.Addr4)
+		s6, err6 := td.c.IndexIP(ctx, pod.Addr6)
+		return err4 == nil && err6 == nil && s4.Keys >= 4 && s6.Keys >= 4 && s4.Complete && s6.Complete
+	})
+	st, _ := td.c.IndexIP(ctx, pod.Addr4)
+	if st.Owner == nil || *st.Owner != a {
+		t.Errorf("index ip owner: %+v", st.Owner)
+	}
+
+	del, err := td.c.Scrub(ctx, api.ScrubRequest{IPs: ips, Reason: scrub.ReasonDel, ContainerID: a.ContainerID})
+	if err != nil {
+		t.Fatalf("DEL scrub: %v", err)
+	}
+	r := del.Results[0]
+	if r.Method != scrub.MethodIndex || r.Total != before {
+		t.Errorf("DEL scrub: %s deleted %d, want index and %d", r.Method, r.Total, before)
+	}
+	if left := root.entriesOf(t, pod.Addr4) + root.entriesOf(t, pod.Addr6); left != 0 {
+		t.Errorf("%d CT entries of the pod left after its DEL scrub", left)
+	}
+
+	if err := td.c.IndexStop(ctx, api.IndexStopRequest{Attachment: a, Netns: pod.Path}); err != nil {
+		t.Fatalf("index stop: %v", err)
+	}
+	// containerd's second DEL: no netns, already stopped.
+	if err := td.c.IndexStop(ctx, api.IndexStopRequest{Attachment: a}); err != nil {
+		t.Errorf("second index stop: %v", err)
+	}
+	// A DEL without prevResult learns the IPs of the stopped attachment.
+	got, err := td.c.IndexPod(ctx, a)
+	if err != nil || len(got.IPs) != 2 || got.Stopped.IsZero() {
+		t.Errorf("index pod after stop: %+v, %v", got, err)
+	}
+	data, err := os.ReadFile(cfg.StateFile)
+	if err != nil || !strings.Contains(string(data), "c0ffee") {
+		t.Errorf("state file: %q, %v", data, err)
+	}
+	gc, err := td.c.GC(ctx, nil)
+	if err != nil || len(gc.Dropped) != 1 {
+		t.Errorf("gc: %+v, %v", gc, err)
+	}
+	if _, err := td.c.IndexPod(ctx, a); err == nil {
+		t.Errorf("attachment still known after gc")
+	} else if e, ok := client.APIError(err); !ok || e.Code != api.CodeNotFound {
+		t.Errorf("index pod after gc: %v, want not_found", err)
+	}
+}
+
+// buildScrubd builds the daemon binary for subprocess tests.
+func buildScrubd(t *testing.T) string {
+	t.Helper()
+	bin := filepath.Join(t.TempDir(), "scrubd")
+	cmd := exec.Command("go", "build", "-o", bin, "github.com/ctscrub/ctscrub/scrubd")
+	cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
+	if out, err := cmd.CombinedOutput(); err != nil {
+		t.Fatalf("build scrubd: %v\n%s", err, out)
+	}
+	return bin
+}
+
+// daemonProcess is scrubd running as a subprocess; done yields Wait's error.
+type daemonProcess struct {
+	cmd  *exec.Cmd
+	done chan error
+}
+
+func startProcess(t *testing.T, bin string, cfg Config, logName string) *daemonProcess {
+	t.Helper()
+	logf, err := os.Create(filepath.Join(filepath.Dir(cfg.StateFile), logName))
+	if err != nil {
+		t.Fatal(err)
+	}
+	args := []string{"run", "--socket", cfg.Socket, "--ct-root", cfg.CTRoot, "--pin-dir", cfg.PinDir,
+		"--state-file", cfg.StateFile, "--metrics-addr", "off", "--backends", "cilium", "--shutdown-grace", "2s"}
+	for _, c := range cfg.PodCIDRs {
+		args = append(args, "--pod-cidr", c)
+	}
+	cmd := exec.Command(bin, args...)
+	cmd.Stdout, cmd.Stderr = logf, logf
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	p := &daemonProcess{cmd: cmd, done: make(chan error, 1)}
+	exited := make(chan error, 1)
+	go func() { err := cmd.Wait(); logf.Close(); exited <- err; p.done <- err }()
+	t.Cleanup(func() {
+		cmd.Process.Kill() // no-op when it already exited
+		<-exited
+	})
+	waitServing(t, client.New(cfg.Socket), exited)
+	return p
+}
+
+// wait waits up to 10 s for the process to exit and returns Wait's error.
+func (p *daemonProcess) wait(t *testing.T) error {
+	t.Helper()
+	select {
+	case err := <-p.done:
+		return err
+	case <-time.After(10 * time.Second):
+		t.Fatalf("scrubd (pid %d) did not exit within 10 s", p.cmd.Process.Pid)
+		return nil
+	}
+}
+
+// A daemon killed with SIGKILL in the middle of a scrub, then restarted,
+// leaves nothing behind after the next scrub; its attachments come back
+// marked incomplete (their next scrub sweeps), and SIGTERM leaves pins alone.
+func TestKilledDaemonRestarts(t *testing.T) {
+	const bulk = 2_000_000
+	root, dp := standinRoot(t, 1<<22)
+	node := netpods.NewNode(t)
+	pod := node.AddPod()
+	if err := node.Do(func() error { return dp.AttachHostSide(pod.HostVeth) }); err != nil {
+		t.Fatal(err)
+	}
+	root.put4(t, background(bulk))
+	target := netip.MustParseAddr("10.244.0.200") // entries but never indexed: sweeps
+	keys := podFlows(target, 1000)
+	root.put4(t, keys)
+	cfg := podConfig(t, root)
+	bin := buildScrubd(t)
+	c := client.New(cfg.Socket)
+	ctx := context.Background()
+
+	first := startProcess(t, bin, cfg, "first.log")
+	a := api.Attachment{ContainerID: "k1ll", IfName: "eth0"}
+	if err := c.IndexStart(ctx, api.IndexStartRequest{Attachment: a, Netns: pod.Path, IPs: []netip.Addr{pod.Addr4}}); err != nil {
+		t.Fatalf("index start: %v", err)
+	}
+	scrubErr := make(chan error, 1)
+	go func() {
+		_, err := c.Scrub(ctx, api.ScrubRequest{IPs: []netip.Addr{target}, Reason: scrub.ReasonDel})
+		scrubErr <- err
+	}()
+	waitFor(t, "the scrub to be in flight", func() bool {
+		st, err := c.Status(ctx)
+		return err == nil && st.InFlight == 1
+	})
+	if err := first.cmd.Process.Signal(syscall.SIGKILL); err != nil {
+		t.Fatal(err)
+	}
+	if err := <-scrubErr; err == nil {
+		t.Logf("the scrub finished before SIGKILL landed")
+	} else {
+		t.Logf("scrub interrupted by SIGKILL: %v", err)
+	}
+	first.wait(t)
+	if links, _ := os.ReadDir(filepath.Join(cfg.PinDir, "links")); len(links) == 0 {
+		t.Errorf("no recorder links pinned under %s after SIGKILL", cfg.PinDir)
+	}
+	leftAfterKill := root.present4(t, keys)
+	t.Logf("%d of the target's %d entries left after the kill", leftAfterKill, len(keys))
+
+	second := startProcess(t, bin, cfg, "second.log")
+	list, err := c.IndexList(ctx)
+	if err != nil || len(list.Pods) != 1 || list.Pods[0].Attachment != a {
+		t.Fatalf("attachments after restart: %+v, %v", list, err)
+	}
+	st, err := c.IndexIP(ctx, pod.Addr4)
+	if err != nil || st.Complete || st.Incomplete != index.ReasonRestart {
+		t.Errorf("pod IP after restart: %+v, %v; want incomplete (%s)", st, err, index.ReasonRestart)
+	}
+	resp, err := c.Scrub(ctx, api.ScrubRequest{IPs: []netip.Addr{target}, Reason: scrub.ReasonDel})
+	if err != nil {
+		t.Fatalf("scrub after restart: %v", err)
+	}
+	if n := root.present4(t, keys); n != 0 || resp.Results[0].Total != leftAfterKill {
+		t.Errorf("after restart the scrub deleted %d and left %d entries; want %d and 0", resp.Results[0].Total, n, leftAfterKill)
+	}
+	resp, err = c.Scrub(ctx, api.ScrubRequest{IPs: []netip.Addr{pod.Addr4}, Reason: scrub.ReasonDel})
+	if err != nil || resp.Results[0].Method != scrub.MethodSweep {
+		t.Errorf("first scrub of a restored pod IP: %+v, %v; want a sweep", resp, err)
+	}
+
+	if err := second.cmd.Process.Signal(syscall.SIGTERM); err != nil {
+		t.Fatal(err)
+	}
+	if err := second.wait(t); err != nil {
+		t.Errorf("daemon exit after SIGTERM: %v", err)
+	}
+	if _, err := os.Stat(cfg.Socket); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("socket left after a clean stop: %v", err)
+	}
+	if links, _ := os.ReadDir(filepath.Join(cfg.PinDir, "links")); len(links) == 0 {
+		t.Errorf("SIGTERM removed the pinned recorder links")
+	}
+}
