@@ -19,7 +19,7 @@ import (
 // container (and sidecar) run: CNI runtimes never pass arguments, so they
 // cannot collide with a CNI command.
 //
-//	ctscrub install   [--bin-dir D] [--conf-dir D] [--conflist F] [--after T] [--entry JSON] [--watch 10s]
+//	ctscrub install   [--bin-dir D] [--conf-dir D] [--conflist F] [--after T] [--entry JSON] [--replace] [--watch 10s]
 //	ctscrub uninstall [--conf-dir D] [--conflist F] [--bin-dir D --remove-binary]
 
 // defaultEntry is the ctscrub entry inserted into the conflist.
@@ -33,6 +33,7 @@ func runSubcommand(name string, args []string, out io.Writer) error {
 	conflist := fs.String("conflist", "", "conflist file name in --conf-dir (default: the first *.conflist holding a plugin of type --after)")
 	after := fs.String("after", "cilium-cni", "type of the IP-assigning plugin ctscrub is chained after")
 	entry := fs.String("entry", defaultEntry, "the ctscrub entry (JSON)")
+	replace := fs.Bool("replace", false, "install: replace a ctscrub entry already in the conflist with --entry (default: keep it)")
 	watch := fs.Duration("watch", 0, "keep checking every interval and put the entry back when the conflist is rewritten (0: once)")
 	removeBinary := fs.Bool("remove-binary", false, "uninstall: also remove ctscrub from --bin-dir")
 	if err := fs.Parse(args); err != nil {
@@ -69,7 +70,7 @@ func runSubcommand(name string, args []string, out io.Writer) error {
 			return err
 		}
 		for {
-			if err := insertEntry(*confDir, *conflist, *after, e, out); err != nil {
+			if err := insertEntry(*confDir, *conflist, *after, e, *replace, out); err != nil {
 				if *watch == 0 {
 					return err
 				}
@@ -190,9 +191,10 @@ func withoutCtscrub(plugins []any) []any {
 	})
 }
 
-// insertEntry puts entry right after the plugin of type after, replacing any
-// ctscrub entry already there, and rewrites the file only when it changes.
-func insertEntry(confDir, name, after string, entry map[string]any, out io.Writer) error {
+// insertEntry puts entry right after the plugin of type after, and rewrites
+// the file only when it changes. A ctscrub entry already chained after it is
+// left as it is unless replace is set (then it is replaced by entry).
+func insertEntry(confDir, name, after string, entry map[string]any, replace bool, out io.Writer) error {
 	path, err := findConflist(confDir, name, after)
 	if err != nil {
 		return err
@@ -200,6 +202,9 @@ func insertEntry(confDir, name, after string, entry map[string]any, out io.Write
 	list, err := readConflist(path)
 	if err != nil {
 		return err
+	}
+	if i, j := pluginIndex(list, after), pluginIndex(list, "ctscrub"); i >= 0 && j > i && !replace {
+		return nil // already chained, with whatever settings the operator chose
 	}
 	before, _ := json.Marshal(list)
 	plugins := withoutCtscrub(list["plugins"].([]any))

@@ -87,6 +87,25 @@ func TestInstallChainsAfterCilium(t *testing.T) {
 		t.Fatalf("after Cilium's rewrite: %s", got)
 	}
 
+	// An entry the operator tuned stays, unless --replace.
+	os.WriteFile(path, []byte(strings.Replace(ciliumConflist, `"log-file": "/var/run/cilium/cilium-cni.log"
+    }`, `"log-file": "/var/run/cilium/cilium-cni.log"
+    },
+    {"type": "ctscrub", "failurePolicy": "ignore"}`, 1)), 0o644)
+	tuned, _ := os.ReadFile(path)
+	if err := runSubcommand("install", []string{"--bin-dir", bin, "--conf-dir", conf}, &out); err != nil {
+		t.Fatal(err)
+	}
+	if again, _ := os.ReadFile(path); !bytes.Equal(tuned, again) {
+		t.Fatalf("install changed an entry the operator tuned:\n%s", again)
+	}
+	if err := runSubcommand("install", []string{"--bin-dir", bin, "--conf-dir", conf, "--replace"}, &out); err != nil {
+		t.Fatal(err)
+	}
+	if again, _ := os.ReadFile(path); bytes.Contains(again, []byte("ignore")) || !bytes.Contains(again, []byte(`"fail"`)) {
+		t.Fatalf("--replace kept the old entry:\n%s", again)
+	}
+
 	if err := runSubcommand("uninstall", []string{"--conf-dir", conf, "--bin-dir", bin, "--remove-binary"}, &out); err != nil {
 		t.Fatal(err)
 	}
