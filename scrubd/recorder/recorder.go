@@ -35,7 +35,7 @@ const DefaultPinDir = "/sys/fs/bpf/ctscrub"
 // Defaults for Options.
 const (
 	DefaultRingBytes   = 8 << 20 // ~150k records of burst while user space is busy or down
-	DefaultSeenEntries = 1 << 18 // flows remembered per node and family (72 bytes each for IPv4, 96 for IPv6 in the kernel)
+	DefaultSeenEntries = 1 << 18 // flows remembered per node and family (88 bytes each for IPv4, 112 for IPv6 in the kernel, preallocated)
 )
 
 // Names of Cilium's service maps, looked up under Options.CTRoot.
