@@ -109,22 +109,33 @@ func write(m *ebpf.Map, n, start, step int, now uint32) {
 	flush()
 }
 
-// count counts the map's entries with a batch walk (not timed).
-func count(m *ebpf.Map) int {
+// census counts the map's entries and returns the keys of the expired ones,
+// with a batch walk (not timed).
+func census(m *ebpf.Map, now uint32) (total int, expiredKeys []ctmap.CTKey4, expiredVals []ctmap.Entry) {
 	keys := make([]ctmap.CTKey4, chunk)
 	vals := make([]ctmap.Entry, chunk)
 	var cur ebpf.MapBatchCursor
-	total := 0
 	for {
 		n, err := m.BatchLookup(&cur, keys, vals, nil)
 		total += n
+		for i := range n {
+			if expired(vals[i].Lifetime(), now) {
+				expiredKeys = append(expiredKeys, keys[i])
+				expiredVals = append(expiredVals, vals[i])
+			}
+		}
 		if errors.Is(err, ebpf.ErrKeyNotExist) {
-			return total
+			return total, expiredKeys, expiredVals
 		}
 		if err != nil {
-			log.Fatalf("count: %v", err)
+			log.Fatalf("census: %v", err)
 		}
 	}
+}
+
+func count(m *ebpf.Map) int {
+	n, _, _ := census(m, 0)
+	return n
 }
 
 // threadCPU is the calling thread's CPU time (user + system).
@@ -140,14 +151,14 @@ func threadCPU() time.Duration {
 // fetching the next key before deleting the current one (so the walk does not
 // restart), deleting entries whose lifetime is before now. It stops after
 // maxVisits entries when maxVisits > 0.
-func nextKeyGC(m *ebpf.Map, now uint32, maxVisits int) (visited, deleted int, err error) {
+func nextKeyGC(m *ebpf.Map, now uint32, maxVisits int) (visited, deleted int, partial bool, err error) {
 	var cur, next ctmap.CTKey4
 	var v ctmap.Entry
 	if err := m.NextKey(nil, &cur); err != nil {
 		if errors.Is(err, ebpf.ErrKeyNotExist) {
-			return 0, 0, nil
+			return 0, 0, false, nil
 		}
-		return 0, 0, err
+		return 0, 0, false, err
 	}
 	for {
 		nextErr := m.NextKey(&cur, &next)
@@ -157,18 +168,18 @@ func nextKeyGC(m *ebpf.Map, now uint32, maxVisits int) (visited, deleted int, er
 				if err := m.Delete(&cur); err == nil {
 					deleted++
 				} else if !errors.Is(err, ebpf.ErrKeyNotExist) {
-					return visited, deleted, err
+					return visited, deleted, false, err
 				}
 			}
 		}
 		if errors.Is(nextErr, ebpf.ErrKeyNotExist) {
-			return visited, deleted, nil
+			return visited, deleted, false, nil
 		}
 		if nextErr != nil {
-			return visited, deleted, nextErr
+			return visited, deleted, false, nextErr
 		}
 		if maxVisits > 0 && visited >= maxVisits {
-			return visited, deleted, nil
+			return visited, deleted, true, nil
 		}
 		cur = next
 	}
@@ -234,6 +245,7 @@ type result struct {
 	BatchDeleted          int     `json:"batch_deleted"`
 	SpeedupVsBatch        float64 `json:"speedup_vs_batch"`
 	SpeedupVsNextkey      float64 `json:"speedup_vs_nextkey"`
+	SpeedupVsBatchCPU     float64 `json:"speedup_vs_batch_cpu"`
 	CtscrubCPUShareAt60s  float64 `json:"ctscrub_cpu_share_at_60s"`
 	TargetSpeedupVsBatch2 bool    `json:"target_2x_vs_batch_met"`
 	TargetCPUShare10pct   bool    `json:"target_cpu_share_le_10pct_met"`
@@ -252,9 +264,14 @@ func main() {
 		log.Fatalf("ENTRIES=%d: want at least 1024", n)
 	}
 	maxVisits := envInt("NEXTKEY_MAX_VISITS", 0)
-	// Headroom: an LRU map starts evicting before it is full, which would
-	// make the methods see different maps.
-	maxEntries := n + n/4
+	// Default: a map of exactly ENTRIES, as Cilium sizes its maps (a power
+	// of two up to 16,777,216). The kernel gives a hash map
+	// roundup_pow_of_two(max_entries) buckets, and every walk pays for empty
+	// buckets too, so headroom above a power of two doubles the walk.
+	maxEntries := envInt("MAX_ENTRIES", n)
+	if maxEntries < n {
+		log.Fatalf("MAX_ENTRIES=%d is below ENTRIES=%d", maxEntries, n)
+	}
 	// Keep every timed syscall on one thread so RUSAGE_THREAD sees it.
 	runtime.LockOSThread()
 
@@ -266,16 +283,33 @@ func main() {
 	now := monoNow()
 	t0 := time.Now()
 	write(m, n, 0, 1, now)
-	if c := count(m); c != n {
-		log.Fatalf("filled %d entries, want %d (LRU eviction?)", c, n)
+	// A full LRU map evicts a few entries (per-CPU free lists run dry before
+	// the map is full): take the map as it is, and refill exactly the expired
+	// entries it held.
+	present, expiredKeys, expiredVals := census(m, now)
+	nExpired := len(expiredKeys)
+	if present < n-n/64 {
+		log.Fatalf("filled %d entries of %d: the LRU map evicted too many", present, n)
 	}
-	nExpired := n / 2
+	n = present
 	fmt.Printf("map: %s, %d entries (%d expired), max_entries %d, filled in %s\n", ctmap.TCP4.Name(), n, nExpired, maxEntries, time.Since(t0).Round(time.Millisecond))
-	refill := func() {
-		write(m, n, 1, 2, now)
-		if c := count(m); c != n {
-			log.Fatalf("refilled to %d entries, want %d", c, n)
+	refill := func() (expiredNow int) {
+		for off := 0; off < len(expiredKeys); off += chunk {
+			end := min(off+chunk, len(expiredKeys))
+			if _, err := m.BatchUpdate(expiredKeys[off:end], expiredVals[off:end], nil); err != nil {
+				log.Fatalf("refill: %v", err)
+			}
 		}
+		// Refilling a full LRU map may evict a handful of entries; the
+		// methods then see maps that differ by that many (printed).
+		c, e, _ := census(m, now)
+		if c != n || len(e) != nExpired {
+			fmt.Printf("refill: %d entries (%d expired) instead of %d (%d): LRU evicted %d\n", c, len(e), n, nExpired, n-c)
+		}
+		if c < n-n/1000 {
+			log.Fatalf("refill: LRU evicted %d of %d entries; set MAX_ENTRIES above ENTRIES", n-c, n)
+		}
+		return len(e)
 	}
 
 	maps, err := ctmap.FromMaps([ctmap.NumKinds]*ebpf.Map{ctmap.TCP4: m})
@@ -329,12 +363,12 @@ func main() {
 		log.Fatalf("ctscrub sweep deleted %d, %d left; want %d and %d", tot.Deleted, left, nExpired, n-nExpired)
 	}
 	fmt.Printf("ctscrub sweep pass: %.3fs (thread CPU %.3fs), deleted %d\n", res.CtscrubSweepS, res.CtscrubSweepCPUS, tot.Deleted)
-	refill()
+	want := refill()
 
 	// Cilium 1.16: NextKey + Lookup walk.
 	c0 = threadCPU()
 	start := time.Now()
-	visited, deleted, err := nextKeyGC(m, now, maxVisits)
+	visited, deleted, partial, err := nextKeyGC(m, now, maxVisits)
 	took := time.Since(start)
 	res.NextkeyCPUS = (threadCPU() - c0).Seconds()
 	if err != nil {
@@ -342,18 +376,18 @@ func main() {
 	}
 	res.NextkeyVisited, res.NextkeyDeleted = visited, deleted
 	res.NextkeyGCS = took.Seconds()
-	if visited < n {
+	if partial {
 		res.NextkeyExtrapolated = true
 		res.NextkeyGCS = took.Seconds() * float64(n) / float64(visited)
 		res.NextkeyCPUS = res.NextkeyCPUS * float64(n) / float64(visited)
-		fmt.Printf("Cilium 1.16 NextKey GC: %d of %d entries in %.3fs, extrapolated to %.3fs\n", visited, n, took.Seconds(), res.NextkeyGCS)
+		fmt.Printf("Cilium 1.16 NextKey GC: %d of %d entries in %.3fs, extrapolated to the whole map: %.3fs\n", visited, n, took.Seconds(), res.NextkeyGCS)
 	} else {
-		if deleted != nExpired {
-			log.Fatalf("NextKey GC deleted %d, want %d", deleted, nExpired)
+		if deleted != want {
+			log.Fatalf("NextKey GC deleted %d, want %d", deleted, want)
 		}
 		fmt.Printf("Cilium 1.16 NextKey GC: %.3fs, deleted %d\n", res.NextkeyGCS, deleted)
 	}
-	refill()
+	want = refill()
 
 	// Cilium 1.18+: batch lookup, then deletes.
 	c0 = threadCPU()
@@ -365,21 +399,25 @@ func main() {
 		log.Fatalf("batch GC: %v", err)
 	}
 	res.BatchDeleted = deleted
-	if deleted != nExpired || visited != n {
-		log.Fatalf("batch GC visited %d deleted %d, want %d and %d", visited, deleted, n, nExpired)
+	if deleted != want || visited < n-n/1000 {
+		log.Fatalf("batch GC visited %d deleted %d, want ~%d and %d", visited, deleted, n, want)
 	}
 	fmt.Printf("Cilium 1.18+ batch GC: %.3fs, deleted %d\n", res.BatchGCS, deleted)
 
 	res.SpeedupVsBatch = round(res.BatchGCS / res.CtscrubSweepS)
 	res.SpeedupVsNextkey = round(res.NextkeyGCS / res.CtscrubSweepS)
+	// On a busy machine the user-space GCs wait for a CPU between syscalls
+	// while the pass, one syscall, is rarely preempted: the CPU-time ratio
+	// is the conservative one.
+	res.SpeedupVsBatchCPU = round(res.BatchCPUS / res.CtscrubSweepCPUS)
 	res.CtscrubCPUShareAt60s = round(res.CtscrubSweepS / 60)
 	res.TargetSpeedupVsBatch2 = res.SpeedupVsBatch >= 2
 	res.TargetCPUShare10pct = res.CtscrubCPUShareAt60s <= 0.10
 	for _, p := range []*float64{&res.CtscrubReportS, &res.CtscrubReportCPUS, &res.CtscrubSweepS, &res.CtscrubSweepCPUS, &res.NextkeyGCS, &res.NextkeyCPUS, &res.BatchGCS, &res.BatchCPUS} {
 		*p = round(*p)
 	}
-	fmt.Printf("ctscrub sweep vs batch GC: %.2fx, vs NextKey GC: %.2fx; CPU share at a 60 s interval: %.2f%% of one core\n",
-		res.SpeedupVsBatch, res.SpeedupVsNextkey, 100*res.CtscrubCPUShareAt60s)
+	fmt.Printf("ctscrub sweep vs batch GC: %.2fx (CPU time %.2fx), vs NextKey GC: %.2fx; CPU share at a 60 s interval: %.2f%% of one core\n",
+		res.SpeedupVsBatch, res.SpeedupVsBatchCPU, res.SpeedupVsNextkey, 100*res.CtscrubCPUShareAt60s)
 	out, _ := json.Marshal(res)
 	fmt.Println(string(out))
 }
