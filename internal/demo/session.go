@@ -363,23 +363,27 @@ func (s *session) metrics(ctx context.Context) {
 		return
 	}
 	defer resp.Body.Close()
+	// A few families a newcomer reads first, in this order.
+	want := []string{"ctscrub_scrub_duration_seconds_count", "ctscrub_index_keys", "ctscrub_index_incomplete_ips", "ctscrub_ct_entries"}
+	shown := make([][]string, len(want))
 	sc := bufio.NewScanner(resp.Body)
-	shown := 0
 	for sc.Scan() {
 		l := sc.Text()
-		if strings.HasPrefix(l, "#") {
+		if strings.HasPrefix(l, "#") || strings.Contains(l, `state="expired"`) {
 			continue
 		}
-		if strings.HasSuffix(l, " 0") && strings.HasPrefix(l, "ctscrub_scrub_") {
-			continue
-		}
-		for _, want := range []string{"ctscrub_scrub_duration_seconds_count", "ctscrub_scrub_deleted_entries_total", "ctscrub_index_keys", "ctscrub_index_incomplete_ips", "ctscrub_ct_entries"} {
-			if strings.HasPrefix(l, want) && shown < 20 {
-				p.f("   %s\n", l)
-				shown++
+		for i, w := range want {
+			if strings.HasPrefix(l, w+"{") || strings.HasPrefix(l, w+" ") {
+				shown[i] = append(shown[i], l)
 			}
 		}
 	}
+	for _, lines := range shown {
+		for _, l := range lines {
+			p.f("   %s\n", l)
+		}
+	}
+	p.f("   (and ctscrub_scrub_deleted_entries_total per map and method, histograms, ...: curl the URL)\n")
 }
 
 // printJSON ends the output with one JSON line for scripts and the CI test.
