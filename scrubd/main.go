@@ -117,6 +117,10 @@ func run(args []string) error {
 	fs.Var(durationFlag{&flagCfg.StatsInterval}, "stats-interval", "refresh interval of ctscrub_ct_entries")
 	fs.BoolVar(&flagCfg.Pprof, "pprof", false, "serve /debug/pprof on the metrics address")
 	fs.StringVar(&flagCfg.LogLevel, "log-level", flagCfg.LogLevel, "debug, info, warn or error")
+	fs.StringVar(&flagCfg.Expiry.Mode, "expiry-mode", flagCfg.Expiry.Mode, "expiry pass over Cilium's CT maps: off, report or sweep")
+	fs.Var(durationFlag{&flagCfg.Expiry.Interval}, "expiry-interval", "fixed interval between expiry passes")
+	fs.StringVar(&flagCfg.Expiry.Clock, "expiry-clock", flagCfg.Expiry.Clock, "clock of Cilium's CT lifetimes: auto, ktime or jiffies")
+	fs.StringVar(&flagCfg.NFCTFallback, "nfct-fallback", flagCfg.NFCTFallback, "nf_conntrack scrub of incomplete IPs: auto (empty), flush or dump")
 	if err := fs.Parse(args); err != nil {
 		if errors.Is(err, flag.ErrHelp) {
 			return nil
@@ -165,6 +169,14 @@ func run(args []string) error {
 			cfg.Pprof = flagCfg.Pprof
 		case "log-level":
 			cfg.LogLevel = flagCfg.LogLevel
+		case "expiry-mode":
+			cfg.Expiry.Mode = flagCfg.Expiry.Mode
+		case "expiry-interval":
+			cfg.Expiry.Interval = flagCfg.Expiry.Interval
+		case "expiry-clock":
+			cfg.Expiry.Clock = flagCfg.Expiry.Clock
+		case "nfct-fallback":
+			cfg.NFCTFallback = flagCfg.NFCTFallback
 		}
 	})
 

@@ -59,6 +59,23 @@ type Config struct {
 	Pprof bool `yaml:"pprof"`
 	// LogLevel: debug, info, warn, error.
 	LogLevel string `yaml:"log_level"`
+	// Expiry configures the expiry pass over Cilium's CT maps.
+	Expiry ExpiryConfig `yaml:"expiry"`
+	// NFCTFallback is how the nf_conntrack backend scrubs incomplete IPs:
+	// "" (auto), flush or dump.
+	NFCTFallback string `yaml:"nfct_fallback"`
+}
+
+// ExpiryConfig configures the expiry pass (scrubd/expiry).
+type ExpiryConfig struct {
+	// Mode: off, report (count live/expired only) or sweep (delete expired).
+	Mode string `yaml:"mode"`
+	// Interval between passes (fixed, never adaptive).
+	Interval Duration `yaml:"interval"`
+	// Clock of ct_entry.lifetime: auto, ktime or jiffies.
+	Clock string `yaml:"clock"`
+	// MaxLifetime is Cilium's longest CT timeout plus slack.
+	MaxLifetime Duration `yaml:"max_lifetime"`
 }
 
 // Duration reads "5s" style durations from the config file.
@@ -93,6 +110,7 @@ func DefaultConfig() Config {
 		StoppedTTL:    Duration{time.Hour},
 		StatsInterval: Duration{30 * time.Second},
 		LogLevel:      "info",
+		Expiry:        ExpiryConfig{Mode: "sweep", Clock: "auto", Interval: Duration{60 * time.Second}},
 	}
 }
 

@@ -46,6 +46,19 @@ type StatsSource interface {
 	CTStats(ctx context.Context) ([]api.MapStats, error)
 }
 
+// IndexFigures are one backend's index figures for metrics and status.
+type IndexFigures struct {
+	Keys, IncompleteIPs int64
+	Lost                uint64
+}
+
+// IndexSource reports the index of one backend (the Cilium backend's is the
+// daemon's Index fed by the recorder; nf_conntrack keeps its own).
+type IndexSource struct {
+	Backend string
+	Figures func() IndexFigures
+}
+
 // Task is work the daemon runs beside the API for its whole life (the expiry
 // pass, for one): started by Run, its context cancelled on shutdown.
 type Task struct {
@@ -62,8 +75,20 @@ type Options struct {
 	Backends []scrub.Backend
 	Stats    []StatsSource
 	Recorder Recorder
+	Indexes  []IndexSource
+	Tasks    []Task
 	Logger   *slog.Logger
 	Version  string
+	// Registry serves /metrics; parts built before the daemon (the expiry
+	// pass) register on it. New makes one when nil.
+	Registry *prometheus.Registry
+	// CTEntries is ctscrub_ct_entries{backend,map,state}, shared with the
+	// expiry pass (which writes state live/expired for the maps it walks);
+	// the daemon writes state="all" for the tables of SplitBy-less backends.
+	CTEntries *prometheus.GaugeVec
+	// EntriesSplit names the backends whose entries the expiry pass splits
+	// into live/expired: the daemon does not write state="all" for them.
+	EntriesSplit []string
 }
 
 // Daemon is scrubd.
@@ -74,16 +99,20 @@ type Daemon struct {
 	backends []scrub.Backend
 	stats    []StatsSource
 	rec      Recorder
+	indexes  []IndexSource
 	tasks    []Task
-	log      *slog.Logger
-	version  string
-	m        *metrics
-	pods     *pods
-	flights  flights
-	slots    chan struct{} // MaxInFlight running flights
-	admitted atomic.Int64  // requests admitted, running or queued
-	ready    atomic.Bool
-	started  time.Time
+
+	ctEntries    *prometheus.GaugeVec
+	entriesSplit map[string]bool
+	log          *slog.Logger
+	version      string
+	m            *metrics
+	pods         *pods
+	flights      flights
+	slots        chan struct{} // MaxInFlight running flights
+	admitted     atomic.Int64  // requests admitted, running or queued
+	ready        atomic.Bool
+	started      time.Time
 
 	hostMu    sync.Mutex
 	hostAddrs map[netip.Addr]bool
@@ -122,10 +151,38 @@ func New(opts Options) (*Daemon, error) {
 		pods:     newPods(opts.Config.StateFile, opts.Config.StoppedTTL.Duration),
 		flights:  flights{m: make(map[flightKey]*flight)},
 		slots:    make(chan struct{}, opts.Config.MaxInFlight),
+		indexes:  opts.Indexes,
+		tasks:    opts.Tasks,
+
+		ctEntries:    opts.CTEntries,
+		entriesSplit: map[string]bool{},
+	}
+	for _, b := range opts.EntriesSplit {
+		d.entriesSplit[b] = true
+	}
+	if d.ctEntries == nil {
+		d.ctEntries = prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "ctscrub_ct_entries",
+			Help: "Entries in each CT table (state: all, or live/expired from the expiry pass).",
+		}, []string{"backend", "map", "state"})
+	}
+	for _, b := range opts.Backends {
+		if b.Name() == "cilium" {
+			// The Cilium backend's index is the daemon's, fed by the recorder.
+			d.indexes = append([]IndexSource{{Backend: "cilium", Figures: d.ciliumIndexFigures}}, d.indexes...)
+		}
 	}
 	d.workCtx, d.cancelWork = context.WithCancel(context.Background())
-	d.m = newMetrics(d)
+	d.m = newMetrics(d, opts.Registry)
 	return d, nil
+}
+
+func (d *Daemon) ciliumIndexFigures() IndexFigures {
+	f := IndexFigures{Keys: d.ix.Keys(), IncompleteIPs: d.ix.IncompleteIPs()}
+	if d.rec != nil {
+		f.Lost = d.rec.Lost()
+	}
+	return f
 }
 
 // Registerer is where other parts of scrubd (the expiry pass, extra backends)
@@ -346,8 +403,8 @@ func (d *Daemon) refreshStats(ctx context.Context) []api.MapStats {
 			}
 		}
 		for _, st := range ms {
-			if st.Entries >= 0 {
-				d.m.ctEntries.WithLabelValues(st.Backend, st.Map).Set(float64(st.Entries))
+			if st.Entries >= 0 && !d.entriesSplit[st.Backend] {
+				d.m.ctEntries.WithLabelValues(st.Backend, st.Map, "all").Set(float64(st.Entries))
 			}
 			d.m.ctMax.WithLabelValues(st.Backend, st.Map).Set(float64(st.MaxEntries))
 		}

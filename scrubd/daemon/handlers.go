@@ -501,14 +501,20 @@ func (d *Daemon) handleIndexPod(w http.ResponseWriter, r *http.Request) {
 
 // Status is the daemon's status (also served on the socket).
 func (d *Daemon) Status() api.Status {
+	var keys, incomplete int64
+	for _, src := range d.indexes {
+		f := src.Figures()
+		keys += f.Keys
+		incomplete += f.IncompleteIPs
+	}
 	return api.Status{
 		Version:       d.version,
 		Backends:      d.backendNames(),
 		Ready:         d.ready.Load(),
 		PodCIDRs:      d.cidrs,
 		IndexedPods:   d.pods.activeCount(),
-		IndexKeys:     d.ix.Keys(),
-		IncompleteIPs: d.ix.IncompleteIPs(),
+		IndexKeys:     keys,
+		IncompleteIPs: incomplete,
 		InFlight:      int(d.admitted.Load()),
 		QueueLimit:    d.cfg.QueueLimit,
 		Uptime:        time.Since(d.started).Round(time.Second).String(),

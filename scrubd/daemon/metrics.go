@@ -26,8 +26,10 @@ type metrics struct {
 	statsError *prometheus.CounterVec
 }
 
-func newMetrics(d *Daemon) *metrics {
-	reg := prometheus.NewRegistry()
+func newMetrics(d *Daemon, reg *prometheus.Registry) *metrics {
+	if reg == nil {
+		reg = prometheus.NewRegistry()
+	}
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	m := &metrics{
 		reg: reg,
@@ -48,10 +50,7 @@ func newMetrics(d *Daemon) *metrics {
 			Name: "ctscrub_scrub_shared_total",
 			Help: "Per-IP scrubs that joined a scrub of the same IP already in flight.",
 		}),
-		ctEntries: prometheus.NewGaugeVec(prometheus.GaugeOpts{
-			Name: "ctscrub_ct_entries",
-			Help: "Entries in each CT table, refreshed every stats_interval.",
-		}, []string{"backend", "map"}),
+		ctEntries: d.ctEntries,
 		ctMax: prometheus.NewGaugeVec(prometheus.GaugeOpts{
 			Name: "ctscrub_ct_max_entries",
 			Help: "Capacity of each CT table.",
@@ -61,35 +60,49 @@ func newMetrics(d *Daemon) *metrics {
 			Help: "Failed reads of a backend's CT table occupancy.",
 		}, []string{"backend"}),
 	}
-	reg.MustRegister(m.duration, m.deleted, m.refused, m.shared, m.ctEntries, m.ctMax, m.statsError)
+	reg.MustRegister(m.duration, m.deleted, m.refused, m.shared, m.ctMax, m.statsError)
+	// The entries gauge may be shared with (and registered by) the expiry pass.
+	if err := reg.Register(m.ctEntries); err != nil {
+		if _, ok := err.(prometheus.AlreadyRegisteredError); !ok {
+			panic(err)
+		}
+	}
 	reg.MustRegister(
 		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 			Name: "ctscrub_scrubs_in_flight",
 			Help: "Scrub requests admitted and not yet answered (running or queued).",
 		}, func() float64 { return float64(d.admitted.Load()) }),
-		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
-			Name: "ctscrub_index_keys",
-			Help: "(IP, CT key) pairs in the index.",
-		}, func() float64 { return float64(d.ix.Keys()) }),
-		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
-			Name: "ctscrub_index_incomplete_ips",
-			Help: "IPs whose index cannot prove completeness; their next scrub sweeps.",
-		}, func() float64 { return float64(d.ix.IncompleteIPs()) }),
-		prometheus.NewCounterFunc(prometheus.CounterOpts{
-			Name: "ctscrub_index_lost_total",
-			Help: "Recorder records lost (ring buffer full); their IPs were marked incomplete.",
-		}, func() float64 {
-			if d.rec == nil {
-				return 0
-			}
-			return float64(d.rec.Lost())
-		}),
+		indexCollector{d},
 		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 			Name: "ctscrub_indexed_pods",
 			Help: "Pod interfaces the recorder is attached to.",
 		}, func() float64 { return float64(d.pods.activeCount()) }),
 	)
 	return m
+}
+
+var (
+	descIndexKeys       = prometheus.NewDesc("ctscrub_index_keys", HelpIndexKeys, []string{"backend"}, nil)
+	descIndexIncomplete = prometheus.NewDesc("ctscrub_index_incomplete_ips", HelpIndexIncomplete, []string{"backend"}, nil)
+	descIndexLost       = prometheus.NewDesc("ctscrub_index_lost_total", HelpIndexLost, []string{"backend"}, nil)
+)
+
+// indexCollector reads every backend's index figures at scrape time.
+type indexCollector struct{ d *Daemon }
+
+func (c indexCollector) Describe(ch chan<- *prometheus.Desc) {
+	ch <- descIndexKeys
+	ch <- descIndexIncomplete
+	ch <- descIndexLost
+}
+
+func (c indexCollector) Collect(ch chan<- prometheus.Metric) {
+	for _, src := range c.d.indexes {
+		f := src.Figures()
+		ch <- prometheus.MustNewConstMetric(descIndexKeys, prometheus.GaugeValue, float64(f.Keys), src.Backend)
+		ch <- prometheus.MustNewConstMetric(descIndexIncomplete, prometheus.GaugeValue, float64(f.IncompleteIPs), src.Backend)
+		ch <- prometheus.MustNewConstMetric(descIndexLost, prometheus.CounterValue, float64(f.Lost), src.Backend)
+	}
 }
 
 // observe records one caller's view of one backend's scrub.

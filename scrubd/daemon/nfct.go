@@ -70,8 +70,9 @@ func (s nfctStats) CTStats(context.Context) ([]api.MapStats, error) {
 
 // NFCTCollectors are the nfct index's series of ctscrub_index_keys,
 // ctscrub_index_incomplete_ips and ctscrub_index_lost_total, labelled
-// backend="nfct". Register them on the daemon's registry (Registerer); the
-// Cilium series of the same names must carry backend="cilium" and the same help.
+// backend="nfct", for a registry without the daemon. The daemon itself
+// reports every backend's index through Options.Indexes (Open wires nfct
+// there); do not register these on the daemon's registry too.
 func NFCTCollectors(n *nfct.NFCT) []prometheus.Collector {
 	l := prometheus.Labels{"backend": "nfct"}
 	return []prometheus.Collector{

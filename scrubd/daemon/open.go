@@ -7,7 +7,10 @@ import (
 	"os"
 	"slices"
 
+	"github.com/prometheus/client_golang/prometheus"
+
 	"github.com/ctscrub/ctscrub/scrubd/ctmap"
+	"github.com/ctscrub/ctscrub/scrubd/expiry"
 	"github.com/ctscrub/ctscrub/scrubd/index"
 	"github.com/ctscrub/ctscrub/scrubd/recorder"
 	"github.com/ctscrub/ctscrub/scrubd/scrub"
@@ -32,6 +35,8 @@ func Open(cfg Config, log *slog.Logger, version string) (*Daemon, error) {
 		return nil, err
 	}
 
+	opts.Registry = prometheus.NewRegistry()
+	opts.CTEntries = expiry.NewEntriesGauge()
 	if auto || slices.Contains(want, "cilium") {
 		maps, err := ctmap.Open(cfg.CTRoot)
 		switch {
@@ -41,22 +46,50 @@ func Open(cfg Config, log *slog.Logger, version string) (*Daemon, error) {
 			if err != nil {
 				return fail(fmt.Errorf("cilium backend: load the sweep programs: %w", err))
 			}
-			opts.Backends = append(opts.Backends, closeMapsToo{c, maps})
-			opts.Stats = append(opts.Stats, CiliumStats(maps, c))
-			rec, err := openRecorder(cfg, log)
+			closers = append(closers, c.Close)
+			rec, err := recorder.Load(recorder.Options{PinDir: cfg.PinDir, CTRoot: cfg.CTRoot, Log: log, CT: maps})
 			if err != nil {
-				c.Close()
 				return fail(err)
 			}
+			closers = append(closers, rec.Close)
+			exp, err := openExpiry(cfg, maps, opts, log)
+			if err != nil {
+				return fail(err)
+			}
+			closers = append(closers, exp.Close)
+			if exp.Config().Mode != expiry.ModeOff {
+				opts.Tasks = append(opts.Tasks, Task{Name: "expiry", Run: exp.Run})
+				opts.EntriesSplit = append(opts.EntriesSplit, "cilium")
+			}
+			opts.Backends = append(opts.Backends, ciliumBackend{c, maps, exp})
+			opts.Stats = append(opts.Stats, CiliumStats(maps, c))
 			opts.Recorder = rec
+			closers = closers[:0] // owned by the backend and the recorder now
 		case auto && errors.Is(err, os.ErrNotExist):
 			log.Info("Cilium's CT maps not found: cilium backend off", "ct_root", cfg.CTRoot)
 		default:
 			return fail(fmt.Errorf("cilium backend: %w", err))
 		}
 	}
-	if slices.Contains(want, "nfct") {
-		return fail(errors.New("backend nfct: not built into this scrubd yet"))
+	if auto || slices.Contains(want, "nfct") {
+		n, err := OpenNFCT(cidrs, auto, len(opts.Backends) > 0, log)
+		if err != nil {
+			for _, b := range opts.Backends {
+				b.Close()
+			}
+			if opts.Recorder != nil {
+				opts.Recorder.Close()
+			}
+			return nil, err
+		}
+		if n != nil {
+			opts.Backends = append(opts.Backends, n)
+			opts.Stats = append(opts.Stats, NFCTStats(n))
+			opts.Indexes = append(opts.Indexes, IndexSource{Backend: n.Name(), Figures: func() IndexFigures {
+				st := n.Stats()
+				return IndexFigures{Keys: int64(st.Keys), IncompleteIPs: int64(st.IncompleteIPs), Lost: st.Lost}
+			}})
+		}
 	}
 	d, err := New(opts)
 	if err != nil {
@@ -71,20 +104,45 @@ func Open(cfg Config, log *slog.Logger, version string) (*Daemon, error) {
 	return d, nil
 }
 
-// closeMapsToo closes the CT maps with the backend that uses them.
-type closeMapsToo struct {
+// ciliumBackend closes the expiry pass and the CT maps with the backend
+// that uses them.
+type ciliumBackend struct {
 	*scrub.Cilium
 	maps *ctmap.Maps
+	exp  *expiry.Runner
 }
 
-func (c closeMapsToo) Close() error { return errors.Join(c.Cilium.Close(), c.maps.Close()) }
+func (c ciliumBackend) Close() error {
+	return errors.Join(c.exp.Close(), c.Cilium.Close(), c.maps.Close())
+}
 
-// openRecorder loads the recorder (scrubd/recorder) with its maps and links
-// pinned under cfg.PinDir, so they outlive a daemon restart.
-func openRecorder(cfg Config, log *slog.Logger) (Recorder, error) {
-	rec, err := recorder.Load(recorder.Options{PinDir: cfg.PinDir, CTRoot: cfg.CTRoot, Log: log})
-	if err != nil {
-		return nil, err
+// openExpiry builds the expiry pass; its metrics go on the daemon's registry
+// and it writes the live/expired split of ctscrub_ct_entries.
+func openExpiry(cfg Config, maps *ctmap.Maps, opts Options, log *slog.Logger) (*expiry.Runner, error) {
+	ecfg := expiry.DefaultConfig()
+	if cfg.Expiry.Mode != "" {
+		m, err := expiry.ParseMode(cfg.Expiry.Mode)
+		if err != nil {
+			return nil, err
+		}
+		ecfg.Mode = m
 	}
-	return rec, nil
+	if cfg.Expiry.Clock != "" {
+		c, err := expiry.ParseClock(cfg.Expiry.Clock)
+		if err != nil {
+			return nil, err
+		}
+		ecfg.Clock = c
+	}
+	if cfg.Expiry.Interval.Duration != 0 {
+		ecfg.Interval = cfg.Expiry.Interval.Duration
+	}
+	if cfg.Expiry.MaxLifetime.Duration != 0 {
+		ecfg.MaxLifetime = cfg.Expiry.MaxLifetime.Duration
+	}
+	r, err := expiry.New(maps, ecfg, expiry.Options{Registerer: opts.Registry, Entries: opts.CTEntries, Logger: log})
+	if err != nil {
+		return nil, fmt.Errorf("expiry pass: %w", err)
+	}
+	return r, nil
 }
