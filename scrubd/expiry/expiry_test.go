@@ -1,13 +1,17 @@
 package expiry
 
 import (
+	"compress/gzip"
 	"context"
 	"encoding/binary"
 	"errors"
+	"io"
 	"math/rand/v2"
 	"net/netip"
 	"os"
+	"regexp"
 	"slices"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -508,4 +512,48 @@ func value(t *testing.T, m prometheus.Metric) float64 {
 		return d.Gauge.GetValue()
 	}
 	return d.Counter.GetValue()
+}
+
+// The HZ estimated from one reading of both clocks matches the kernel's
+// CONFIG_HZ (when /proc/config.gz says it).
+func TestKernelHZMatchesConfig(t *testing.T) {
+	needRoot(t)
+	f, err := os.Open("/proc/config.gz")
+	if err != nil {
+		t.Skipf("no /proc/config.gz to compare with: %v", err)
+	}
+	defer f.Close()
+	zr, err := gzip.NewReader(f)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg, err := io.ReadAll(zr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	m := regexp.MustCompile(`(?m)^CONFIG_HZ=(\d+)$`).FindSubmatch(cfg)
+	if m == nil {
+		t.Skip("CONFIG_HZ not in /proc/config.gz")
+	}
+	want, _ := strconv.Atoi(string(m[1]))
+	mp := newMap(t, ctmap.TCP4, 16)
+	p, err := loadPass(ctmap.TCP4, mp)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer p.Close()
+	out, _, err := p.run(context.Background(), passArgs{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	got := kernelHZ(out.NowJiffies64, out.NowKtimeNs)
+	if got == 0 {
+		t.Skipf("uptime %d s too close to 300 s to estimate HZ", out.NowKtimeNs/1e9)
+	}
+	if got != want {
+		t.Errorf("estimated HZ %d, CONFIG_HZ=%d (jiffies64 %d, ktime %d ns)", got, want, out.NowJiffies64, out.NowKtimeNs)
+	}
+	if out.Now[clockJiffies] != uint32(out.NowJiffies64>>8) || out.Now[clockKtime] != uint32(out.NowKtimeNs/1e9) {
+		t.Errorf("now %v does not match the clocks read (%d, %d)", out.Now, out.NowJiffies64, out.NowKtimeNs)
+	}
 }
