@@ -38,25 +38,38 @@ struct seen_key6 {
 	__u8 pad[3];
 };
 
+/* What the seen caches hold per flow. */
+struct seen_val {
+	__u8 dir;    /* CT_F_OUT or CT_F_IN: the direction of the recorded key */
+	__u8 pad[3];
+	__u32 last;  /* non-TCP flows: time of the last packet, in 2^30 ns units */
+};
+
+/* A non-TCP flow idle this long (2^30 ns units, about seconds) whose next
+ * packet goes the other way is recorded again: Cilium's entry may have
+ * expired (non-TCP lifetime: 60 s by default) and the other side then
+ * becomes the initiator of a new entry. */
+volatile const __u32 reopen_idle = 10;
+
 /* Records for user space. Size set by scrubd (Options.RingBytes). */
 struct {
 	__uint(type, BPF_MAP_TYPE_RINGBUF);
 	__uint(max_entries, 1 << 22);
 } rec_events SEC(".maps");
 
-/* Flows already recorded (value: CT_F_OUT or CT_F_IN, the direction of the
- * recorded key). An eviction only re-sends a record; the index dedups. */
+/* Flows already recorded. An eviction only re-sends a record; the index
+ * dedups. */
 struct {
 	__uint(type, BPF_MAP_TYPE_LRU_HASH);
 	__type(key, struct seen_key4);
-	__type(value, __u8);
+	__type(value, struct seen_val);
 	__uint(max_entries, 1 << 18);
 } rec_seen4 SEC(".maps");
 
 struct {
 	__uint(type, BPF_MAP_TYPE_LRU_HASH);
 	__type(key, struct seen_key6);
-	__type(value, __u8);
+	__type(value, struct seen_val);
 	__uint(max_entries, 1 << 18);
 } rec_seen6 SEC(".maps");
 
@@ -166,21 +179,38 @@ static __always_inline int emit(struct __sk_buff *skb, const struct flow *f, int
 	return 0;
 }
 
-/* Whether a packet of an already recorded flow needs a new record: only a
- * TCP SYN opening the 5-tuple the other way round (port reuse after
- * Cilium's entry expired), for which Cilium creates the key with the other
- * initiator. */
-static __always_inline int reopened(const struct flow *f, __u8 seen, __u8 dir)
+static __always_inline __u32 now_coarse(void)
 {
-	return f->proto == PROTO_TCP && (f->tcp_flags & (TCPF_SYN | TCPF_ACK)) == TCPF_SYN &&
-	       seen != dir;
+	return bpf_ktime_get_coarse_ns() >> 30;
+}
+
+/* Whether a packet of an already recorded flow needs a new record because
+ * Cilium may create a key with the other initiator for it:
+ *   - TCP: a SYN (without ACK) in the direction opposite to the recorded
+ *     one, i.e. the 5-tuple reopened by the other side;
+ *   - other protocols: a packet in the opposite direction after the flow
+ *     was idle for reopen_idle (Cilium's entry may have expired).
+ * For non-TCP flows it also notes the packet's time (one write per flow and
+ * second at most). TCP packets touch nothing. */
+static __always_inline int reopened(const struct flow *f, struct seen_val *v, __u8 dir)
+{
+	__u32 now;
+
+	if (f->proto == PROTO_TCP)
+		return (f->tcp_flags & (TCPF_SYN | TCPF_ACK)) == TCPF_SYN && v->dir != dir;
+	now = now_coarse();
+	if (v->dir != dir && now - v->last >= reopen_idle)
+		return 1;
+	if (v->last != now)
+		v->last = now;
+	return 0;
 }
 
 static __always_inline int record(struct __sk_buff *skb, int egress)
 {
 	struct flow f = {};
-	__u8 dir = egress ? CT_F_OUT : CT_F_IN;
-	__u8 *seen;
+	struct seen_val val = {.dir = egress ? CT_F_OUT : CT_F_IN};
+	struct seen_val *seen;
 
 	if (flow_parse(skb, &f) < 0)
 		return TCX_NEXT;
@@ -195,10 +225,13 @@ static __always_inline int record(struct __sk_buff *skb, int egress)
 		};
 
 		seen = bpf_map_lookup_elem(&rec_seen4, &k);
-		if (seen && !reopened(&f, *seen, dir))
+		if (seen && !reopened(&f, seen, val.dir))
 			return TCX_NEXT;
-		if (emit(skb, &f, egress, dir) == 0)
-			bpf_map_update_elem(&rec_seen4, &k, &dir, BPF_ANY);
+		if (emit(skb, &f, egress, val.dir) == 0) {
+			if (f.proto != PROTO_TCP)
+				val.last = now_coarse();
+			bpf_map_update_elem(&rec_seen4, &k, &val, BPF_ANY);
+		}
 	} else {
 		struct seen_key6 k = {
 			.lport = egress ? f.sport : f.dport,
@@ -214,10 +247,13 @@ static __always_inline int record(struct __sk_buff *skb, int egress)
 			__builtin_memcpy(k.remote, f.src, 16);
 		}
 		seen = bpf_map_lookup_elem(&rec_seen6, &k);
-		if (seen && !reopened(&f, *seen, dir))
+		if (seen && !reopened(&f, seen, val.dir))
 			return TCX_NEXT;
-		if (emit(skb, &f, egress, dir) == 0)
-			bpf_map_update_elem(&rec_seen6, &k, &dir, BPF_ANY);
+		if (emit(skb, &f, egress, val.dir) == 0) {
+			if (f.proto != PROTO_TCP)
+				val.last = now_coarse();
+			bpf_map_update_elem(&rec_seen6, &k, &val, BPF_ANY);
+		}
 	}
 	return TCX_NEXT;
 }

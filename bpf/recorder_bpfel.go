@@ -63,6 +63,13 @@ type RecorderSeenKey6 struct {
 	Pad    [3]uint8
 }
 
+type RecorderSeenVal struct {
+	_    structs.HostLayout
+	Dir  uint8
+	Pad  [3]uint8
+	Last uint32
+}
+
 // Names of all BPF objects in the ELF.
 //
 // Used for safe lookups in a Collection or CollectionSpec.
@@ -76,6 +83,7 @@ const (
 	RecorderMapRecSeen6            = "rec_seen6"
 	RecorderProgRecorderEgress     = "recorder_egress"
 	RecorderProgRecorderIngress    = "recorder_ingress"
+	RecorderVarReopenIdle          = "reopen_idle"
 )
 
 // LoadRecorder returns the embedded CollectionSpec for Recorder.
@@ -141,6 +149,7 @@ type RecorderMapSpecs struct {
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type RecorderVariableSpecs struct {
+	ReopenIdle *ebpf.VariableSpec `ebpf:"reopen_idle"`
 }
 
 // RecorderObjects contains all objects after they have been loaded into the kernel.
@@ -188,6 +197,7 @@ func (m *RecorderMaps) Close() error {
 //
 // It can be passed to LoadRecorderObjects or ebpf.CollectionSpec.LoadAndAssign.
 type RecorderVariables struct {
+	ReopenIdle *ebpf.Variable `ebpf:"reopen_idle"`
 }
 
 // RecorderPrograms contains all programs after they have been loaded into the kernel.

@@ -35,6 +35,7 @@ const DefaultPinDir = "/sys/fs/bpf/ctscrub"
 // Defaults for Options.
 const (
 	DefaultRingBytes   = 8 << 20 // ~150k records of burst while user space is busy or down
+	DefaultReopenIdle  = 10 * time.Second
 	DefaultSeenEntries = 1 << 18 // flows remembered per node and family (88 bytes each for IPv4, 112 for IPv6 in the kernel, preallocated)
 )
 
@@ -64,6 +65,12 @@ type Options struct {
 	SeenEntries int
 	// Log receives operational messages. Default slog.Default().
 	Log *slog.Logger
+	// ReopenIdle: a UDP/ICMP/SCTP flow idle this long whose next packet goes
+	// the other way is recorded again, with the other side as initiator
+	// (Cilium's entry may have expired and been re-created that way). Keep
+	// it below Cilium's non-TCP CT lifetime (60 s by default). Resolution
+	// about 1.07 s. Default DefaultReopenIdle.
+	ReopenIdle time.Duration
 	// CT, when set, lets Run prune keys Cilium no longer holds from an IP
 	// whose set doubled since its last prune (see Prune). Without it the
 	// daemon must call Prune itself or stale keys accumulate until a scrub
@@ -102,6 +109,9 @@ func Load(opts Options) (*Recorder, error) {
 	if opts.Log == nil {
 		opts.Log = slog.Default()
 	}
+	if opts.ReopenIdle == 0 {
+		opts.ReopenIdle = DefaultReopenIdle
+	}
 	if opts.RingBytes < os.Getpagesize() || opts.RingBytes&(opts.RingBytes-1) != 0 {
 		return nil, fmt.Errorf("recorder: ring buffer size %d: must be a power of two of at least %d bytes", opts.RingBytes, os.Getpagesize())
 	}
@@ -112,6 +122,11 @@ func Load(opts Options) (*Recorder, error) {
 	spec, err := bpf.LoadRecorder()
 	if err != nil {
 		return nil, fmt.Errorf("recorder: parse embedded BPF object: %w", err)
+	}
+	// The program counts time in 2^30 ns units (a shift, not a division).
+	idle := uint32((opts.ReopenIdle + 1<<30 - 1) >> 30)
+	if err := spec.Variables["reopen_idle"].Set(idle); err != nil {
+		return nil, fmt.Errorf("recorder: set reopen_idle: %w", err)
 	}
 	spec.Maps["rec_events"].MaxEntries = uint32(opts.RingBytes)
 	spec.Maps["rec_seen4"].MaxEntries = uint32(opts.SeenEntries)

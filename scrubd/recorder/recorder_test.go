@@ -86,7 +86,7 @@ func newWorld(t *testing.T, npods int) *world {
 
 func (w *world) loadRecorder(t *testing.T, ctDir string) *recorder.Recorder {
 	t.Helper()
-	rec, err := recorder.Load(recorder.Options{PinDir: w.pinDir, CTRoot: ctDir, RingBytes: 1 << 20, CT: w.ct})
+	rec, err := recorder.Load(recorder.Options{PinDir: w.pinDir, CTRoot: ctDir, RingBytes: 1 << 20, CT: w.ct, ReopenIdle: time.Second})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -585,6 +585,35 @@ func TestAutoPrune(t *testing.T) {
 		time.Sleep(100 * time.Millisecond)
 	}
 	w.requireIndexed(t, []netip.Addr{a.Addr4}, 501)
+}
+
+// A UDP flow the pod opened, idle until Cilium's entry is gone, then
+// reopened by the peer: Cilium creates a key with the peer as initiator and
+// the recorder records it although the flow is in its seen cache.
+func TestUDPReopenedByPeer(t *testing.T) {
+	w := newWorld(t, 1)
+	a, remote := w.pods[0], w.node.Remote
+	const podPort, peerPort = 41000, 41001 // nothing listens on the peer's port
+	if err := a.Do(func() error { return sendUDPFrom(podPort, remote.Addr4, peerPort) }); err != nil {
+		t.Fatal(err)
+	}
+	out := ctmap.NewKey4(a.Addr4, remote.Addr4, peerPort, podPort, ctmap.ProtoUDP, ctmap.FlagOut)
+	w.requireIndexed(t, []netip.Addr{a.Addr4}, 2)
+	// The entry expires and Cilium's GC removes it.
+	for _, k := range []ctmap.CTKey4{out, out.Related()} {
+		if err := w.ct.Map(k.Kind()).Delete(k); err != nil {
+			t.Fatalf("delete %s: %v", k, err)
+		}
+	}
+	time.Sleep(2200 * time.Millisecond) // > ReopenIdle (1 s) at its ~1.07 s resolution
+	if err := remote.Do(func() error { return sendUDPFrom(peerPort, a.Addr4, podPort) }); err != nil {
+		t.Fatal(err)
+	}
+	in := ctmap.NewKey4(remote.Addr4, a.Addr4, podPort, peerPort, ctmap.ProtoUDP, ctmap.FlagIn)
+	if !lookup4(t, w.ct.Map(ctmap.Any4), in) {
+		t.Fatalf("stand-in did not create %s", in)
+	}
+	w.requireIndexed(t, []netip.Addr{a.Addr4}, 2)
 }
 
 // sendUDPFrom sends one datagram from local port sport (in the current
