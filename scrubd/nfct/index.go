@@ -221,6 +221,9 @@ func (ix *index) markClean(ip netip.Addr, gen uint64) {
 }
 
 func (ix *index) completeLocked(ip netip.Addr) bool {
+	if !ix.owns(ip) {
+		return false // never indexed: only a walk can find its entries
+	}
 	if ix.seeded && ix.seedGen == ix.lossGen {
 		return true
 	}

@@ -160,6 +160,18 @@ func TestScrubByIndex(t *testing.T) {
 	if st := n.Stats(); st.Lost != 0 || st.Events < uint64(len(mine)-150) {
 		t.Errorf("stats %+v: want no loss and at least %d events", st, len(mine)-150)
 	}
+
+	// An address outside the pod CIDRs is never indexed: its scrub must walk.
+	outside := netip.MustParseAddr("192.168.1.1")
+	before = snapshot(t, tab)
+	res, err = n.Scrub(context.Background(), scrub.Request{IPs: []netip.Addr{outside}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res.Method != scrub.MethodSweep {
+		t.Errorf("scrub of a non-pod address used %s, want the fallback", res.Method)
+	}
+	checkScrubbed(t, tab, before, outside)
 }
 
 func icmpEcho(src, dst string, id uint16) Entry {
