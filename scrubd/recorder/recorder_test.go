@@ -616,6 +616,69 @@ func TestUDPReopenedByPeer(t *testing.T) {
 	w.requireIndexed(t, []netip.Addr{a.Addr4}, 2)
 }
 
+// A full ring buffer (one page, nobody reading) loses records for real:
+// the losses are counted against the pod IP, Run marks it incomplete, and
+// the flows whose records were lost are recorded on their next packet (they
+// were not marked seen).
+func TestRingFullMarksLost(t *testing.T) {
+	w := newWorld(t, 1)
+	a, remote := w.pods[0], w.node.Remote
+	w.stop()
+	w.stop = nil
+	if err := w.rec.Detach(a.Path, "eth0"); err != nil {
+		t.Fatal(err)
+	}
+	rec, err := recorder.Load(recorder.Options{
+		PinDir:    filepath.Join(standin.TempDir(t), "ctscrub"),
+		CTRoot:    w.ct.Root,
+		RingBytes: os.Getpagesize(), // room for ~70 records
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { rec.Close() })
+	if _, err := rec.Attach(a.Path, "eth0"); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { rec.Detach(a.Path, "eth0") })
+
+	send := func() {
+		t.Helper()
+		err := a.Do(func() error {
+			for port := uint16(42000); port < 42200; port++ {
+				if err := sendUDPFrom(port, remote.Addr4, netpods.EchoPort); err != nil {
+					return err
+				}
+			}
+			return nil
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	send() // 200 new flows, nobody reading
+	time.Sleep(200 * time.Millisecond)
+	if rec.Lost() == 0 {
+		t.Fatal("no loss counted although 200 new flows went into a one-page ring buffer nobody read")
+	}
+	t.Logf("%d records lost", rec.Lost())
+
+	w.rec, w.ix = rec, index.New(index.Config{PodCIDRs: w.node.PodCIDRs()})
+	w.ix.Track(a.Addr4) // as if swept: only the loss may make it incomplete
+	w.run(t)
+	deadline := time.Now().Add(5 * time.Second)
+	for w.ix.State(a.Addr4).Incomplete != index.ReasonLost {
+		if time.Now().After(deadline) {
+			t.Fatalf("%s not marked incomplete after losses: %+v", a.Addr4, w.ix.State(a.Addr4))
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	// The lost flows' next packets are recorded now that Run drains the
+	// ring: every entry ends up indexed (200 flows + 1 shared related key).
+	send()
+	w.requireIndexed(t, []netip.Addr{a.Addr4}, 201)
+}
+
 // sendUDPFrom sends one datagram from local port sport (in the current
 // netns).
 func sendUDPFrom(sport uint16, dst netip.Addr, dport uint16) error {
