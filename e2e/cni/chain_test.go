@@ -135,9 +135,20 @@ func testChain(t *testing.T, ver string) {
 		t.Fatalf("no CT entries of %s after real traffic: the stand-in did not see it", a.ip)
 	}
 	c.check(a)
+	// scrubd's recorder, attached in a's netns at ADD, saw the same flows:
+	// the index holds at least every entry of a's IP and can prove it.
+	st, err := c.scrubd.Client.IndexIP(ctx, a.ip)
+	if err != nil || !st.Complete || st.Keys < before {
+		t.Fatalf("index for %s: %+v, %v; want complete with at least the %d CT entries", a.ip, st, err, before)
+	}
 
-	// DEL a: its entries go (reason del).
+	// DEL a: its entries go (reason del), found through the index.
+	byIndex := map[string]string{"reason": "del", "method": "index"}
+	indexDels := c.scrubd.Metric(t, "ctscrub_scrub_duration_seconds_count", byIndex)
 	c.del(a)
+	if got := c.scrubd.Metric(t, "ctscrub_scrub_duration_seconds_count", byIndex); got != indexDels+1 {
+		t.Fatalf("DEL's scrub did not go through the index: index del scrubs %v -> %v", indexDels, got)
+	}
 	if n := c.entries(a.ip); n != 0 {
 		t.Fatalf("%d CT entries of %s left after DEL", n, a.ip)
 	}
@@ -165,7 +176,13 @@ func testChain(t *testing.T, ver string) {
 
 	// A new pod gets a's IP (host-local's range holds two addresses): ADD
 	// scrubs the stale entries before the pod gets any traffic.
+	addByIndex := map[string]string{"reason": "add", "method": "index"}
+	indexAdds := c.scrubd.Metric(t, "ctscrub_scrub_duration_seconds_count", addByIndex)
 	n := c.add("c")
+	// b's recorder saw its flows to the old IP: the ADD scrub needs no sweep.
+	if got := c.scrubd.Metric(t, "ctscrub_scrub_duration_seconds_count", addByIndex); got != indexAdds+1 {
+		t.Errorf("ADD's scrub of the reused IP did not go through the index: index add scrubs %v -> %v", indexAdds, got)
+	}
 	if n.ip != a.ip {
 		t.Fatalf("new pod got %s, want the reused IP %s (host-local range of two)", n.ip, a.ip)
 	}
