@@ -30,8 +30,7 @@ type ctMaps struct {
 }
 
 // createCTMaps creates the four global CT maps under dir, each big enough for
-// its share of entries with room to spare (an LRU hash that is nearly full
-// evicts, and the demo must keep every entry it put in).
+// its share of entries with room to spare (see mapSize).
 func createCTMaps(dir string, entries int) (*ctMaps, error) {
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return nil, fmt.Errorf("create bpffs dir %s: %w (is bpffs mounted at /sys/fs/bpf? run scripts/setup.sh)", dir, err)
@@ -71,12 +70,10 @@ func share(k ctmap.Kind, entries int) int {
 	}
 }
 
+// mapSize leaves a quarter of each map free: an LRU hash evicts only when
+// it has no free element, so every entry put in stays.
 func mapSize(k ctmap.Kind, entries int) uint32 {
-	n := uint32(1 << 16)
-	for int(n) < 2*share(k, entries)+4096 {
-		n <<= 1
-	}
-	return n
+	return uint32(share(k, entries)*5/4 + 4096)
 }
 
 // Close closes and unpins the maps.
