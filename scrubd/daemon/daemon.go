@@ -185,6 +185,9 @@ func (d *Daemon) ciliumIndexFigures() IndexFigures {
 	return f
 }
 
+// Backends are the daemon's backends, in the order results are reported.
+func (d *Daemon) Backends() []scrub.Backend { return d.backends }
+
 // Registerer is where other parts of scrubd (the expiry pass, extra backends)
 // register their metrics; they are served on /metrics with the daemon's own.
 func (d *Daemon) Registerer() prometheus.Registerer { return d.m.reg }
