@@ -8,6 +8,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"math/rand/v2"
+	"net"
 	"net/netip"
 	"os"
 	"os/exec"
@@ -16,7 +17,10 @@ import (
 	"testing"
 	"time"
 
+	"github.com/vishvananda/netlink"
+
 	"github.com/ctscrub/ctscrub/e2e/internal/node"
+	"github.com/ctscrub/ctscrub/internal/testsupport/standin"
 	"github.com/ctscrub/ctscrub/scrubd/api"
 )
 
@@ -46,8 +50,23 @@ func TestPodSandboxLifecycle(t *testing.T) {
 	subnet := netip.MustParsePrefix(fmt.Sprintf("10.%d.%d.0/24", 160+rand.IntN(30), rand.IntN(250)))
 	bridge := "cri" + sfx
 
-	maps := node.NewCTMaps(t, 65536)
-	scrubd := node.StartScrubd(t, node.Options{CTRoot: maps.Root, PodCIDRs: []string{subnet.String()}})
+	// Cilium's CT maps in a private bpffs dir, filled from real packets by
+	// the Cilium datapath stand-in on the pod's host-side veth.
+	ctRoot := standin.TempDir(t)
+	if err := standin.CreateMaps(ctRoot, 65536); err != nil {
+		t.Fatal(err)
+	}
+	dp, err := standin.Load(ctRoot, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { dp.Close() })
+	maps, err := dp.Maps()
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { maps.Close() })
+	scrubd := node.StartScrubd(t, node.Options{CTRoot: ctRoot, PodCIDRs: []string{subnet.String()}})
 
 	// Reference plugins support up to CNI 1.0.0 (Debian's 1.1.1), and at
 	// 1.0.0 containerd 1.6 hands the cached prevResult to DEL.
@@ -122,9 +141,41 @@ func TestPodSandboxLifecycle(t *testing.T) {
 		t.Fatalf("status after runp: %+v, %v; want 1 indexed pod", st, err)
 	}
 
-	// stopp: DEL with prevResult scrubs (reason del) and stops indexing.
+	// Real traffic from the node to the pod (the pause process listens on
+	// nothing: the pod's kernel answers TCP with a reset and UDP with an ICMP
+	// error) makes CT entries of the pod's IP, and the recorder in the pod's
+	// netns indexes them.
+	veth := hostVeth(t, bridge)
+	if err := dp.AttachHostSide(veth); err != nil {
+		t.Fatal(err)
+	}
+	for _, port := range []int{80, 8080} {
+		if c, err := net.DialTimeout("tcp4", netip.AddrPortFrom(podIP, uint16(port)).String(), 2*time.Second); err == nil {
+			c.Close()
+		}
+		if c, err := net.Dial("udp4", netip.AddrPortFrom(podIP, uint16(port)).String()); err == nil {
+			c.Write([]byte("ctscrub"))
+			c.Close()
+		}
+	}
+	entries := node.CountEntries(t, maps, podIP)
+	if entries == 0 {
+		t.Fatalf("no CT entries of pod %s after traffic through %s", podIP, veth)
+	}
+	scrubd.WaitIndexed(t, podIP, entries)
+
+	// stopp: DEL with prevResult scrubs (reason del) through the index and
+	// stops indexing.
 	delsBefore := scrubd.Metric(t, "ctscrub_scrub_duration_seconds_count", map[string]string{"reason": "del"})
+	indexDels := scrubd.Metric(t, "ctscrub_scrub_duration_seconds_count", map[string]string{"reason": "del", "method": "index"})
 	cd.crictl(t, "stopp", podID)
+	if left := node.CountEntries(t, maps, podIP); left != 0 {
+		t.Fatalf("%d of the pod's %d CT entries left after stopp", left, entries)
+	}
+	if got := scrubd.Metric(t, "ctscrub_scrub_duration_seconds_count", map[string]string{"reason": "del", "method": "index"}); got != indexDels+1 {
+		t.Fatalf("stopp's scrub did not go through the index: %v -> %v", indexDels, got)
+	}
+	t.Logf("pod %s: %d CT entries from real traffic, all indexed, none left after stopp", podIP, entries)
 	rec, err = scrubd.Client.IndexPod(ctx, me)
 	if err != nil || rec.Stopped.IsZero() {
 		t.Fatalf("record after stopp: %+v, %v; want stopped", rec, err)
@@ -253,4 +304,27 @@ func removeCgroups(id string) {
 	for _, d := range parents {
 		os.Remove(d)
 	}
+}
+
+// hostVeth returns the one veth enslaved to bridge: the pod's host side.
+func hostVeth(t *testing.T, bridge string) string {
+	t.Helper()
+	br, err := netlink.LinkByName(bridge)
+	if err != nil {
+		t.Fatalf("bridge %s: %v", bridge, err)
+	}
+	links, err := netlink.LinkList()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var found []string
+	for _, l := range links {
+		if l.Attrs().MasterIndex == br.Attrs().Index && l.Type() == "veth" {
+			found = append(found, l.Attrs().Name)
+		}
+	}
+	if len(found) != 1 {
+		t.Fatalf("veths on %s: %v, want the pod's one", bridge, found)
+	}
+	return found[0]
 }

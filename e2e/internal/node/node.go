@@ -1,7 +1,7 @@
 // Package node sets up, for the end-to-end tests of e2e/cni and e2e/cri, what
-// a Cilium node has: Cilium-layout CT maps in a private bpffs directory, a real
-// scrubd running as a subprocess on a temp socket, and the ctscrub plugin
-// binary. Everything it creates is removed by t.Cleanup, also on failure.
+// a Cilium node has besides Cilium's maps (internal/testsupport/standin makes
+// those): a real scrubd running as a subprocess on a temp socket, the ctscrub
+// plugin binary, network namespaces. Everything it creates is removed by t.Cleanup, also on failure.
 package node
 
 import (
@@ -13,6 +13,7 @@ import (
 	"fmt"
 	"net"
 	"net/http"
+	"net/netip"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -23,7 +24,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/cilium/ebpf"
 	"github.com/vishvananda/netns"
 
 	"github.com/ctscrub/ctscrub/scrubd/client"
@@ -113,38 +113,42 @@ func CleanupBuilds() {
 	}
 }
 
-// CTMaps are Cilium's four global CT maps, made with Cilium's layout in a
-// private bpffs directory (never /sys/fs/bpf/tc/globals).
-type CTMaps struct {
-	Root string
-	*ctmap.Maps
-}
-
-// NewCTMaps creates the maps with maxEntries each and pins them.
-func NewCTMaps(t *testing.T, maxEntries uint32) *CTMaps {
+// CountEntries counts the CT entries that hold ip, in every map of its
+// family.
+func CountEntries(t *testing.T, maps *ctmap.Maps, ip netip.Addr) int {
 	t.Helper()
-	root, err := os.MkdirTemp("/sys/fs/bpf", "ctscrub-test-")
-	if err != nil {
-		t.Fatalf("bpffs temp dir: %v", err)
-	}
-	t.Cleanup(func() { os.RemoveAll(root) })
-	var ms [ctmap.NumKinds]*ebpf.Map
+	n := 0
 	for _, k := range ctmap.Kinds {
-		m, err := ebpf.NewMap(k.Spec(maxEntries))
+		m := maps.Map(k)
+		if m == nil || k.IPv6() != ip.Is6() {
+			continue
+		}
+		var val ctmap.Entry
+		var err error
+		if ip.Is4() {
+			var key ctmap.CTKey4
+			it := m.Iterate()
+			for it.Next(&key, &val) {
+				if key.Has(ip) {
+					n++
+				}
+			}
+			err = it.Err()
+		} else {
+			var key ctmap.CTKey6
+			it := m.Iterate()
+			for it.Next(&key, &val) {
+				if key.Has(ip) {
+					n++
+				}
+			}
+			err = it.Err()
+		}
 		if err != nil {
-			t.Fatalf("create %s: %v", k.Name(), err)
+			t.Fatalf("iterate %s: %v", k.Name(), err)
 		}
-		t.Cleanup(func() { m.Close() })
-		if err := m.Pin(filepath.Join(root, k.Name())); err != nil {
-			t.Fatalf("pin %s: %v", k.Name(), err)
-		}
-		ms[k] = m
 	}
-	maps, err := ctmap.FromMaps(ms)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return &CTMaps{Root: root, Maps: maps}
+	return n
 }
 
 // Scrubd is a scrubd process serving a test.
@@ -241,6 +245,23 @@ func StartScrubd(t *testing.T, opts Options) *Scrubd {
 			t.Fatalf("scrubd not ready after 30s (last: %v)\n%s", err, b)
 		}
 		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+// WaitIndexed waits until scrubd's index holds at least want keys of ip and
+// can prove completeness: records reach it through a ring buffer.
+func (s *Scrubd) WaitIndexed(t *testing.T, ip netip.Addr, want int) {
+	t.Helper()
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		st, err := s.Client.IndexIP(context.Background(), ip)
+		if err == nil && st.Complete && st.Keys >= want {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("index for %s: %+v, %v; want complete with at least %d keys", ip, st, err, want)
+		}
+		time.Sleep(20 * time.Millisecond)
 	}
 }
 
