@@ -71,7 +71,7 @@ func main() {
 func usage(w io.Writer) {
 	fmt.Fprint(w, `usage:
   scrubd [run] [flags]                 run the node daemon (scrubd run -h for flags)
-  scrubd status                        daemon status
+  scrubd status                        daemon status (exit 1 when not ready)
   scrubd scrub --ip X [--ip Y] [--dry-run] [--reason del]
                                        delete every CT entry of pod IPs (dry run: count)
   scrubd index [--ip X]                indexed pods, or what the index holds for one IP
@@ -232,13 +232,20 @@ func cliStatus(args []string) error {
 	if err != nil {
 		return err
 	}
+	// Not ready is an error, so that `scrubd status` serves as a readiness probe.
+	var notReady error
+	if !st.Ready {
+		notReady = errors.New("not ready: CT maps not open, programs not loaded, recorder stopped, or shutting down")
+	}
 	if *asJSON {
-		return printJSON(st)
+		printJSON(st)
+		return notReady
 	}
 	tw := tabwriter.NewWriter(os.Stdout, 0, 4, 2, ' ', 0)
 	fmt.Fprintf(tw, "version\t%s\nready\t%v\nbackends\t%s\npod CIDRs\t%v\nindexed pods\t%d\nindex keys\t%d\nincomplete IPs\t%d\nin flight\t%d (queue limit %d)\nuptime\t%s\nmetrics\t%s\n",
 		st.Version, st.Ready, strings.Join(st.Backends, ","), st.PodCIDRs, st.IndexedPods, st.IndexKeys, st.IncompleteIPs, st.InFlight, st.QueueLimit, st.Uptime, st.Metrics)
-	return tw.Flush()
+	tw.Flush()
+	return notReady
 }
 
 func cliScrub(args []string) error {
