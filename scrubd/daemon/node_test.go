@@ -330,3 +330,51 @@ func TestKilledDaemonRestarts(t *testing.T) {
 		t.Errorf("SIGTERM removed the pinned recorder links")
 	}
 }
+
+// The CLI subcommands of the scrubd binary, against a real daemon.
+func TestCLI(t *testing.T) {
+	root := newCTRoot(t, 1<<16)
+	td := startDaemon(t, testConfig(t, root))
+	bin := buildScrubd(t)
+	ip := netip.MustParseAddr("10.244.6.6")
+	keys := podFlows(ip, 50)
+	root.put4(t, keys)
+	cli := func(args ...string) (string, error) {
+		out, err := exec.Command(bin, append(args, "--socket", td.cfg.Socket)...).CombinedOutput()
+		return string(out), err
+	}
+	for _, tc := range []struct {
+		args []string
+		want []string
+	}{
+		{[]string{"status"}, []string{"ready", "true", "cilium", testCIDR}},
+		{[]string{"scrub", "--ip", ip.String(), "--dry-run"}, []string{"cilium: would delete 100 entries by sweep"}},
+		{[]string{"scrub", "--ip", ip.String()}, []string{"cilium: deleted 100 entries by sweep", "(complete)"}},
+		{[]string{"index", "--ip", ip.String()}, []string{ip.String() + ": 0 keys, complete"}},
+		{[]string{"index"}, []string{"CONTAINER", "IFNAME"}},
+		{[]string{"ct", "stats"}, []string{"cilium_ct4_global", "65536"}},
+		{[]string{"status", "--json"}, []string{`"ready": true`}},
+	} {
+		out, err := cli(tc.args...)
+		if err != nil {
+			t.Errorf("scrubd %s: %v\n%s", strings.Join(tc.args, " "), err, out)
+			continue
+		}
+		for _, w := range tc.want {
+			if !strings.Contains(out, w) {
+				t.Errorf("scrubd %s: output does not contain %q:\n%s", strings.Join(tc.args, " "), w, out)
+			}
+		}
+	}
+	if n := root.present4(t, keys); n != 0 {
+		t.Errorf("CLI scrub left %d entries", n)
+	}
+	out, err := cli("scrub", "--ip", "192.168.7.7")
+	if err == nil || !strings.Contains(out, "outside the pod CIDRs") {
+		t.Errorf("CLI scrub of a non-pod IP: %v\n%s", err, out)
+	}
+	out, err = cli("scrub", "--ip", "nonsense")
+	if err == nil || !strings.Contains(out, `--ip "nonsense"`) {
+		t.Errorf("CLI scrub of a malformed IP: %v\n%s", err, out)
+	}
+}
