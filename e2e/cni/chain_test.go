@@ -142,7 +142,9 @@ func testChain(t *testing.T, ver string) {
 	// DEL a: its entries go (reason del), found through the index.
 	byIndex := map[string]string{"reason": "del", "method": "index"}
 	indexDels := c.scrubd.Metric(t, "ctscrub_scrub_duration_seconds_count", byIndex)
+	start := time.Now()
 	c.del(a)
+	delTook := time.Since(start)
 	if got := c.scrubd.Metric(t, "ctscrub_scrub_duration_seconds_count", byIndex); got != indexDels+1 {
 		t.Fatalf("DEL's scrub did not go through the index: index del scrubs %v -> %v", indexDels, got)
 	}
@@ -177,7 +179,9 @@ func testChain(t *testing.T, ver string) {
 	// scrubs the stale entries before the pod gets any traffic.
 	addByIndex := map[string]string{"reason": "add", "method": "index"}
 	indexAdds := c.scrubd.Metric(t, "ctscrub_scrub_duration_seconds_count", addByIndex)
+	start = time.Now()
 	n := c.add("c")
+	addTook := time.Since(start)
 	// b's recorder saw its flows to the old IP: the ADD scrub needs no sweep.
 	if got := c.scrubd.Metric(t, "ctscrub_scrub_duration_seconds_count", addByIndex); got != indexAdds+1 {
 		t.Errorf("ADD's scrub of the reused IP did not go through the index: index add scrubs %v -> %v", indexAdds, got)
@@ -188,6 +192,7 @@ func testChain(t *testing.T, ver string) {
 	if left := c.entries(n.ip); left != 0 {
 		t.Fatalf("new pod %s starts with %d CT entries of the old pod (there were %d stale)", n.ip, left, stale)
 	}
+	t.Logf("%s: chain DEL of a %s, chain ADD of c (same IP, stale entries scrubbed) %s", ver, delTook.Round(time.Millisecond), addTook.Round(time.Millisecond))
 	serveEcho(t, n.netns)
 	if err := tcp(b.netns, n.ip); err != nil {
 		t.Fatal(err)
