@@ -11,7 +11,6 @@ import (
 	"net"
 	"net/netip"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -74,7 +73,7 @@ func TestPodSandboxLifecycle(t *testing.T) {
   "cniVersion": "1.0.0",
   "name": "ctscrub-e2e-%[1]s",
   "plugins": [
-    {"type": "bridge", "bridge": %[2]q, "isGateway": true, "ipMasq": false,
+    {"type": "bridge", "bridge": %[2]q, "isGateway": false, "ipMasq": false,
      "ipam": {"type": "host-local", "ranges": [[{"subnet": %[3]q}]], "dataDir": %[4]q}},
     {"type": "ctscrub", "socket": %[5]q, "timeout": "20s", "failurePolicy": "fail"}
   ]
@@ -85,8 +84,7 @@ func TestPodSandboxLifecycle(t *testing.T) {
 		bins[p] = filepath.Join(debianCNI, p)
 	}
 	cd := newContainerd(t, bins, conflist)
-	restoreForwarding(t)
-	t.Cleanup(func() { exec.Command("ip", "link", "del", bridge).Run() })
+	nodeBridge(t, bridge, subnet)
 
 	pause := node.Build(t, "./e2e/cri/pause", "pause")
 	archive := filepath.Join(cd.dir, "pause.tar")
@@ -210,7 +208,7 @@ func TestRunpFailsWithoutScrubd(t *testing.T) {
 	node.RequireTool(t, "containerd")
 	node.RequireTool(t, "runc")
 	sfx := node.Suffix()
-	subnet := fmt.Sprintf("10.%d.%d.0/24", 160+rand.IntN(30), rand.IntN(250))
+	subnet := netip.MustParsePrefix(fmt.Sprintf("10.%d.%d.0/24", 160+rand.IntN(30), rand.IntN(250)))
 	bridge := "cri" + sfx
 	sock := filepath.Join(t.TempDir(), "nobody.sock")
 	ipamDir := filepath.Join(t.TempDir(), "ipam")
@@ -221,18 +219,17 @@ func TestRunpFailsWithoutScrubd(t *testing.T) {
   "cniVersion": "1.0.0",
   "name": "ctscrub-e2e-%[1]s",
   "plugins": [
-    {"type": "bridge", "bridge": %[2]q, "isGateway": true, "ipMasq": false,
+    {"type": "bridge", "bridge": %[2]q, "isGateway": false, "ipMasq": false,
      "ipam": {"type": "host-local", "ranges": [[{"subnet": %[3]q}]], "dataDir": %[4]q}},
     {"type": "ctscrub", "socket": %[5]q, "timeout": "5s"}
   ]
-}`, sfx, bridge, subnet, ipamDir, sock)
+}`, sfx, bridge, subnet.String(), ipamDir, sock)
 	bins := map[string]string{"ctscrub": node.Build(t, "./plugin", "ctscrub")}
 	for _, p := range []string{"bridge", "host-local", "loopback"} {
 		bins[p] = filepath.Join(debianCNI, p)
 	}
 	cd := newContainerd(t, bins, conflist)
-	restoreForwarding(t)
-	t.Cleanup(func() { exec.Command("ip", "link", "del", bridge).Run() })
+	nodeBridge(t, bridge, subnet)
 	pause := node.Build(t, "./e2e/cri/pause", "pause")
 	archive := filepath.Join(cd.dir, "pause.tar")
 	writePauseImage(t, pause, archive)
@@ -277,15 +274,25 @@ func writeJSON(t *testing.T, path string, v any) {
 	}
 }
 
-// restoreForwarding puts back net.ipv4.ip_forward, which the bridge plugin
-// turns on.
-func restoreForwarding(t *testing.T) {
-	const p = "/proc/sys/net/ipv4/ip_forward"
-	old, err := os.ReadFile(p)
-	if err != nil {
-		return
+// nodeBridge creates the bridge the chain's bridge plugin uses, with the
+// node's address .1 on it, so the node reaches its pods directly. The plugin
+// then runs with isGateway false and leaves the host's ip_forward alone, which
+// other tests running at the same time may depend on.
+func nodeBridge(t *testing.T, name string, subnet netip.Prefix) {
+	t.Helper()
+	br := &netlink.Bridge{LinkAttrs: netlink.LinkAttrs{Name: name}}
+	if err := netlink.LinkAdd(br); err != nil {
+		t.Fatalf("create bridge %s: %v", name, err)
 	}
-	t.Cleanup(func() { os.WriteFile(p, old, 0o644) })
+	t.Cleanup(func() { netlink.LinkDel(br) })
+	gw := subnet.Addr().Next()
+	addr, _ := netlink.ParseAddr(netip.PrefixFrom(gw, subnet.Bits()).String())
+	if err := netlink.AddrAdd(br, addr); err != nil {
+		t.Fatalf("address %s on %s: %v", addr, name, err)
+	}
+	if err := netlink.LinkSetUp(br); err != nil {
+		t.Fatal(err)
+	}
 }
 
 // removeCgroups removes the empty cgroup folders runc leaves for a sandbox
