@@ -7,6 +7,7 @@ package cni
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"math/rand/v2"
 	"net"
@@ -14,11 +15,13 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strings"
 	"sync"
 	"testing"
 	"time"
 
 	"github.com/containernetworking/cni/libcni"
+	"github.com/containernetworking/cni/pkg/invoke"
 	"github.com/containernetworking/cni/pkg/types"
 	current "github.com/containernetworking/cni/pkg/types/100"
 
@@ -201,6 +204,17 @@ func testChain(t *testing.T, ver string) {
 		t.Fatal("no CT entries for the new pod's own traffic")
 	}
 	c.check(n)
+	if ver >= "0.4.0" {
+		// CHECK of an attachment scrubd does not index: a clear failure.
+		conf := []byte(fmt.Sprintf(`{"cniVersion":%q,"name":"x","type":"ctscrub","socket":%q,"prevResult":{"cniVersion":%q,"ips":[{"address":"%s/24"}]}}`,
+			ver, c.scrubd.Socket, ver, n.ip))
+		err := invoke.ExecPluginWithoutResult(ctx, node.Build(t, "./plugin", "ctscrub"), conf,
+			&invoke.Args{Command: "CHECK", ContainerID: "never-added", NetNS: n.netns, IfName: "eth0", Path: "/nonexistent"}, nil)
+		var e *types.Error
+		if !errors.As(err, &e) || e.Code != types.ErrInternal || !strings.Contains(e.Msg, "does not index eth0 of container never-added") {
+			t.Fatalf("CHECK of an unknown attachment: %v", err)
+		}
+	}
 
 	if ver == "1.1.0" {
 		if err := c.cni.GetStatusNetworkList(ctx, c.list); err != nil {
