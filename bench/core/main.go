@@ -9,7 +9,7 @@
 //	ENTRIES     entries in the CT maps (default 1048576)
 //	PER_IP      entries of the scrubbed IP (default 1000)
 //	PODS        pod IPs owning the other entries (default 1024)
-//	INDEX_REPS  index scrubs (default 100, at least 20)
+//	INDEX_REPS  index scrubs (default 200, at least 20)
 //	REF_1M      0 to skip the 1M-entry reference series run when ENTRIES > 1M
 //
 // The last line of output is one JSON object with every figure.
@@ -24,6 +24,7 @@ import (
 	"os"
 	"os/signal"
 	"runtime"
+	"runtime/metrics"
 	"slices"
 	"strconv"
 	"strings"
@@ -32,6 +33,7 @@ import (
 	"time"
 
 	"github.com/cilium/ebpf/rlimit"
+	"golang.org/x/sys/unix"
 
 	"github.com/ctscrub/ctscrub/scrubd/ctmap"
 	"github.com/ctscrub/ctscrub/scrubd/index"
@@ -70,7 +72,7 @@ func parseConfig() (config, error) {
 	if c.pods, err = envInt("PODS", 1024); err != nil {
 		return c, err
 	}
-	if c.indexReps, err = envInt("INDEX_REPS", 100); err != nil {
+	if c.indexReps, err = envInt("INDEX_REPS", 200); err != nil {
 		return c, err
 	}
 	ref, err := envInt("REF_1M", 1)
@@ -111,6 +113,9 @@ type result struct {
 	IndexP99S       float64 `json:"index_p99_s"`
 	IndexMaxS       float64 `json:"index_max_s"`
 	IndexReps       int     `json:"index_reps"`
+	IndexCPUMedianS float64 `json:"index_cpu_median_s"`
+	IndexCPUP99S    float64 `json:"index_cpu_p99_s"`
+	IndexWaitP99S   float64 `json:"index_wait_for_cpu_p99_s"`
 	IndexMedian1MS  float64 `json:"index_median_1m_s,omitempty"`
 	IndexerNsPacket float64 `json:"indexer_ns_per_packet"`
 	IndexerNsNew    float64 `json:"indexer_ns_new_flow"`
@@ -224,7 +229,7 @@ func run(cfg config) (result, error) {
 	res.CountUs = float64(time.Since(t).Microseconds()) / countReps
 
 	// (4) The index scrub.
-	idx, err := indexSeries(nd, c, cfg.indexReps)
+	idx, idxCPU, idxWait, err := indexSeries(nd, c, cfg.indexReps)
 	if err != nil {
 		return res, err
 	}
@@ -232,6 +237,9 @@ func run(cfg config) (result, error) {
 	res.IndexMedianS = quantile(idx, 0.5).Seconds()
 	res.IndexP99S = quantile(idx, 0.99).Seconds()
 	res.IndexMaxS = slices.Max(idx).Seconds()
+	res.IndexCPUMedianS = quantile(idxCPU, 0.5).Seconds()
+	res.IndexCPUP99S = quantile(idxCPU, 0.99).Seconds()
+	res.IndexWaitP99S = quantile(idxWait, 0.99).Seconds()
 
 	// (3) The sweep, through the backend (the IP marked incomplete).
 	sweep, err := series("sweep", 5, 30*time.Second, nd, func() error {
@@ -329,7 +337,7 @@ func indexOnly(cfg config, n int) (med, p99 time.Duration, reps int, err error) 
 	}
 	defer nd.close()
 	defer c.Close()
-	d, err := indexSeries(nd, c, cfg.indexReps)
+	d, _, _, err := indexSeries(nd, c, cfg.indexReps)
 	if err != nil {
 		return 0, 0, 0, err
 	}
@@ -339,37 +347,56 @@ func indexOnly(cfg config, n int) (med, p99 time.Duration, reps int, err error) 
 
 // indexSeries times reps index scrubs of the target, refilling and
 // re-indexing its entries before each, and checks each scrub.
-func indexSeries(nd *node, c *scrub.Cilium, reps int) ([]time.Duration, error) {
-	var d []time.Duration
+func indexSeries(nd *node, c *scrub.Cilium, reps int) (d, cpu, waited []time.Duration, err error) {
+	gcDuring := 0
+	// One OS thread for the whole series, so its CPU time and its wait for a
+	// CPU (schedstat) can be read around each scrub: on a shared machine the
+	// slow tail is time spent runnable but not running.
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
 	for i := range reps {
 		if i > 0 {
 			if err := nd.refill(); err != nil {
-				return nil, err
+				return nil, nil, nil, err
 			}
 		}
 		if st := nd.ix.State(target); !st.Complete || st.Keys != nd.k {
-			return nil, fmt.Errorf("index before scrub %d: %+v, want complete with %d keys", i, st, nd.k)
+			return nil, nil, nil, fmt.Errorf("index before scrub %d: %+v, want complete with %d keys", i, st, nd.k)
 		}
+		gc0, wait0 := gcCycles(), runDelay()
+		cpu0 := threadCPU()
 		t := time.Now()
 		r, err := c.Scrub(context.Background(), scrub.Request{IPs: []netip.Addr{target}, Reason: scrub.ReasonDel})
 		el := time.Since(t)
+		cpu = append(cpu, threadCPU()-cpu0)
+		waited = append(waited, runDelay()-wait0)
+		if gcCycles() != gc0 {
+			gcDuring++
+		}
 		if err != nil {
-			return nil, fmt.Errorf("index scrub %d: %w", i, err)
+			return nil, nil, nil, fmt.Errorf("index scrub %d: %w", i, err)
 		}
 		if r.Method != scrub.MethodIndex || r.Total != nd.k {
-			return nil, fmt.Errorf("index scrub %d: %+v, want method index and %d deleted", i, r, nd.k)
+			return nil, nil, nil, fmt.Errorf("index scrub %d: %+v, want method index and %d deleted", i, r, nd.k)
 		}
 		if left := nd.targetLeft(); left != 0 {
-			return nil, fmt.Errorf("index scrub %d left %d of the target's entries", i, left)
+			return nil, nil, nil, fmt.Errorf("index scrub %d left %d of the target's entries", i, left)
 		}
 		d = append(d, el)
 	}
+	slow := slices.Clone(d)
+	slices.Sort(slow)
+	slow = slow[max(0, len(slow)-5):]
+	fmt.Printf("  index scrubs: slowest %v; a Go GC cycle ran during %d of %d; CPU time median %s p99 %s; waiting for a CPU p99 %s\n",
+		slow, gcDuring, len(d), fmtDur(quantile(cpu, 0.5)), fmtDur(quantile(cpu, 0.99)), fmtDur(quantile(waited, 0.99)))
 	// Once: every other entry is still there.
 	if err := nd.check("index scrub"); err != nil {
-		return nil, err
+		return nil, nil, nil, err
 	}
-	nd.refill()
-	return d, nil
+	if err := nd.refill(); err != nil {
+		return nil, nil, nil, err
+	}
+	return d, cpu, waited, nil
 }
 
 // series times a full-map method: the first run always, more while they fit
@@ -407,6 +434,38 @@ func series(name string, maxReps int, budget time.Duration, nd *node, fn func() 
 	return d, nil
 }
 
+// threadCPU is the calling thread's CPU time (user + system).
+func threadCPU() time.Duration {
+	var ts unix.Timespec
+	if err := unix.ClockGettime(unix.CLOCK_THREAD_CPUTIME_ID, &ts); err != nil {
+		return 0
+	}
+	return time.Duration(ts.Nano())
+}
+
+// runDelay is how long the calling thread has been runnable but waiting for
+// a CPU (the second field of /proc/thread-self/schedstat).
+func runDelay() time.Duration {
+	b, err := os.ReadFile("/proc/thread-self/schedstat")
+	if err != nil {
+		return 0
+	}
+	f := strings.Fields(string(b))
+	if len(f) < 2 {
+		return 0
+	}
+	v, _ := strconv.ParseInt(f[1], 10, 64)
+	return time.Duration(v)
+}
+
+var gcSample = []metrics.Sample{{Name: "/gc/cycles/total:gc-cycles"}}
+
+// gcCycles reads the GC cycle count without stopping the world.
+func gcCycles() uint64 {
+	metrics.Read(gcSample)
+	return gcSample[0].Value.Uint64()
+}
+
 func median(d []time.Duration) time.Duration { return quantile(d, 0.5) }
 
 // quantile is the nearest-rank quantile.
@@ -439,6 +498,7 @@ func printTable(r result) {
 	fmt.Fprintf(w, "ctscrub sweep (in-kernel, 1 pass)\t%s\t%d\t%.0fx\n", secs(r.SweepS), r.SweepReps, r.SweepS/r.IndexMedianS)
 	fmt.Fprintf(w, "ctscrub index scrub, median\t%s\t%d\t1x\n", secs(r.IndexMedianS), r.IndexReps)
 	fmt.Fprintf(w, "ctscrub index scrub, p99 / max\t%s / %s\t\t\n", secs(r.IndexP99S), secs(r.IndexMaxS))
+	fmt.Fprintf(w, "  its CPU time, median / p99\t%s / %s\t\t(p99 waiting for a CPU: %s)\n", secs(r.IndexCPUMedianS), secs(r.IndexCPUP99S), secs(r.IndexWaitP99S))
 	if r.IndexMedian1MS > 0 {
 		fmt.Fprintf(w, "index scrub median at 1M entries\t%s\t%d\t(%d entries / 1M: %.2fx)\n", secs(r.IndexMedian1MS), r.IndexReps, r.Entries, r.Index16MOver1M)
 	}
