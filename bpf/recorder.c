@@ -269,3 +269,119 @@ int recorder_ingress(struct __sk_buff *skb)
 {
 	return record(skb, 0);
 }
+
+/* ---- forgetting a pod's flows (SEC("syscall"), run by scrubd) ----
+ *
+ * When an interface is attached for a new pod, its IPs may have belonged to
+ * a pod that is gone; seen-cache entries of that pod (or of live pods
+ * towards it) would hide the new pod's flows that happen to reuse a
+ * 5-tuple. scrubd runs this program with BPF_PROG_TEST_RUN to drop every
+ * cached flow whose local or remote address is one of the given IPs: one
+ * in-kernel pass over the cache, milliseconds at the default size. */
+
+#define FORGET_MAX_IPS 8
+
+/* BPF_PROG_TEST_RUN context; mirrors scrubd/recorder.forgetArgs. */
+struct forget_args {
+	__u32 n4; /* IPs in ips4 */
+	__u32 n6; /* IPs in ips6 */
+	__u64 visited;
+	__u64 deleted;
+	__be32 ips4[FORGET_MAX_IPS];
+	__u32 ips6[FORGET_MAX_IPS][4];
+};
+
+/* As in bpf/sweep.c: a matched element is deleted one step later, once the
+ * walk has moved past it, so deleting it cannot derail the bucket walk. */
+struct forget4_state {
+	__u32 n;
+	__u32 have_pending;
+	__u64 visited;
+	__u64 deleted;
+	__be32 ips[FORGET_MAX_IPS];
+	struct seen_key4 pending;
+};
+
+struct forget6_state {
+	__u32 n;
+	__u32 have_pending;
+	__u64 visited;
+	__u64 deleted;
+	__u32 ips[FORGET_MAX_IPS][4];
+	struct seen_key6 pending;
+};
+
+static __always_inline int same6(const __u32 *a, const __u32 *b)
+{
+	return a[0] == b[0] && a[1] == b[1] && a[2] == b[2] && a[3] == b[3];
+}
+
+static long forget4_cb(void *map, struct seen_key4 *key, struct seen_val *val, struct forget4_state *st)
+{
+	int i;
+
+	st->visited++;
+	if (st->have_pending) {
+		st->have_pending = 0;
+		if (bpf_map_delete_elem(map, &st->pending) == 0)
+			st->deleted++;
+	}
+	for (i = 0; i < FORGET_MAX_IPS; i++) {
+		if (i >= st->n)
+			break;
+		if (key->local == st->ips[i] || key->remote == st->ips[i]) {
+			st->pending = *key;
+			st->have_pending = 1;
+			break;
+		}
+	}
+	return 0;
+}
+
+static long forget6_cb(void *map, struct seen_key6 *key, struct seen_val *val, struct forget6_state *st)
+{
+	int i;
+
+	st->visited++;
+	if (st->have_pending) {
+		st->have_pending = 0;
+		if (bpf_map_delete_elem(map, &st->pending) == 0)
+			st->deleted++;
+	}
+	for (i = 0; i < FORGET_MAX_IPS; i++) {
+		if (i >= st->n)
+			break;
+		if (same6(key->local, st->ips[i]) || same6(key->remote, st->ips[i])) {
+			st->pending = *key;
+			st->have_pending = 1;
+			break;
+		}
+	}
+	return 0;
+}
+
+SEC("syscall")
+int forget_ips(struct forget_args *args)
+{
+	if (args->n4 > 0) {
+		struct forget4_state st = {.n = args->n4};
+
+		__builtin_memcpy(st.ips, args->ips4, sizeof(st.ips));
+		bpf_for_each_map_elem(&rec_seen4, forget4_cb, &st, 0);
+		if (st.have_pending && bpf_map_delete_elem(&rec_seen4, &st.pending) == 0)
+			st.deleted++;
+		args->visited += st.visited;
+		args->deleted += st.deleted;
+	}
+	if (args->n6 > 0) {
+		struct forget6_state st = {.n = args->n6};
+
+		__builtin_memcpy(st.ips, args->ips6, sizeof(st.ips));
+		bpf_for_each_map_elem(&rec_seen6, forget6_cb, &st, 0);
+		if (st.have_pending && bpf_map_delete_elem(&rec_seen6, &st.pending) == 0)
+			st.deleted++;
+		args->visited += st.visited;
+		args->deleted += st.deleted;
+	}
+	return 0;
+}

@@ -81,6 +81,7 @@ const (
 	RecorderMapRecLostTotal        = "rec_lost_total"
 	RecorderMapRecSeen4            = "rec_seen4"
 	RecorderMapRecSeen6            = "rec_seen6"
+	RecorderProgForgetIps          = "forget_ips"
 	RecorderProgRecorderEgress     = "recorder_egress"
 	RecorderProgRecorderIngress    = "recorder_ingress"
 	RecorderVarReopenIdle          = "reopen_idle"
@@ -128,6 +129,7 @@ type RecorderSpecs struct {
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type RecorderProgramSpecs struct {
+	ForgetIps       *ebpf.ProgramSpec `ebpf:"forget_ips"`
 	RecorderEgress  *ebpf.ProgramSpec `ebpf:"recorder_egress"`
 	RecorderIngress *ebpf.ProgramSpec `ebpf:"recorder_ingress"`
 }
@@ -204,12 +206,14 @@ type RecorderVariables struct {
 //
 // It can be passed to LoadRecorderObjects or ebpf.CollectionSpec.LoadAndAssign.
 type RecorderPrograms struct {
+	ForgetIps       *ebpf.Program `ebpf:"forget_ips"`
 	RecorderEgress  *ebpf.Program `ebpf:"recorder_egress"`
 	RecorderIngress *ebpf.Program `ebpf:"recorder_ingress"`
 }
 
 func (p *RecorderPrograms) Close() error {
 	return _RecorderClose(
+		p.ForgetIps,
 		p.RecorderEgress,
 		p.RecorderIngress,
 	)

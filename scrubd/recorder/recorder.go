@@ -209,6 +209,12 @@ func (r *Recorder) linkPins(netnsPath, ifname string) (ingress, egress string) {
 // PinDir/links, so they survive a daemon restart. Attaching an interface
 // that is already attached is a no-op apart from moving the links to this
 // Recorder's programs.
+//
+// On a fresh attach it also drops from the seen caches every flow of the
+// interface's addresses (ForgetIPs): they may have belonged to a pod that is
+// gone, and its cached flows would hide the new pod's flows that reuse a
+// 5-tuple. The addresses must be configured when Attach runs, as they are
+// when the CNI chain calls it after the IP-assigning plugin.
 func (r *Recorder) Attach(netnsPath, ifname string) (ifindex int, err error) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
@@ -216,6 +222,8 @@ func (r *Recorder) Attach(netnsPath, ifname string) (ifindex int, err error) {
 	if err := os.MkdirAll(filepath.Dir(pinIn), 0o700); err != nil {
 		return 0, fmt.Errorf("recorder: create %s: %w", filepath.Dir(pinIn), err)
 	}
+	var fresh bool
+	var addrs []netip.Addr
 	err = InNetns(netnsPath, func() error {
 		l, err := netlink.LinkByName(ifname)
 		if err != nil {
@@ -230,8 +238,19 @@ func (r *Recorder) Attach(netnsPath, ifname string) (ifindex int, err error) {
 			{pinIn, r.objs.RecorderIngress, ebpf.AttachTCXIngress},
 			{pinEg, r.objs.RecorderEgress, ebpf.AttachTCXEgress},
 		} {
-			if err := attachOne(a.pin, a.prog, a.typ, ifindex); err != nil {
+			created, err := attachOne(a.pin, a.prog, a.typ, ifindex)
+			if err != nil {
 				return err
+			}
+			fresh = fresh || created
+		}
+		list, err := netlink.AddrList(l, netlink.FAMILY_ALL)
+		if err != nil {
+			return fmt.Errorf("list addresses of %s: %w", ifname, err)
+		}
+		for _, a := range list {
+			if ip, ok := netip.AddrFromSlice(a.IP); ok {
+				addrs = append(addrs, ip.Unmap())
 			}
 		}
 		return nil
@@ -239,10 +258,18 @@ func (r *Recorder) Attach(netnsPath, ifname string) (ifindex int, err error) {
 	if err != nil {
 		return 0, fmt.Errorf("recorder: attach to %s in netns %s: %w", ifname, netnsPath, err)
 	}
+	if fresh {
+		if _, err := r.ForgetIPs(addrs...); err != nil {
+			return 0, fmt.Errorf("recorder: attach to %s in netns %s: %w", ifname, netnsPath, err)
+		}
+	}
 	return ifindex, nil
 }
 
-func attachOne(pin string, prog *ebpf.Program, typ ebpf.AttachType, ifindex int) error {
+// attachOne attaches prog to ifindex and pins the link at pin, or moves an
+// existing pinned link of that interface to prog. It reports whether it
+// created a link.
+func attachOne(pin string, prog *ebpf.Program, typ ebpf.AttachType, ifindex int) (bool, error) {
 	if old, err := link.LoadPinnedLink(pin, nil); err == nil {
 		info, ierr := old.Info()
 		if ierr == nil && info.TCX() != nil && int(info.TCX().Ifindex) == ifindex {
@@ -251,9 +278,9 @@ func attachOne(pin string, prog *ebpf.Program, typ ebpf.AttachType, ifindex int)
 			err := old.Update(prog)
 			old.Close()
 			if err != nil {
-				return fmt.Errorf("update pinned link %s: %w", pin, err)
+				return false, fmt.Errorf("update pinned link %s: %w", pin, err)
 			}
-			return nil
+			return false, nil
 		}
 		// A link of an interface that is gone (the netns path was
 		// reused): drop it.
@@ -264,13 +291,13 @@ func attachOne(pin string, prog *ebpf.Program, typ ebpf.AttachType, ifindex int)
 	}
 	l, err := link.AttachTCX(link.TCXOptions{Interface: ifindex, Program: prog, Attach: typ, Anchor: link.Head()})
 	if err != nil {
-		return fmt.Errorf("tcx attach %s (kernel 6.6+ needed): %w", typ, err)
+		return false, fmt.Errorf("tcx attach %s (kernel 6.6+ needed): %w", typ, err)
 	}
 	defer l.Close()
 	if err := l.Pin(pin); err != nil {
-		return fmt.Errorf("pin link %s: %w", pin, err)
+		return false, fmt.Errorf("pin link %s: %w", pin, err)
 	}
-	return nil
+	return true, nil
 }
 
 // Detach removes the recorder from ifname in netnsPath. It succeeds when the

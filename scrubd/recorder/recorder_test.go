@@ -679,6 +679,46 @@ func TestRingFullMarksLost(t *testing.T) {
 	w.requireIndexed(t, []netip.Addr{a.Addr4}, 201)
 }
 
+// A pod IP reused on the node: the new pod's flows are recorded even when
+// they reuse a 5-tuple of the old pod's flows, still in the seen cache
+// (Attach forgets the flows of the new pod's addresses).
+func TestIPReuse(t *testing.T) {
+	w := newWorld(t, 1)
+	a, remote := w.pods[0], w.node.Remote
+	const port = 43000
+	if err := a.Do(func() error { return sendUDPFrom(port, remote.Addr4, netpods.EchoPort) }); err != nil {
+		t.Fatal(err)
+	}
+	w.requireIndexed(t, []netip.Addr{a.Addr4}, 2)
+
+	// The pod goes: detach, scrub its entries through the index.
+	if err := w.rec.Detach(a.Path, "eth0"); err != nil {
+		t.Fatal(err)
+	}
+	k4, _, _ := w.ix.Take(a.Addr4)
+	for _, k := range k4 {
+		w.ct.Map(k.Kind()).Delete(k)
+	}
+	// A new pod gets the same IP and reuses the 5-tuple.
+	b := w.node.ReplacePod(a)
+	if err := w.node.Do(func() error { return w.dp.AttachHostSide(b.HostVeth) }); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := w.rec.Attach(b.Path, "eth0"); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { w.rec.Detach(b.Path, "eth0") })
+	w.ix.Track(b.Addr4)
+	if err := b.Do(func() error { return sendUDPFrom(port, remote.Addr4, netpods.EchoPort) }); err != nil {
+		t.Fatal(err)
+	}
+	want := ctmap.NewKey4(b.Addr4, remote.Addr4, netpods.EchoPort, port, ctmap.ProtoUDP, ctmap.FlagOut)
+	if !lookup4(t, w.ct.Map(ctmap.Any4), want) {
+		t.Fatalf("stand-in did not re-create %s", want)
+	}
+	w.requireIndexed(t, []netip.Addr{b.Addr4}, 2)
+}
+
 // sendUDPFrom sends one datagram from local port sport (in the current
 // netns).
 func sendUDPFrom(sport uint16, dst netip.Addr, dport uint16) error {

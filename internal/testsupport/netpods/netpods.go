@@ -73,6 +73,7 @@ type Node struct {
 	prefix string
 	mu     sync.Mutex
 	pods   []*Pod
+	gen    int // pods replaced so far
 }
 
 // NewNode creates a node namespace, its bridge and the remote host. It
@@ -154,14 +155,55 @@ func NewNode(t testing.TB) *Node {
 func (n *Node) PodCIDRs() []netip.Prefix { return []netip.Prefix{PodCIDR4, PodCIDR6} }
 
 // AddPod creates a pod: a namespace with eth0 (addresses 10.244.0.N,
-// fd00:244::N, default routes via the bridge) and its host-side veth on the
-// bridge.
+// fd00:244::N, default routes via the bridge) and its host-side veth vethN
+// on the bridge.
 func (n *Node) AddPod() *Pod {
 	n.t.Helper()
 	n.mu.Lock()
 	i := len(n.pods) + 10
+	n.pods = append(n.pods, nil)
 	n.mu.Unlock()
-	h := newHost(n.t, fmt.Sprintf("%s-pod%d", n.prefix, i))
+	p := n.addPod(i, fmt.Sprintf("%s-pod%d", n.prefix, i))
+	n.mu.Lock()
+	n.pods[i-10] = p
+	n.mu.Unlock()
+	return p
+}
+
+// ReplacePod deletes p (its host-side veth, which takes eth0 with it, and
+// its namespace) and creates a new pod with the same addresses and host-side
+// veth name in a new namespace: a pod IP reused on the node.
+func (n *Node) ReplacePod(p *Pod) *Pod {
+	n.t.Helper()
+	err := n.Do(func() error {
+		l, err := netlink.LinkByName(p.HostVeth)
+		if err != nil {
+			return fmt.Errorf("find %s: %w", p.HostVeth, err)
+		}
+		return netlink.LinkDel(l)
+	})
+	if err != nil {
+		n.t.Fatalf("netpods: delete pod %s: %v", p.Name, err)
+	}
+	if err := netns.DeleteNamed(p.Name); err != nil {
+		n.t.Fatalf("netpods: delete netns %s: %v", p.Name, err)
+	}
+	var i int
+	fmt.Sscanf(p.HostVeth, "veth%d", &i)
+	n.mu.Lock()
+	n.gen++
+	name := fmt.Sprintf("%s-pod%d-%d", n.prefix, i, n.gen)
+	n.mu.Unlock()
+	np := n.addPod(i, name)
+	n.mu.Lock()
+	n.pods[i-10] = np
+	n.mu.Unlock()
+	return np
+}
+
+func (n *Node) addPod(i int, name string) *Pod {
+	n.t.Helper()
+	h := newHost(n.t, name)
 	h.Addr4 = netip.AddrFrom4([4]byte{10, 244, 0, byte(i)})
 	a6 := Gateway6.As16()
 	a6[15] = byte(i)
@@ -191,9 +233,6 @@ func (n *Node) AddPod() *Pod {
 	if err != nil {
 		n.t.Fatalf("netpods: set up pod %s: %v", h.Name, err)
 	}
-	n.mu.Lock()
-	n.pods = append(n.pods, p)
-	n.mu.Unlock()
 	return p
 }
 
