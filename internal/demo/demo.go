@@ -211,6 +211,9 @@ func Run(ctx context.Context, cfg Config, cleanup *Cleanup, w io.Writer) error {
 	if _, err := addOutside(cleanup); err != nil {
 		return err
 	}
+	if err := acceptForward(cleanup); err != nil {
+		return err
+	}
 	ch, err := newChain(chainConfig{
 		WorkDir:    WorkDir,
 		RefPlugins: cfg.RefPlugins,

@@ -120,6 +120,11 @@ func removeLeftovers(w io.Writer) error {
 			removed = append(removed, "link "+l)
 		}
 	}
+	if n, err := removeForwardRules(); err != nil {
+		return fmt.Errorf("remove leftover FORWARD rules: %w", err)
+	} else if n > 0 {
+		removed = append(removed, fmt.Sprintf("%d FORWARD rules", n))
+	}
 	if b, err := os.ReadFile(filepath.Join(WorkDir, "sysctls")); err == nil {
 		saved := map[string]string{}
 		for _, line := range strings.Split(strings.TrimSpace(string(b)), "\n") {
@@ -164,6 +169,9 @@ func Leftovers() []string {
 		if _, err := os.Stat(d); err == nil {
 			out = append(out, d)
 		}
+	}
+	if n := forwardRulesLeft(); n > 0 {
+		out = append(out, fmt.Sprintf("%d iptables FORWARD rules tagged %q", n, fwComment))
 	}
 	return out
 }
