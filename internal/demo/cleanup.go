@@ -52,10 +52,3 @@ func (c *Cleanup) Run(w io.Writer) (failed int) {
 	c.steps = nil
 	return failed
 }
-
-// Len is the number of pending steps.
-func (c *Cleanup) Len() int {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	return len(c.steps)
-}

@@ -21,6 +21,8 @@ import (
 	"strconv"
 	"syscall"
 	"time"
+
+	"github.com/ctscrub/ctscrub/scrubd/ctmap"
 )
 
 // Config is what the demo's environment sets.
@@ -160,7 +162,7 @@ func Run(ctx context.Context, cfg Config, cleanup *Cleanup, w io.Writer) error {
 		return err
 	}
 	cleanup.Push("unpin CT maps in "+ctRoot, maps.Close)
-	for _, k := range kindsInOrder() {
+	for _, k := range ctmap.Kinds {
 		p.f("   %-24s LRU hash, max %s entries\n", k.Name(), num(int(maps.maps[k].MaxEntries())))
 	}
 	nbg := max(64, cfg.Entries/256)

@@ -5,8 +5,6 @@ import (
 	"io"
 	"strings"
 	"time"
-
-	"github.com/ctscrub/ctscrub/scrubd/ctmap"
 )
 
 type printer struct{ w io.Writer }
@@ -29,8 +27,6 @@ func (p *printer) header(cfg Config, pods int) {
 	p.f("    one full walk of the same maps, the way Cilium scrubs an IP\n")
 	p.f("  Everything is removed at the end, also on Ctrl-C.\n")
 }
-
-func kindsInOrder() []ctmap.Kind { return ctmap.Kinds[:] }
 
 // num writes n with thousands separators.
 func num(n int) string {
