@@ -79,12 +79,11 @@ func Main() {
 		fmt.Fprintln(os.Stderr, "demo:", err)
 		os.Exit(2)
 	}
-	lk, err := lock(5*time.Minute, out)
-	if err != nil {
+	// Held until the process exits (os.Exit below releases it with the fd).
+	if _, err := lock(5*time.Minute, out); err != nil {
 		fmt.Fprintln(os.Stderr, "demo:", err)
 		os.Exit(1)
 	}
-	defer lk.Close()
 
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
@@ -104,7 +103,7 @@ func Main() {
 	case s := <-sigs:
 		fmt.Fprintf(out, "\n%s: stopping, then removing everything the demo created ...\n", s)
 		cancel()
-		code = 130
+		code = 128 + int(s.(syscall.Signal)) // as a shell reports a signal
 		// Let the step in flight see the cancelled context and return, so
 		// cleanup does not race it; a second signal or 15 s end the wait.
 		select {
