@@ -18,6 +18,7 @@ import (
 	"os"
 	"os/signal"
 	"path/filepath"
+	"runtime"
 	"strconv"
 	"syscall"
 	"time"
@@ -79,8 +80,10 @@ func Main() {
 		fmt.Fprintln(os.Stderr, "demo:", err)
 		os.Exit(2)
 	}
-	// Held until the process exits (os.Exit below releases it with the fd).
-	if _, err := lock(5*time.Minute, out); err != nil {
+	// Held until the process exits; KeepAlive below keeps the GC from
+	// closing the file (and so dropping the lock) before that.
+	lk, err := lock(5*time.Minute, out)
+	if err != nil {
 		fmt.Fprintln(os.Stderr, "demo:", err)
 		os.Exit(1)
 	}
@@ -122,6 +125,7 @@ func Main() {
 	} else {
 		fmt.Fprintf(out, "cleanup: done; no netns, link, bpffs pin, daemon or file of the demo is left\n")
 	}
+	runtime.KeepAlive(lk)
 	os.Exit(code)
 }
 
