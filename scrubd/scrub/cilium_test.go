@@ -9,6 +9,7 @@ import (
 	"path/filepath"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -596,4 +597,108 @@ func TestSweepKeepsWhatHappensDuringPass(t *testing.T) {
 	if st.Keys == 0 {
 		t.Errorf("keys recorded during the pass were dropped: %+v", st)
 	}
+}
+
+// Real LRU eviction: the map overflows, the kernel evicts entries of the
+// indexed IP behind the index's back, and the scrub still completes.
+func TestScrubAfterLRUEviction(t *testing.T) {
+	needRoot(t)
+	maps := pinnedMaps(t, 2048, false)
+	ix := newIndex()
+	ix.Track(podA)
+	w := newWorld(t, maps, ix)
+	w.addFlows(podA, podB, 100, true) // 500 flows, about 1,000 entries
+	// Flood both maps with other pods' flows, far past max_entries.
+	val := ctmap.EncodeEntry(ctmap.EntryFields{Lifetime: 1})
+	for i := range 8192 {
+		other := netip.AddrFrom4([4]byte{10, 244, 7, byte(i)})
+		k := ctmap.NewKey4(other, remote4, 443, uint16(i), ctmap.ProtoTCP, ctmap.FlagOut)
+		for _, kk := range []ctmap.CTKey4{k, k.Related()} {
+			if err := maps.Map(kk.Kind()).Put(kk, val); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	before4, _ := dump(t, maps)
+	present, evicted := 0, 0
+	for k := range w.all4 {
+		if k.Has(podA) {
+			if before4[k] {
+				present++
+			} else {
+				evicted++
+			}
+		}
+	}
+	if evicted == 0 {
+		t.Fatalf("no entry of %s was evicted; the test needs LRU eviction", podA)
+	}
+	c := newCilium(t, maps, ix)
+	res, err := c.Scrub(context.Background(), Request{IPs: []netip.Addr{podA}})
+	if err != nil || res.Outcome != Complete || res.Method != MethodIndex {
+		t.Fatalf("scrub after eviction: %+v, %v", res, err)
+	}
+	if res.Total != present {
+		t.Errorf("deleted %d, want the %d entries still present (%d were evicted)", res.Total, present, evicted)
+	}
+	after4, _ := dump(t, maps)
+	for k := range before4 {
+		if k.Has(podA) {
+			if after4[k] {
+				t.Errorf("entry left: %s", k)
+			}
+		} else if !after4[k] {
+			t.Errorf("wrong deletion: %s", k)
+		}
+	}
+	t.Logf("%d of %s's entries evicted by the LRU, %d deleted by the scrub", evicted, podA, present)
+}
+
+// cancelAfter is a context whose Err turns to Canceled after n calls: it
+// stops an index scrub at a chosen point between two delete batches, which a
+// timer cannot do deterministically (test tool, not a fake of the system).
+type cancelAfter struct {
+	context.Context
+	n atomic.Int32
+}
+
+func (c *cancelAfter) Err() error {
+	if c.n.Add(-1) < 0 {
+		return context.Canceled
+	}
+	return nil
+}
+
+func TestIndexScrubCancel(t *testing.T) {
+	w, _ := trackedWorld(t, 1<<16)
+	c, err := NewCilium(w.maps, w.ix, CiliumOptions{DeleteChunk: 16})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	keys := c.ix.State(podA).Keys
+	ctx := &cancelAfter{Context: context.Background()}
+	ctx.n.Store(4) // the IP loop check, then three delete batches
+	res, err := c.Scrub(ctx, Request{IPs: []netip.Addr{podA}})
+	if !errors.Is(err, context.Canceled) || res.Outcome != Cancelled {
+		t.Fatalf("cancelled index scrub: %+v, %v", res, err)
+	}
+	if res.Total == 0 || res.Total >= keys {
+		t.Fatalf("deleted %d of %d: want a partial scrub", res.Total, keys)
+	}
+	st := c.ix.State(podA)
+	if !st.Complete || st.Keys == 0 {
+		t.Errorf("after a cancelled index scrub the IP must stay complete with its untried keys: %+v", st)
+	}
+	// The retry deletes the rest, through the index.
+	want := w.expected(podA)
+	for name, n := range res.Deleted {
+		want[name] -= n
+	}
+	res2, err := c.Scrub(context.Background(), Request{IPs: []netip.Addr{podA}})
+	if err != nil || res2.Method != MethodIndex {
+		t.Fatalf("retry: %+v, %v", res2, err)
+	}
+	checkDeleted(t, res2, want)
+	w.verify(podA)
 }
