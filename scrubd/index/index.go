@@ -52,7 +52,25 @@ type Index struct {
 
 	keys       atomic.Int64 // indexed (ip, key) pairs
 	incomplete atomic.Int64 // IPs marked incomplete
+
+	hooks atomic.Pointer[Hooks]
 }
+
+// Hooks let the recorder follow keys out of the index. The recorder's
+// kernel cache of flows it has already recorded must forget a flow whose
+// entry a scrub deletes, or the entry re-created by the flow's next packet
+// would never be recorded. Both are called synchronously, after the IP's
+// lock is released, before Take or Track returns.
+type Hooks struct {
+	// Taken receives the keys Take handed out (non-empty sets only).
+	Taken func(ip netip.Addr, k4 []ctmap.CTKey4, k6 []ctmap.CTKey6)
+	// Tracked is called when ip is declared complete: every flow of ip
+	// must be recorded again from now on.
+	Tracked func(ip netip.Addr)
+}
+
+// SetHooks installs h (nil removes them). scrubd/recorder.Run sets them.
+func (ix *Index) SetHooks(h *Hooks) { ix.hooks.Store(h) }
 
 type shard struct {
 	mu  sync.RWMutex
@@ -195,6 +213,9 @@ func (ix *Index) Track(ip netip.Addr) {
 		ix.incomplete.Add(-1)
 	}
 	e.mu.Unlock()
+	if h := ix.hooks.Load(); h != nil && h.Tracked != nil {
+		h.Tracked(ip)
+	}
 }
 
 // State is what the index knows of one IP.
@@ -238,7 +259,6 @@ func (ix *Index) Take(ip netip.Addr) (k4 []ctmap.CTKey4, k6 []ctmap.CTKey6, st S
 		return nil, nil, State{IP: ip, Incomplete: ReasonUnknown}
 	}
 	e.mu.Lock()
-	defer e.mu.Unlock()
 	st = e.stateLocked()
 	for k := range e.keys4 {
 		k4 = append(k4, k)
@@ -248,7 +268,29 @@ func (ix *Index) Take(ip netip.Addr) (k4 []ctmap.CTKey4, k6 []ctmap.CTKey6, st S
 	}
 	ix.keys.Add(-int64(len(k4) + len(k6)))
 	e.keys4, e.keys6 = nil, nil
+	e.mu.Unlock()
+	if h := ix.hooks.Load(); h != nil && h.Taken != nil && len(k4)+len(k6) > 0 {
+		h.Taken(ip, k4, k6)
+	}
 	return k4, k6, st
+}
+
+// KeysOf returns a copy of ip's keys and its state, leaving the index as it
+// is (tests, diagnostics).
+func (ix *Index) KeysOf(ip netip.Addr) (k4 []ctmap.CTKey4, k6 []ctmap.CTKey6, st State) {
+	e := ix.entry(ip, false)
+	if e == nil {
+		return nil, nil, State{IP: ip, Incomplete: ReasonUnknown}
+	}
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	for k := range e.keys4 {
+		k4 = append(k4, k)
+	}
+	for k := range e.keys6 {
+		k6 = append(k6, k)
+	}
+	return k4, k6, e.stateLocked()
 }
 
 // Return puts back keys a scrub took but did not delete.

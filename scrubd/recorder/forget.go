@@ -5,6 +5,9 @@ import (
 	"net/netip"
 
 	"github.com/cilium/ebpf"
+
+	"github.com/ctscrub/ctscrub/scrubd/ctmap"
+	"github.com/ctscrub/ctscrub/scrubd/index"
 )
 
 // forgetMaxIPs is FORGET_MAX_IPS in bpf/recorder.c.
@@ -44,4 +47,62 @@ func (r *Recorder) ForgetIPs(ips ...netip.Addr) (deleted int, err error) {
 		deleted += int(out.Deleted)
 	}
 	return deleted, nil
+}
+
+// ForgetKeys drops the flows of CT keys from the seen caches: for each key
+// the pod side that recorded it (the initiator, daddr, for an OUT key; the
+// responder, saddr, for an IN or SERVICE key). Related keys are skipped
+// (their flow's own key carries them). A scrub must forget the keys it is
+// about to delete before it deletes them, or an entry re-created by a
+// flow's next packet would never be recorded: Run arranges that through the
+// index's Taken hook.
+func (r *Recorder) ForgetKeys(k4 []ctmap.CTKey4, k6 []ctmap.CTKey6) error {
+	for _, k := range k4 {
+		if k.Flags()&ctmap.FlagRelated != 0 {
+			continue
+		}
+		d, s, dport, sport := k[0:4], k[4:8], k[8:10], k[10:12]
+		sk := newSeenKey4(d, s, sport, dport, k.NextHdr())
+		if k.Flags()&(ctmap.FlagIn|ctmap.FlagService) != 0 {
+			sk = newSeenKey4(s, d, dport, sport, k.NextHdr())
+		}
+		if err := r.forget(r.objs.RecSeen4, sk); err != nil {
+			return err
+		}
+	}
+	for _, k := range k6 {
+		if k.Flags()&ctmap.FlagRelated != 0 {
+			continue
+		}
+		d, s, dport, sport := k[0:16], k[16:32], k[32:34], k[34:36]
+		sk := newSeenKey6(d, s, sport, dport, k.NextHdr())
+		if k.Flags()&(ctmap.FlagIn|ctmap.FlagService) != 0 {
+			sk = newSeenKey6(s, d, dport, sport, k.NextHdr())
+		}
+		if err := r.forget(r.objs.RecSeen6, sk); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// hooks keeps the seen caches in step with the index (see index.Hooks):
+// keys a scrub takes are forgotten before it deletes their entries, and an
+// IP declared complete (a sweep is about to remove all its entries, or a
+// fresh pod) has all its flows forgotten, so every entry created from then
+// on is recorded, including flows to service VIPs that mark it incomplete
+// again.
+func (r *Recorder) hooks() *index.Hooks {
+	return &index.Hooks{
+		Taken: func(ip netip.Addr, k4 []ctmap.CTKey4, k6 []ctmap.CTKey6) {
+			if err := r.ForgetKeys(k4, k6); err != nil {
+				r.opts.Log.Warn("recorder: forget the flows of taken keys", "ip", ip, "err", err)
+			}
+		},
+		Tracked: func(ip netip.Addr) {
+			if _, err := r.ForgetIPs(ip); err != nil {
+				r.opts.Log.Warn("recorder: forget the flows of a tracked IP", "ip", ip, "err", err)
+			}
+		},
+	}
 }

@@ -376,8 +376,11 @@ func InNetns(path string, fn func() error) error {
 	return ferr
 }
 
-// Run reads records until ctx ends and puts each into ix through Apply. It
-// also polls the per-IP lost counters and marks an IP incomplete
+// Run reads records until ctx ends and puts each into ix through Apply.
+// While it runs, keys the index hands to a scrub (Take) and IPs it declares
+// complete (Track) are forgotten by the seen caches (index.Hooks), so
+// entries re-created after a scrub are recorded again. It also polls the
+// per-IP lost counters and marks an IP incomplete
 // (index.ReasonLost) when its count grew; counts found at start count as
 // grown, since the records lost may predate this process. Run returns nil
 // when ctx ends.
@@ -386,6 +389,8 @@ func (r *Recorder) Run(ctx context.Context, ix *index.Index) error {
 	if err != nil {
 		return fmt.Errorf("recorder: open ring buffer: %w", err)
 	}
+	ix.SetHooks(r.hooks())
+	defer ix.SetHooks(nil)
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	var wg sync.WaitGroup

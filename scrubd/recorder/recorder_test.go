@@ -133,8 +133,7 @@ func (w *world) missing(t *testing.T, ips []netip.Addr) (missing []string, total
 	have4 := map[netip.Addr]map[ctmap.CTKey4]bool{}
 	have6 := map[netip.Addr]map[ctmap.CTKey6]bool{}
 	for _, ip := range ips {
-		k4, k6, _ := w.ix.Take(ip)
-		w.ix.Return(ip, k4, k6)
+		k4, k6, _ := w.ix.KeysOf(ip)
 		have4[ip], have6[ip] = map[ctmap.CTKey4]bool{}, map[ctmap.CTKey6]bool{}
 		for _, k := range k4 {
 			have4[ip][k] = true
@@ -320,8 +319,7 @@ func TestICMPEchoKey(t *testing.T) {
 		t.Fatalf("stand-in: no entry %s", want6)
 	}
 	w.requireIndexed(t, []netip.Addr{a.Addr4, a.Addr6}, 4)
-	k4, k6, _ := w.ix.Take(a.Addr4)
-	w.ix.Return(a.Addr4, k4, k6)
+	k4, _, _ := w.ix.KeysOf(a.Addr4)
 	if !containsKey(k4, want) {
 		t.Fatalf("index of %s lacks %s: %v", a.Addr4, want, k4)
 	}
@@ -424,14 +422,12 @@ func TestRestartKeepsRecording(t *testing.T) {
 	// Made while down: UDP v4 and ICMPv6 entries of a.
 	deadline := time.Now().Add(5 * time.Second)
 	for {
-		k4, k6, _ := w.ix.Take(a.Addr4)
-		w.ix.Return(a.Addr4, k4, k6)
+		k4, k6, _ := w.ix.KeysOf(a.Addr4)
 		var udp bool
 		for _, k := range k4 {
 			udp = udp || (k.NextHdr() == ctmap.ProtoUDP && k.SAddr() == remote.Addr4)
 		}
-		k4, k6, _ = w.ix.Take(a.Addr6)
-		w.ix.Return(a.Addr6, k4, k6)
+		k4, k6, _ = w.ix.KeysOf(a.Addr6)
 		var icmp6 bool
 		for _, k := range k6 {
 			icmp6 = icmp6 || (k.NextHdr() == ctmap.ProtoICMPv6 && k.SAddr() == remote.Addr6 && k.Flags() == ctmap.FlagOut)
@@ -487,8 +483,7 @@ func TestPrune(t *testing.T) {
 		t.Fatal(err)
 	}
 	w.requireIndexed(t, []netip.Addr{a.Addr4}, 2)
-	k4, k6, _ := w.ix.Take(a.Addr4)
-	w.ix.Return(a.Addr4, k4, k6)
+	k4, _, _ := w.ix.KeysOf(a.Addr4)
 	var flowKey ctmap.CTKey4
 	for _, k := range k4 {
 		if k.NextHdr() == ctmap.ProtoUDP {
@@ -511,8 +506,7 @@ func TestPrune(t *testing.T) {
 	if dropped != 2 {
 		t.Fatalf("Prune dropped %d keys, want 2 (the flow and its related key)", dropped)
 	}
-	k4, k6, _ = w.ix.Take(a.Addr4)
-	w.ix.Return(a.Addr4, k4, k6)
+	k4, _, _ = w.ix.KeysOf(a.Addr4)
 	if containsKey(k4, flowKey) {
 		t.Fatalf("%s still indexed after Prune", flowKey)
 	}
@@ -524,8 +518,7 @@ func TestPrune(t *testing.T) {
 		t.Fatal(err)
 	}
 	w.requireIndexed(t, []netip.Addr{a.Addr4}, 2)
-	k4, k6, _ = w.ix.Take(a.Addr4)
-	w.ix.Return(a.Addr4, k4, k6)
+	k4, _, _ = w.ix.KeysOf(a.Addr4)
 	if !containsKey(k4, flowKey) {
 		t.Fatalf("flow %s not recorded again after Prune", flowKey)
 	}
@@ -717,6 +710,61 @@ func TestIPReuse(t *testing.T) {
 		t.Fatalf("stand-in did not re-create %s", want)
 	}
 	w.requireIndexed(t, []netip.Addr{b.Addr4}, 2)
+}
+
+// A scrub of a live pod's IP: the entries it deletes are re-created by the
+// flows' next packets, and those must be indexed again although the flows
+// are in the recorder's seen cache. Index path: the keys the scrub takes are
+// forgotten (Taken hook); sweep path: the IP's flows are forgotten when it is
+// declared complete (Tracked hook).
+func TestScrubOfLiveIPReindexes(t *testing.T) {
+	w := newWorld(t, 1)
+	a, remote := w.pods[0], w.node.Remote
+	flow := func(port uint16) ctmap.CTKey4 {
+		t.Helper()
+		if err := a.Do(func() error { return sendUDPFrom(port, remote.Addr4, netpods.EchoPort) }); err != nil {
+			t.Fatal(err)
+		}
+		return ctmap.NewKey4(a.Addr4, remote.Addr4, netpods.EchoPort, port, ctmap.ProtoUDP, ctmap.FlagOut)
+	}
+	deleteAll := func(keys ...ctmap.CTKey4) {
+		for _, k := range keys {
+			w.ct.Map(k.Kind()).Delete(k)
+		}
+	}
+
+	// Index path.
+	k := flow(44000)
+	w.requireIndexed(t, []netip.Addr{a.Addr4}, 2)
+	k4, _, _ := w.ix.Take(a.Addr4)
+	deleteAll(k4...)
+	flow(44000)
+	w.requireIndexed(t, []netip.Addr{a.Addr4}, 2)
+	if k4, _, _ := w.ix.KeysOf(a.Addr4); !containsKey(k4, k) {
+		t.Fatalf("index path: %s re-created but not indexed", k)
+	}
+
+	// Sweep path: declared complete, then every entry of the IP deleted.
+	k = flow(44001)
+	w.requireIndexed(t, []netip.Addr{a.Addr4}, 3)
+	w.ix.Track(a.Addr4)
+	var all []ctmap.CTKey4
+	var key ctmap.CTKey4
+	var v ctmap.Entry
+	for _, kind := range []ctmap.Kind{ctmap.TCP4, ctmap.Any4} {
+		it := w.ct.Map(kind).Iterate()
+		for it.Next(&key, &v) {
+			if key.Has(a.Addr4) {
+				all = append(all, key)
+			}
+		}
+	}
+	deleteAll(all...)
+	flow(44001)
+	w.requireIndexed(t, []netip.Addr{a.Addr4}, 2)
+	if k4, _, st := w.ix.KeysOf(a.Addr4); !containsKey(k4, k) || !st.Complete {
+		t.Fatalf("sweep path: %s re-created, indexed %v, state %+v", k, containsKey(k4, k), st)
+	}
 }
 
 // sendUDPFrom sends one datagram from local port sport (in the current
