@@ -7,8 +7,6 @@ import (
 	"net/netip"
 	"os"
 
-	"github.com/prometheus/client_golang/prometheus"
-
 	"github.com/ctscrub/ctscrub/scrubd/api"
 	"github.com/ctscrub/ctscrub/scrubd/nfct"
 )
@@ -26,7 +24,17 @@ const (
 // loaded, or when Cilium's maps are present and nf_conntrack holds no flow of
 // a pod IP (Cilium with its kube-proxy replacement keeps pod flows in its own
 // maps only).
-func OpenNFCT(cidrs []netip.Prefix, auto, ciliumPresent bool, log *slog.Logger) (*nfct.NFCT, error) {
+//
+// fallback is the nfct_fallback setting: "" or "auto", "flush", "dump".
+func OpenNFCT(cidrs []netip.Prefix, fallback string, auto, ciliumPresent bool, log *slog.Logger) (*nfct.NFCT, error) {
+	fb := nfct.Fallback(fallback)
+	switch fb {
+	case "auto":
+		fb = nfct.FallbackAuto
+	case nfct.FallbackAuto, nfct.FallbackFlush, nfct.FallbackDump:
+	default:
+		return nil, fmt.Errorf("nfct_fallback %q: want auto, flush or dump", fallback)
+	}
 	if _, err := os.Stat("/proc/sys/net/netfilter/nf_conntrack_max"); err != nil {
 		if auto {
 			log.Info("nf_conntrack not loaded: nfct backend off")
@@ -34,7 +42,7 @@ func OpenNFCT(cidrs []netip.Prefix, auto, ciliumPresent bool, log *slog.Logger) 
 		}
 		return nil, fmt.Errorf("nfct backend: nf_conntrack is not loaded on this node (/proc/sys/net/netfilter/nf_conntrack_max: %v)", err)
 	}
-	n, err := nfct.New(nfct.Config{PodCIDRs: cidrs})
+	n, err := nfct.New(nfct.Config{PodCIDRs: cidrs, Fallback: fb})
 	if err != nil {
 		if auto {
 			log.Warn("nfct backend off", "err", err)
@@ -66,21 +74,4 @@ func (s nfctStats) CTStats(context.Context) ([]api.MapStats, error) {
 		st.Entries, st.MaxEntries = entries, maxEntries
 	}
 	return []api.MapStats{st}, err
-}
-
-// NFCTCollectors are the nfct index's series of ctscrub_index_keys,
-// ctscrub_index_incomplete_ips and ctscrub_index_lost_total, labelled
-// backend="nfct", for a registry without the daemon. The daemon itself
-// reports every backend's index through Options.Indexes (Open wires nfct
-// there); do not register these on the daemon's registry too.
-func NFCTCollectors(n *nfct.NFCT) []prometheus.Collector {
-	l := prometheus.Labels{"backend": "nfct"}
-	return []prometheus.Collector{
-		prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "ctscrub_index_keys", Help: HelpIndexKeys, ConstLabels: l},
-			func() float64 { return float64(n.Stats().Keys) }),
-		prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "ctscrub_index_incomplete_ips", Help: HelpIndexIncomplete, ConstLabels: l},
-			func() float64 { return float64(n.Stats().IncompleteIPs) }),
-		prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "ctscrub_index_lost_total", Help: HelpIndexLost, ConstLabels: l},
-			func() float64 { return float64(n.Lost()) }),
-	}
 }

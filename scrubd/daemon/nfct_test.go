@@ -9,13 +9,12 @@ import (
 	"os/exec"
 	"testing"
 
-	"github.com/prometheus/client_golang/prometheus"
 	"golang.org/x/sys/unix"
 
 	"github.com/ctscrub/ctscrub/scrubd/nfct"
 )
 
-// The nfct backend's table size and index series, read the way the daemon
+// The nfct backend's table size and index figures, read the way the daemon
 // reads them, on the conntrack table of a private network namespace.
 func TestNFCTStatsAndCollectors(t *testing.T) {
 	if os.Geteuid() != 0 {
@@ -61,29 +60,10 @@ func TestNFCTStatsAndCollectors(t *testing.T) {
 		t.Errorf("CTStats = %+v, want nfct/nf_conntrack with %d entries and a max", ms[0], len(es))
 	}
 
-	reg := prometheus.NewRegistry()
-	for _, c := range NFCTCollectors(n) {
-		reg.MustRegister(c)
+	if st := n.Stats(); st.Keys != len(es) || st.Lost != 0 || st.IncompleteIPs != 0 || st.IPs != 2 {
+		t.Errorf("index figures %+v, want %d keys for 2 IPs, nothing lost or incomplete", st, len(es))
 	}
-	mfs, err := reg.Gather()
-	if err != nil {
-		t.Fatal(err)
-	}
-	got := map[string]float64{}
-	for _, mf := range mfs {
-		for _, m := range mf.GetMetric() {
-			if m.GetLabel()[0].GetValue() != "nfct" {
-				t.Errorf("%s without backend=nfct", mf.GetName())
-			}
-			switch {
-			case m.Gauge != nil:
-				got[mf.GetName()] = m.GetGauge().GetValue()
-			case m.Counter != nil:
-				got[mf.GetName()] = m.GetCounter().GetValue()
-			}
-		}
-	}
-	if got["ctscrub_index_keys"] != float64(len(es)) || got["ctscrub_index_lost_total"] != 0 || got["ctscrub_index_incomplete_ips"] != 0 {
-		t.Errorf("index series = %v, want %d keys, nothing lost or incomplete", got, len(es))
+	if _, err := OpenNFCT(nil, "sideways", true, false, nil); err == nil {
+		t.Error("an unknown nfct_fallback must be refused, even with backends: auto")
 	}
 }

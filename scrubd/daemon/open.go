@@ -72,7 +72,7 @@ func Open(cfg Config, log *slog.Logger, version string) (*Daemon, error) {
 		}
 	}
 	if auto || slices.Contains(want, "nfct") {
-		n, err := OpenNFCT(cidrs, auto, len(opts.Backends) > 0, log)
+		n, err := OpenNFCT(cidrs, cfg.NFCTFallback, auto, len(opts.Backends) > 0, log)
 		if err != nil {
 			for _, b := range opts.Backends {
 				b.Close()
