@@ -1,6 +1,7 @@
 package recorder
 
 import (
+	"errors"
 	"fmt"
 	"net/netip"
 
@@ -57,30 +58,49 @@ func (r *Recorder) ForgetIPs(ips ...netip.Addr) (deleted int, err error) {
 // flow's next packet would never be recorded: Run arranges that through the
 // index's Taken hook.
 func (r *Recorder) ForgetKeys(k4 []ctmap.CTKey4, k6 []ctmap.CTKey6) error {
+	var s4 []seenKey4
 	for _, k := range k4 {
 		if k.Flags()&ctmap.FlagRelated != 0 {
 			continue
 		}
 		d, s, dport, sport := k[0:4], k[4:8], k[8:10], k[10:12]
-		sk := newSeenKey4(d, s, sport, dport, k.NextHdr())
 		if k.Flags()&(ctmap.FlagIn|ctmap.FlagService) != 0 {
-			sk = newSeenKey4(s, d, dport, sport, k.NextHdr())
-		}
-		if err := r.forget(r.objs.RecSeen4, sk); err != nil {
-			return err
+			s4 = append(s4, newSeenKey4(s, d, dport, sport, k.NextHdr()))
+		} else {
+			s4 = append(s4, newSeenKey4(d, s, sport, dport, k.NextHdr()))
 		}
 	}
+	var s6 []seenKey6
 	for _, k := range k6 {
 		if k.Flags()&ctmap.FlagRelated != 0 {
 			continue
 		}
 		d, s, dport, sport := k[0:16], k[16:32], k[32:34], k[34:36]
-		sk := newSeenKey6(d, s, sport, dport, k.NextHdr())
 		if k.Flags()&(ctmap.FlagIn|ctmap.FlagService) != 0 {
-			sk = newSeenKey6(s, d, dport, sport, k.NextHdr())
+			s6 = append(s6, newSeenKey6(s, d, dport, sport, k.NextHdr()))
+		} else {
+			s6 = append(s6, newSeenKey6(d, s, sport, dport, k.NextHdr()))
 		}
-		if err := r.forget(r.objs.RecSeen6, sk); err != nil {
-			return err
+	}
+	if err := deleteBatch(r.objs.RecSeen4, s4); err != nil {
+		return err
+	}
+	return deleteBatch(r.objs.RecSeen6, s6)
+}
+
+// deleteBatch deletes keys with BPF_MAP_DELETE_BATCH. The kernel stops a
+// batch at the first key that is not there (evicted, or a flow recorded
+// twice); it is skipped and the batch goes on after it.
+func deleteBatch[K any](m *ebpf.Map, keys []K) error {
+	for len(keys) > 0 {
+		n, err := m.BatchDelete(keys, nil)
+		switch {
+		case err == nil:
+			return nil
+		case errors.Is(err, ebpf.ErrKeyNotExist):
+			keys = keys[min(n+1, len(keys)):]
+		default:
+			return fmt.Errorf("recorder: forget flows: %w", err)
 		}
 	}
 	return nil

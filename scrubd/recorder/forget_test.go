@@ -6,6 +6,8 @@ import (
 	"path/filepath"
 	"testing"
 	"time"
+
+	"github.com/ctscrub/ctscrub/scrubd/ctmap"
 )
 
 // ForgetIPs over a full-size seen cache: exactly the flows with a given IP
@@ -72,5 +74,49 @@ func TestForgetIPs(t *testing.T) {
 	}
 	if left != fill-wantGone {
 		t.Fatalf("%d flows left, want %d", left, fill-wantGone)
+	}
+}
+
+// ForgetKeys forgets every cached flow of the keys, skipping keys whose
+// flow is not cached; its cost is quoted in docs/recorder.md (a scrub's
+// index path pays it through the Taken hook).
+func TestForgetKeysCost(t *testing.T) {
+	requireRoot(t)
+	dir, err := os.MkdirTemp("/sys/fs/bpf", "ctscrub-test-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { os.RemoveAll(dir) })
+	r, err := Load(Options{PinDir: filepath.Join(dir, "ctscrub"), CTRoot: dir})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { r.Close() })
+	pod := netip.MustParseAddr("10.244.0.10")
+	var k4 []ctmap.CTKey4
+	var seen []seenKey4
+	for i := range 1000 {
+		peer := netip.AddrFrom4([4]byte{192, 0, byte(i >> 8), byte(i)})
+		k := ctmap.NewKey4(pod, peer, 443, uint16(30000+i), ctmap.ProtoTCP, ctmap.FlagOut)
+		k4 = append(k4, k, k.Related())
+		seen = append(seen, newSeenKey4(k[0:4], k[4:8], k[10:12], k[8:10], ctmap.ProtoTCP))
+	}
+	if _, err := r.objs.RecSeen4.BatchUpdate(seen, make([]uint64, len(seen)), nil); err != nil {
+		t.Fatal(err)
+	}
+	// Keys whose flows are not cached (evicted, or already forgotten) in
+	// the middle and at the end: the batch skips them.
+	gone := ctmap.NewKey4(pod, netip.MustParseAddr("198.51.100.1"), 53, 5353, ctmap.ProtoUDP, ctmap.FlagOut)
+	k4 = append(k4[:500], append([]ctmap.CTKey4{gone, gone.WithFlags(ctmap.FlagIn)}, k4[500:]...)...)
+	k4 = append(k4, gone)
+	start := time.Now()
+	if err := r.ForgetKeys(k4, nil); err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("ForgetKeys: %d keys (%d flows) in %v", len(k4), len(seen), time.Since(start))
+	var k seenKey4
+	var v [8]byte
+	if it := r.objs.RecSeen4.Iterate(); it.Next(&k, &v) {
+		t.Fatalf("flow %x still cached", k)
 	}
 }
