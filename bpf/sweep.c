@@ -55,6 +55,26 @@ struct {
  * the write. */
 volatile __u32 stop;
 
+/* A bit per (folded) address of the IP set, set from user space before each
+ * pass: most entries hold no IP of the set, and two reads of this 8 KiB
+ * array (plain memory, no helper call) reject them before the hash lookups.
+ * scrubd/scrub.filterBit computes the same fold. */
+#define FILTER_WORDS 1024
+__u64 filter4[FILTER_WORDS];
+__u64 filter6[FILTER_WORDS];
+
+static __always_inline __u32 fold(__u32 a)
+{
+	return (a ^ (a >> 16)) & 0xffff;
+}
+
+static __always_inline int maybe(__u64 *filter, __u32 a)
+{
+	__u32 bit = fold(a);
+
+	return (filter[(bit >> 6) & (FILTER_WORDS - 1)] >> (bit & 63)) & 1;
+}
+
 #define SWEEP_F_DRY_RUN 1 /* count matches, delete nothing */
 #define SWEEP_F_COUNT 2   /* only count the map's entries (no IP set) */
 
@@ -151,6 +171,8 @@ static long sweep4_cb(void *map, struct ct_key4 *key, struct ct_entry *val, stru
 	st->visited++;
 	if (st->flags & SWEEP_F_COUNT)
 		return 0;
+	if (!maybe(filter4, key->daddr) && !maybe(filter4, key->saddr))
+		return 0;
 	if (!bpf_map_lookup_elem(&ips4, &key->daddr) && !bpf_map_lookup_elem(&ips4, &key->saddr))
 		return 0;
 	st->matched++;
@@ -172,6 +194,8 @@ static long sweep6_cb(void *map, struct ct_key6 *key, struct ct_entry *val, stru
 	flush6(map, st);
 	st->visited++;
 	if (st->flags & SWEEP_F_COUNT)
+		return 0;
+	if (!maybe(filter6, *(__u32 *)&key->daddr[12]) && !maybe(filter6, *(__u32 *)&key->saddr[12]))
 		return 0;
 	if (!bpf_map_lookup_elem(&ips6, &key->daddr) && !bpf_map_lookup_elem(&ips6, &key->saddr))
 		return 0;

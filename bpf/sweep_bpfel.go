@@ -67,6 +67,8 @@ const (
 	SweepProgCountCt6 = "count_ct6"
 	SweepProgSweep4   = "sweep4"
 	SweepProgSweep6   = "sweep6"
+	SweepVarFilter4   = "filter4"
+	SweepVarFilter6   = "filter6"
 	SweepVarStop      = "stop"
 )
 
@@ -132,7 +134,9 @@ type SweepMapSpecs struct {
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type SweepVariableSpecs struct {
-	Stop *ebpf.VariableSpec `ebpf:"stop"`
+	Filter4 *ebpf.VariableSpec `ebpf:"filter4"`
+	Filter6 *ebpf.VariableSpec `ebpf:"filter6"`
+	Stop    *ebpf.VariableSpec `ebpf:"stop"`
 }
 
 // SweepObjects contains all objects after they have been loaded into the kernel.
@@ -174,7 +178,9 @@ func (m *SweepMaps) Close() error {
 //
 // It can be passed to LoadSweepObjects or ebpf.CollectionSpec.LoadAndAssign.
 type SweepVariables struct {
-	Stop *ebpf.Variable `ebpf:"stop"`
+	Filter4 *ebpf.Variable `ebpf:"filter4"`
+	Filter6 *ebpf.Variable `ebpf:"filter6"`
+	Stop    *ebpf.Variable `ebpf:"stop"`
 }
 
 // SweepPrograms contains all programs after they have been loaded into the kernel.

@@ -702,3 +702,44 @@ func TestIndexScrubCancel(t *testing.T) {
 	checkDeleted(t, res2, want)
 	w.verify(podA)
 }
+
+// collider returns an address other than ip whose filter bit is ip's: the
+// last four bytes b become (b0^b2, b1^b3, 0, 0), which folds the same on a
+// little-endian CPU.
+func collider(ip netip.Addr) netip.Addr {
+	b := ip.AsSlice()
+	n := len(b)
+	b[n-4], b[n-3], b[n-2], b[n-1] = b[n-4]^b[n-2], b[n-3]^b[n-1], 0, 0
+	a, _ := netip.AddrFromSlice(b)
+	return a
+}
+
+// An address whose filter bit collides with a scrubbed IP's passes the
+// sweep's bitmap and must be rejected by the exact set lookup.
+func TestSweepFilterCollision(t *testing.T) {
+	needRoot(t)
+	maps := pinnedMaps(t, 1<<14, true)
+	ix := newIndex()
+	w := newWorld(t, maps, ix)
+	for _, ip := range []netip.Addr{podA, podA6} {
+		twin := collider(ip)
+		if twin == ip || addrFilter([]netip.Addr{ip}) != addrFilter([]netip.Addr{twin}) {
+			t.Skipf("%s and %s do not collide in the filter on this CPU's byte order", ip, twin)
+		}
+		remote := remote4
+		if ip.Is6() {
+			remote = remote6
+		}
+		w.addFlows(ip, remote, 10, false)
+		w.addFlows(twin, remote, 10, false)
+		t.Logf("%s collides with %s", ip, twin)
+	}
+	c := newCilium(t, maps, ix)
+	want := w.expected(podA, podA6)
+	res, err := c.Scrub(context.Background(), Request{IPs: []netip.Addr{podA, podA6}})
+	if err != nil || res.Method != MethodSweep {
+		t.Fatalf("%+v, %v", res, err)
+	}
+	checkDeleted(t, res, want)
+	w.verify(podA, podA6) // reports any entry of the colliding addresses deleted
+}

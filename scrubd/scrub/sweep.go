@@ -2,6 +2,7 @@ package scrub
 
 import (
 	"context"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"net/netip"
@@ -41,11 +42,12 @@ type countArgs struct {
 
 // mapProg is the sweep program loaded for one CT map.
 type mapProg struct {
-	kind  ctmap.Kind
-	sweep *ebpf.Program
-	stop  *ebpf.Variable
-	count *ebpf.Program // nil when the kernel lacks bpf_map_sum_elem_count
-	mu    sync.Mutex    // one run at a time: the program's stop flag is per instance
+	kind   ctmap.Kind
+	sweep  *ebpf.Program
+	stop   *ebpf.Variable
+	filter *ebpf.Variable // filter4 or filter6: the pass's address bitmap
+	count  *ebpf.Program  // nil when the kernel lacks bpf_map_sum_elem_count
+	mu     sync.Mutex     // one run at a time: the program's stop flag is per instance
 }
 
 // PassStats is what one run of the sweep program over one map reports.
@@ -121,8 +123,10 @@ func loadProgs(maps *ctmap.Maps) (progs [ctmap.NumKinds]*mapProg, ips4, ips6 *eb
 		}
 		p := &mapProg{kind: k}
 		var objs struct {
-			Sweep *ebpf.Program  `ebpf:"sweep"`
-			Stop  *ebpf.Variable `ebpf:"stop"`
+			Sweep   *ebpf.Program  `ebpf:"sweep"`
+			Stop    *ebpf.Variable `ebpf:"stop"`
+			Filter4 *ebpf.Variable `ebpf:"filter4"`
+			Filter6 *ebpf.Variable `ebpf:"filter6"`
 		}
 		s := placeholderSpec(spec, m, fam)
 		// Keep only this family's sweep program (and the maps it needs).
@@ -135,7 +139,10 @@ func loadProgs(maps *ctmap.Maps) (progs [ctmap.NumKinds]*mapProg, ips4, ips6 *eb
 			closeAll()
 			return progs, nil, nil, fmt.Errorf("load sweep program for %s: %w", k.Name(), err)
 		}
-		p.sweep, p.stop = objs.Sweep, objs.Stop
+		p.sweep, p.stop, p.filter = objs.Sweep, objs.Stop, objs.Filter4
+		if k.IPv6() {
+			p.filter = objs.Filter6
+		}
 		progs[k] = p
 
 		// The cheap entry count needs a kfunc (Linux 6.6+); without it
@@ -431,6 +438,19 @@ func (s *Sweeper) runPass(p *pass) error {
 	if err := fillSet(s.ips4, s.ips6, v4, v6); err != nil {
 		return err
 	}
+	f4, f6 := addrFilter(v4), addrFilter(v6)
+	for _, prog := range s.progs {
+		if prog == nil {
+			continue
+		}
+		f := &f4
+		if prog.kind.IPv6() {
+			f = &f6
+		}
+		if err := prog.filter.Set(f); err != nil {
+			return fmt.Errorf("sweep: set the address filter of %s: %w", prog.kind.Name(), err)
+		}
+	}
 	defer clearSet(s.ips4, s.ips6, v4, v6)
 
 	flags := uint32(0)
@@ -494,6 +514,21 @@ func (s *Sweeper) runPass(p *pass) error {
 		}
 	}
 	return nil
+}
+
+// filterWords is FILTER_WORDS in bpf/sweep.c: a 65,536-bit address filter.
+const filterWords = 1024
+
+// addrFilter sets the bit of each IP, folded as bpf/sweep.c folds the
+// address word it loads (the last four bytes, in the CPU's byte order).
+func addrFilter(ips []netip.Addr) (f [filterWords]uint64) {
+	for _, ip := range ips {
+		b := ip.AsSlice()
+		a := binary.NativeEndian.Uint32(b[len(b)-4:])
+		bit := (a ^ a>>16) & 0xffff
+		f[bit>>6] |= 1 << (bit & 63)
+	}
+	return f
 }
 
 // setKey is an IP's key in ips4 (4 bytes, network order) or ips6 (16 bytes).
