@@ -33,7 +33,7 @@ var (
 	cliNet  = netip.MustParsePrefix("10.50.2.0/24")
 )
 
-type node struct {
+type testNode struct {
 	path     string
 	srv, cli *network
 	ct       *nfct.NFCT
@@ -42,23 +42,36 @@ type node struct {
 
 // newNode builds the node. srvLast bounds the servers' address range: with
 // two addresses, the third server pod gets the first one's IP back.
-func newNode(t *testing.T, srvLast string) *node {
+func newNode(t *testing.T, srvLast string) *testNode {
 	t.Helper()
-	if os.Geteuid() != 0 {
-		t.Skip("needs root: network namespaces, CNI plugins, iptables, conntrack")
-	}
-	r := randHex(3)
-	n := &node{path: addNetns(t, "ctsn-"+r)}
-	n.srv = newNetwork(t, n.path, "ctsn-srv-"+r, "ctsbs"+r, srvNet,
-		netip.MustParseAddr("10.50.1.2"), netip.MustParseAddr(srvLast))
-	n.cli = newNetwork(t, n.path, "ctsn-cli-"+r, "ctsbc"+r, cliNet,
-		netip.MustParseAddr("10.50.2.2"), netip.MustParseAddr("10.50.2.20"))
+	n := newBareNode(t, srvLast, nil)
 	var err error
 	n.ct, err = nfct.New(nfct.Config{PodCIDRs: []netip.Prefix{podCIDR}, Netns: n.path})
 	if err != nil {
 		t.Fatalf("start the nfct backend in the node's netns: %v", err)
 	}
 	t.Cleanup(func() { n.ct.Close() })
+	return n
+}
+
+// newBareNode builds the node without a backend; ctscrub, when set, is
+// chained in the servers' network.
+func newBareNode(t *testing.T, srvLast string, ctscrub func(nodePath string) *ctscrubPlugin) *testNode {
+	t.Helper()
+	if os.Geteuid() != 0 {
+		t.Skip("needs root: network namespaces, CNI plugins, iptables, conntrack")
+	}
+	r := randHex(3)
+	n := &testNode{path: addNetns(t, "ctsn-"+r)}
+	var plugin *ctscrubPlugin
+	if ctscrub != nil {
+		plugin = ctscrub(n.path)
+	}
+	n.srv = newNetwork(t, n.path, "ctsn-srv-"+r, "ctsbs"+r, srvNet,
+		netip.MustParseAddr("10.50.1.2"), netip.MustParseAddr(srvLast), plugin)
+	n.cli = newNetwork(t, n.path, "ctsn-cli-"+r, "ctsbc"+r, cliNet,
+		netip.MustParseAddr("10.50.2.2"), netip.MustParseAddr("10.50.2.20"), nil)
+	var err error
 	n.table, err = nfct.OpenTable(n.path)
 	if err != nil {
 		t.Fatal(err)
@@ -68,7 +81,7 @@ func newNode(t *testing.T, srvLast string) *node {
 }
 
 // serviceEntry finds the conntrack entry of the client's flow to the VIP.
-func (n *node) serviceEntry(t *testing.T, proto uint8, port uint16) (nfct.Entry, bool) {
+func (n *testNode) serviceEntry(t *testing.T, proto uint8, port uint16) (nfct.Entry, bool) {
 	t.Helper()
 	var found nfct.Entry
 	ok := false
@@ -111,6 +124,32 @@ func startUDP(t *testing.T, p *pod, port int) *udpServer {
 	return s
 }
 
+// startUDPClient sends to VIP:53 from one socket (port 40000) every 20 ms
+// until the test ends.
+func startUDPClient(t *testing.T, c *pod) {
+	t.Helper()
+	var client *net.UDPConn
+	if err := inNetns(c.netns, func() error {
+		var err error
+		client, err = net.DialUDP("udp4", &net.UDPAddr{Port: 40000}, &net.UDPAddr{IP: vip.AsSlice(), Port: 53})
+		return err
+	}); err != nil {
+		t.Fatal(err)
+	}
+	stop := make(chan struct{})
+	t.Cleanup(func() { close(stop); client.Close() })
+	go func() {
+		for {
+			select {
+			case <-stop:
+				return
+			case <-time.After(20 * time.Millisecond):
+				client.Write([]byte("query"))
+			}
+		}
+	}()
+}
+
 func waitFor(d time.Duration, cond func() bool) bool {
 	deadline := time.Now().Add(d)
 	for time.Now().Before(deadline) {
@@ -142,26 +181,7 @@ func TestUDPBlackholeAfterBackendMoves(t *testing.T) {
 	// A client pod sending to the VIP from one socket, every 20 ms (a DNS
 	// client reusing its source port, a metrics or syslog stream...).
 	c := n.cli.add(t, "ctsp-c-"+r)
-	var client *net.UDPConn
-	if err := inNetns(c.netns, func() error {
-		var err error
-		client, err = net.DialUDP("udp4", &net.UDPAddr{Port: 40000}, &net.UDPAddr{IP: vip.AsSlice(), Port: 53})
-		return err
-	}); err != nil {
-		t.Fatal(err)
-	}
-	stop := make(chan struct{})
-	t.Cleanup(func() { close(stop); client.Close() })
-	go func() {
-		for {
-			select {
-			case <-stop:
-				return
-			case <-time.After(20 * time.Millisecond):
-				client.Write([]byte("query"))
-			}
-		}
-	}()
+	startUDPClient(t, c)
 	if !waitFor(5*time.Second, func() bool { return srv1.got.Load() > 0 }) {
 		t.Fatal("s1 never received the client's traffic through the VIP: the setup is broken")
 	}

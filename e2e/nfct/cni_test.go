@@ -74,7 +74,9 @@ type network struct {
 	node string // netns path of the node
 }
 
-func newNetwork(t *testing.T, node, name, bridge string, subnet netip.Prefix, first, last netip.Addr) *network {
+// newNetwork makes the conflist; with ctscrub set (the plugin binary and
+// scrubd's socket) the ctscrub plugin is chained after bridge.
+func newNetwork(t *testing.T, node, name, bridge string, subnet netip.Prefix, first, last netip.Addr, ctscrub *ctscrubPlugin) *network {
 	t.Helper()
 	for _, p := range []string{"bridge", "host-local"} {
 		if _, err := os.Stat(filepath.Join(refPlugins, p)); err != nil {
@@ -82,10 +84,7 @@ func newNetwork(t *testing.T, node, name, bridge string, subnet netip.Prefix, fi
 		}
 	}
 	dir := t.TempDir()
-	conf := map[string]any{
-		"cniVersion": "1.0.0", // Debian's plugins speak up to 1.0.0
-		"name":       name,
-		"plugins": []map[string]any{{
+	plugins := []map[string]any{{
 			"type":      "bridge",
 			"bridge":    bridge,
 			"isGateway": true,
@@ -96,7 +95,16 @@ func newNetwork(t *testing.T, node, name, bridge string, subnet netip.Prefix, fi
 				"ranges":  [][]map[string]string{{{"subnet": subnet.String(), "rangeStart": first.String(), "rangeEnd": last.String()}}},
 				"routes":  []map[string]string{{"dst": "0.0.0.0/0"}},
 			},
-		}},
+		}}
+	binDirs := []string{refPlugins}
+	if ctscrub != nil {
+		plugins = append(plugins, map[string]any{"type": "ctscrub", "socket": ctscrub.socket, "timeout": "20s"})
+		binDirs = append(binDirs, filepath.Dir(ctscrub.bin))
+	}
+	conf := map[string]any{
+		"cniVersion": "1.0.0", // Debian's plugins speak up to 1.0.0
+		"name":       name,
+		"plugins":    plugins,
 	}
 	data, _ := json.Marshal(conf)
 	list, err := libcni.ConfListFromBytes(data)
@@ -104,10 +112,16 @@ func newNetwork(t *testing.T, node, name, bridge string, subnet netip.Prefix, fi
 		t.Fatalf("conflist %s: %v", name, err)
 	}
 	return &network{
-		cni:  libcni.NewCNIConfigWithCacheDir([]string{refPlugins}, filepath.Join(dir, "cache"), nil),
+		cni:  libcni.NewCNIConfigWithCacheDir(binDirs, filepath.Join(dir, "cache"), nil),
 		list: list,
 		node: node,
 	}
+}
+
+// ctscrubPlugin is the ctscrub CNI plugin binary and the scrubd it talks to.
+type ctscrubPlugin struct {
+	bin    string
+	socket string
 }
 
 type pod struct {
