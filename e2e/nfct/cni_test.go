@@ -85,17 +85,17 @@ func newNetwork(t *testing.T, node, name, bridge string, subnet netip.Prefix, fi
 	}
 	dir := t.TempDir()
 	plugins := []map[string]any{{
-			"type":      "bridge",
-			"bridge":    bridge,
-			"isGateway": true,
-			"ipMasq":    false,
-			"ipam": map[string]any{
-				"type":    "host-local",
-				"dataDir": filepath.Join(dir, "ipam"),
-				"ranges":  [][]map[string]string{{{"subnet": subnet.String(), "rangeStart": first.String(), "rangeEnd": last.String()}}},
-				"routes":  []map[string]string{{"dst": "0.0.0.0/0"}},
-			},
-		}}
+		"type":      "bridge",
+		"bridge":    bridge,
+		"isGateway": true,
+		"ipMasq":    false,
+		"ipam": map[string]any{
+			"type":    "host-local",
+			"dataDir": filepath.Join(dir, "ipam"),
+			"ranges":  [][]map[string]string{{{"subnet": subnet.String(), "rangeStart": first.String(), "rangeEnd": last.String()}}},
+			"routes":  []map[string]string{{"dst": "0.0.0.0/0"}},
+		},
+	}}
 	binDirs := []string{refPlugins}
 	if ctscrub != nil {
 		plugins = append(plugins, map[string]any{"type": "ctscrub", "socket": ctscrub.socket, "timeout": "20s"})
