@@ -70,15 +70,30 @@ func CreateMaps(dir string, ctEntries uint32) error {
 	for _, k := range ctmap.Kinds {
 		specs = append(specs, k.Spec(ctEntries))
 	}
+	if err := create(dir, specs); err != nil {
+		return err
+	}
+	return CreateServiceMaps(dir)
+}
+
+// CreateServiceMaps creates only the (empty) service and backend maps in
+// Cilium's layout, pinned under dir; for callers that make CT maps of
+// their own sizes.
+func CreateServiceMaps(dir string) error {
 	cs, err := bpf.LoadCiliumStandin()
 	if err != nil {
 		return fmt.Errorf("standin: parse BPF object: %w", err)
 	}
+	var specs []*ebpf.MapSpec
 	for _, n := range []string{Services4, Services6, Backends4, Backends6} {
 		s := cs.Maps[n].Copy()
 		s.MaxEntries = ServiceEntries
 		specs = append(specs, s)
 	}
+	return create(dir, specs)
+}
+
+func create(dir string, specs []*ebpf.MapSpec) error {
 	for _, s := range specs {
 		m, err := ebpf.NewMap(s)
 		if err != nil {
