@@ -189,14 +189,30 @@ func (n *NFCT) closeSockets() {
 	n.req.close()
 }
 
+// walkSocket opens a socket of its own for an operation that walks the whole
+// table (a dump, a filtered flush): seconds at millions of entries, during
+// which index scrubs of other IPs keep using req.
+func (n *NFCT) walkSocket() (*socket, error) {
+	s, err := openSocket(n.cfg.Netns)
+	if err != nil {
+		return nil, err
+	}
+	s.setRcvBuf(8 << 20)
+	tv := unix.Timeval{Sec: 60}
+	_ = unix.SetsockoptTimeval(s.fd, unix.SOL_SOCKET, unix.SO_RCVTIMEO, &tv)
+	return s, nil
+}
+
 // seed dumps the whole table into the index. Completeness holds from the loss
 // generation read before the dump started.
 func (n *NFCT) seed() error {
 	gen := n.ix.gen()
-	n.reqMu.Lock()
-	err := n.req.dump(0, nil, func(e Entry) { n.ix.add(&e) })
-	n.reqMu.Unlock()
+	s, err := n.walkSocket()
 	if err != nil {
+		return err
+	}
+	defer s.close()
+	if err := s.dump(0, nil, func(e Entry) { n.ix.add(&e) }); err != nil {
 		return err
 	}
 	n.ix.markSeeded(gen)
@@ -532,14 +548,17 @@ func (n *NFCT) flushIP(ctx context.Context, ip netip.Addr) (int, error) {
 }
 
 func (n *NFCT) flushOne(ip netip.Addr, tuple, flagsAttr uint16, flag uint32, zone uint16, zoned bool) error {
-	n.reqMu.Lock()
-	defer n.reqMu.Unlock()
+	ws, err := n.walkSocket()
+	if err != nil {
+		return err
+	}
+	defer ws.close()
 	fam := uint8(unix.AF_INET)
 	if ip.Is6() {
 		fam = unix.AF_INET6
 	}
 	var m msgBuf
-	seq := n.req.seq.Add(1)
+	seq := ws.seq.Add(1)
 	m.begin(msgType(msgCTDelete), unix.NLM_F_REQUEST|unix.NLM_F_ACK, seq, fam, 1)
 	m.nest(tuple)
 	m.nest(ctaTupleIP)
@@ -562,7 +581,7 @@ func (n *NFCT) flushOne(ip netip.Addr, tuple, flagsAttr uint16, flag uint32, zon
 	}
 	m.end()
 	var errno unix.Errno
-	if err := n.req.exchange(&m, seq, 1, func(_ int, e unix.Errno) { errno = e }); err != nil {
+	if err := ws.exchange(&m, seq, 1, func(_ int, e unix.Errno) { errno = e }); err != nil {
 		return err
 	}
 	if errno != 0 {
@@ -581,8 +600,11 @@ func (n *NFCT) dumpDelete(ctx context.Context, ips []netip.Addr, dryRun bool) (i
 		set[ip] = true
 	}
 	var fs []flow
-	n.reqMu.Lock()
-	err := n.req.dump(0, nil, func(e Entry) {
+	ws, err := n.walkSocket()
+	if err != nil {
+		return 0, err
+	}
+	err = ws.dump(0, nil, func(e Entry) {
 		if !n.ix.zoneTracked(e.Zone) {
 			return
 		}
@@ -590,7 +612,7 @@ func (n *NFCT) dumpDelete(ctx context.Context, ips []netip.Addr, dryRun bool) (i
 			fs = append(fs, flow{keyOf(&e), e.ID})
 		}
 	})
-	n.reqMu.Unlock()
+	ws.close()
 	if err != nil {
 		return 0, err
 	}
