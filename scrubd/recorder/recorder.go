@@ -83,6 +83,9 @@ type Recorder struct {
 	opts Options
 	objs bpf.RecorderObjects
 	vip  [2]bool // VIP detection on for IPv4, IPv6
+	svc  [2]ebpf.MapID
+	// svcWarned: the service-map change was logged already.
+	svcWarned [2]bool
 
 	mu       sync.Mutex // serialises Attach/Detach (they switch netns on a locked thread)
 	lostMu   sync.Mutex
@@ -168,6 +171,9 @@ func Load(opts Options) (*Recorder, error) {
 		ms.Flags = m.Flags()
 		repl[name] = m
 		r.vip[i] = true
+		if info, err := m.Info(); err == nil {
+			r.svc[i], _ = info.ID()
+		}
 	}
 
 	err = spec.LoadAndAssign(&r.objs, &ebpf.CollectionOptions{
@@ -399,9 +405,12 @@ func (r *Recorder) Run(ctx context.Context, ix *index.Index) error {
 		defer wg.Done()
 		t := time.NewTicker(time.Second)
 		defer t.Stop()
-		for {
+		for tick := 0; ; tick++ {
 			if err := r.PollLost(ix); err != nil {
 				r.opts.Log.Warn("recorder: poll lost counters", "err", err)
+			}
+			if tick%10 == 0 {
+				r.checkServiceMaps()
 			}
 			select {
 			case <-ctx.Done():
@@ -456,6 +465,35 @@ func (r *Recorder) Run(ctx context.Context, ix *index.Index) error {
 					q.offer(ip)
 				}
 			}
+		}
+	}
+}
+
+// checkServiceMaps warns when the service maps pinned under CTRoot are no
+// longer the ones the programs were loaded with (Cilium re-created them, or
+// started after scrubd): VIP detection then looks at stale maps until
+// scrubd restarts.
+func (r *Recorder) checkServiceMaps() {
+	for i, name := range []string{ServiceMap4, ServiceMap6} {
+		if r.svcWarned[i] {
+			continue
+		}
+		path := filepath.Join(r.opts.CTRoot, name)
+		var id ebpf.MapID
+		m, err := ebpf.LoadPinnedMap(path, nil)
+		if err == nil {
+			if info, ierr := m.Info(); ierr == nil {
+				id, _ = info.ID()
+			}
+			m.Close()
+		}
+		switch {
+		case r.vip[i] && id != r.svc[i]:
+			r.opts.Log.Error("recorder: Cilium's service map changed since scrubd started; VIP detection uses the old map: restart scrubd", "map", path)
+			r.svcWarned[i] = true
+		case !r.vip[i] && id != 0:
+			r.opts.Log.Warn("recorder: Cilium's service map appeared after scrubd started; restart scrubd to turn VIP detection on", "map", path)
+			r.svcWarned[i] = true
 		}
 	}
 }
