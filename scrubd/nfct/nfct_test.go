@@ -538,3 +538,56 @@ func TestKernelIPv6FilterMatch(t *testing.T) {
 		t.Fatalf("unexpected result of an IPv6 filtered flush: left %v", srcs)
 	}
 }
+
+// With net.netfilter.nf_conntrack_events=2 (the default), entries created
+// before anyone listened never send a DESTROY event: the seed indexes them
+// and the index keeps them after they are gone. A scrub finds them gone
+// (ENOENT), deletes nothing wrongly, and drops them from the index.
+func TestStaleSeededKeysArePruned(t *testing.T) {
+	ns := privateNetns(t)
+	if v, err := readSysctl(ns, "net/netfilter/nf_conntrack_events"); err != nil || v != "2" {
+		t.Skipf("nf_conntrack_events is %q (%v) in a new netns, this test needs 2", v, err)
+	}
+	tab, err := OpenTable(ns)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tab.Close()
+	target := netip.MustParseAddr("10.244.1.5")
+	mine, _ := population(target.String(), 30)
+	fill(t, tab, mine)
+	n, err := New(Config{PodCIDRs: []netip.Prefix{podNet}, Netns: ns})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer n.Close()
+	keys := n.Stats().Keys
+	if keys < len(mine) {
+		t.Fatalf("seed indexed %d keys, want at least %d", keys, len(mine))
+	}
+	// Someone else deletes them: no DESTROY event reaches the index.
+	name := ns[len("/var/run/netns/"):]
+	for _, flag := range []string{"--orig-src", "--reply-src", "--orig-dst"} {
+		exec.Command("ip", "netns", "exec", name, "conntrack", "-D", flag, target.String()).Run()
+	}
+	if got := len(snapshot(t, tab)); got != 0 {
+		t.Fatalf("conntrack -D left %d entries", got)
+	}
+	time.Sleep(100 * time.Millisecond)
+	if n.Stats().Keys != keys {
+		t.Skip("the kernel sent DESTROY events for pre-listener entries: nothing stale to prune")
+	}
+	res, err := n.Scrub(context.Background(), scrub.Request{IPs: []netip.Addr{target}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res.Method != scrub.MethodIndex || res.Deleted[MapName] != 0 {
+		t.Fatalf("want an index scrub deleting nothing (all gone), got %+v", res)
+	}
+	if _, c := n.ix.take(target); !c {
+		t.Error("pruning must keep the IP complete")
+	}
+	if fs, _ := n.ix.take(target); len(fs) != 0 {
+		t.Errorf("%d stale keys of %s still indexed after the scrub", len(fs), target)
+	}
+}
