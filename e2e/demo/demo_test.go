@@ -134,6 +134,13 @@ func waitExit(t *testing.T, r *run, out *output, limit time.Duration) int {
 
 func checkNoLeftovers(t *testing.T) {
 	t.Helper()
+	// Under the demo's lock: internal/demo's tests (run in parallel by
+	// go test ./...) create names of the demo while they hold it.
+	lk, err := demo.Lock(5*time.Minute, os.Stderr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer lk.Close()
 	if left := demo.Leftovers(); len(left) > 0 {
 		t.Errorf("the demo left behind: %v", left)
 	}
@@ -275,7 +282,15 @@ func TestDemoAfterKill(t *testing.T) {
 	}
 	_ = first.cmd.Process.Kill()
 	<-first.done
-	if len(demo.Leftovers()) == 0 {
+	// The killed demo's lock went with it; take it so no test of
+	// internal/demo starts between here and the second run.
+	lk, err := demo.Lock(5*time.Minute, os.Stderr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	left := demo.Leftovers()
+	lk.Close()
+	if len(left) == 0 {
 		t.Fatal("a killed demo left nothing behind: this test would prove nothing")
 	}
 	second, out2 := startDemo(t, bin)

@@ -82,7 +82,7 @@ func Main() {
 	}
 	// Held until the process exits; KeepAlive below keeps the GC from
 	// closing the file (and so dropping the lock) before that.
-	lk, err := lock(5*time.Minute, out)
+	lk, err := Lock(5*time.Minute, out)
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "demo:", err)
 		os.Exit(1)
@@ -123,7 +123,7 @@ func Main() {
 		fmt.Fprintf(out, "cleanup: still present: %v\n", left)
 		code = max(code, 1)
 	} else {
-		fmt.Fprintf(out, "cleanup: done; no netns, link, bpffs pin, daemon or file of the demo is left\n")
+		fmt.Fprintf(out, "cleanup: done; no netns, bpffs pin, daemon or file of the demo is left\n")
 	}
 	runtime.KeepAlive(lk)
 	os.Exit(code)
@@ -144,9 +144,6 @@ func Run(ctx context.Context, cfg Config, cleanup *Cleanup, w io.Writer) error {
 		return fmt.Errorf("create %s: %w (is bpffs mounted at /sys/fs/bpf? run scripts/setup.sh)", BPFDir, err)
 	}
 	cleanup.Push("remove "+BPFDir, func() error { return os.RemoveAll(BPFDir) })
-	if err := saveSysctls(cleanup, filepath.Join(WorkDir, "sysctls")); err != nil {
-		return err
-	}
 
 	nPods := 4
 	if cfg.Short {
@@ -212,14 +209,16 @@ func Run(ctx context.Context, cfg Config, cleanup *Cleanup, w io.Writer) error {
 	p.f("   sweeps (one in-kernel pass per map for all IPs of the request). From then on scrubd's recorder\n")
 	p.f("   indexes every new flow of the pods, and their scrubs go by the index.\n")
 
-	// 3. The outside host and the CNI chain.
+	// 3. The node, the outside host and the CNI chain.
+	node, err := addNode(cleanup, nodeNS)
+	if err != nil {
+		return err
+	}
 	if _, err := addOutside(cleanup); err != nil {
 		return err
 	}
-	if err := acceptForward(cleanup); err != nil {
-		return err
-	}
 	ch, err := newChain(chainConfig{
+		Node:       node,
 		WorkDir:    WorkDir,
 		RefPlugins: cfg.RefPlugins,
 		Plugin:     filepath.Join(cfg.BinDir, "ctscrub"),
@@ -230,6 +229,6 @@ func Run(ctx context.Context, cfg Config, cleanup *Cleanup, w io.Writer) error {
 		return err
 	}
 
-	s := &session{cfg: cfg, p: p, ch: ch, d: d, maps: maps, dp: dp, cleanup: cleanup}
+	s := &session{cfg: cfg, p: p, ch: ch, d: d, maps: maps, dp: dp, node: node, cleanup: cleanup}
 	return s.run(ctx, nPods)
 }

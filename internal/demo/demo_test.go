@@ -79,7 +79,7 @@ func TestChainReusesIPs(t *testing.T) {
 	if _, err := os.Stat("/usr/lib/cni/bridge"); err != nil {
 		t.Skip("Debian's containernetworking-plugins not installed (scripts/setup.sh)")
 	}
-	lk, err := lock(5*time.Minute, os.Stderr) // the demo uses the same names
+	lk, err := Lock(5*time.Minute, os.Stderr) // the demo uses the same names
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -87,11 +87,11 @@ func TestChainReusesIPs(t *testing.T) {
 	work := t.TempDir()
 	c := &Cleanup{}
 	t.Cleanup(func() { c.Run(os.Stderr) })
-	if err := saveSysctls(c, ""); err != nil { // the bridge plugin turns on forwarding
+	node, err := addNode(c, namePrefix+"-testnode") // the bridge and forwarding live in it
+	if err != nil {
 		t.Fatal(err)
 	}
-	c.Push("delete bridge", func() error { return delLink(bridgeName) })
-	ch, err := newChain(chainConfig{WorkDir: work, RefPlugins: "/usr/lib/cni", RangeSize: 2})
+	ch, err := newChain(chainConfig{Node: node, WorkDir: work, RefPlugins: "/usr/lib/cni", RangeSize: 2})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -1,7 +1,6 @@
 package demo
 
 import (
-	"errors"
 	"fmt"
 	"io"
 	"os"
@@ -19,9 +18,10 @@ const (
 	lockPath = "/run/ctscrub-demo.lock"
 )
 
-// lock makes sure one demo (or test of this package) runs at a time on the
-// machine: they share names. It waits up to wait for a running one to end.
-func lock(wait time.Duration, w io.Writer) (*os.File, error) {
+// Lock makes sure one demo (or test of this package, or a check for
+// leftovers) runs at a time on the machine: they share names. It waits up to
+// wait for a running one to end; closing the file releases it.
+func Lock(wait time.Duration, w io.Writer) (*os.File, error) {
 	f, err := os.OpenFile(lockPath, os.O_CREATE|os.O_RDWR, 0o600)
 	if err != nil {
 		return nil, err
@@ -39,48 +39,6 @@ func lock(wait time.Duration, w io.Writer) (*os.File, error) {
 	}
 	f.Close()
 	return nil, fmt.Errorf("another ctscrub demo is still running (%s is locked): wait for it or stop it", lockPath)
-}
-
-// sysctl files the bridge plugin turns on (isGateway); the demo puts back
-// what it found.
-var forwardSysctls = []string{
-	"/proc/sys/net/ipv4/ip_forward",
-	"/proc/sys/net/ipv6/conf/all/forwarding",
-}
-
-// saveSysctls pushes the restore of the forwarding sysctls and, when
-// stateFile is set, writes them there for a run after a crash.
-func saveSysctls(c *Cleanup, stateFile string) error {
-	saved := map[string]string{}
-	for _, p := range forwardSysctls {
-		v, err := os.ReadFile(p)
-		if err != nil {
-			return err
-		}
-		saved[p] = strings.TrimSpace(string(v))
-	}
-	if stateFile != "" {
-		var b strings.Builder
-		for p, v := range saved {
-			fmt.Fprintf(&b, "%s=%s\n", p, v)
-		}
-		if err := os.WriteFile(stateFile, []byte(b.String()), 0o600); err != nil {
-			return err
-		}
-	}
-	c.Push("restore ip_forward sysctls", func() error { return restoreSysctls(saved) })
-	return nil
-}
-
-func restoreSysctls(saved map[string]string) error {
-	var errs []error
-	for p, v := range saved {
-		cur, _ := os.ReadFile(p)
-		if strings.TrimSpace(string(cur)) != v {
-			errs = append(errs, os.WriteFile(p, []byte(v), 0o644))
-		}
-	}
-	return errors.Join(errs...)
 }
 
 // removeLeftovers undoes what a previous run left when it could not clean up
@@ -112,30 +70,6 @@ func removeLeftovers(w io.Writer) error {
 			removed = append(removed, "netns "+e.Name())
 		}
 	}
-	for _, l := range []string{bridgeName, outsideVeth} {
-		if _, err := os.Stat("/sys/class/net/" + l); err == nil {
-			if err := delLink(l); err != nil {
-				return fmt.Errorf("remove leftover link: %w", err)
-			}
-			removed = append(removed, "link "+l)
-		}
-	}
-	if n, err := removeForwardRules(); err != nil {
-		return fmt.Errorf("remove leftover FORWARD rules: %w", err)
-	} else if n > 0 {
-		removed = append(removed, fmt.Sprintf("%d FORWARD rules", n))
-	}
-	if b, err := os.ReadFile(filepath.Join(WorkDir, "sysctls")); err == nil {
-		saved := map[string]string{}
-		for _, line := range strings.Split(strings.TrimSpace(string(b)), "\n") {
-			if p, v, ok := strings.Cut(line, "="); ok && strings.HasPrefix(p, "/proc/sys/net/") {
-				saved[p] = v
-			}
-		}
-		if err := restoreSysctls(saved); err != nil {
-			return fmt.Errorf("restore sysctls of a previous run: %w", err)
-		}
-	}
 	for _, d := range []string{BPFDir, WorkDir} {
 		if _, err := os.Stat(d); err == nil {
 			if err := os.RemoveAll(d); err != nil {
@@ -160,18 +94,10 @@ func Leftovers() []string {
 			out = append(out, filepath.Join(netnsDir, e.Name()))
 		}
 	}
-	for _, l := range []string{bridgeName, outsideVeth} {
-		if _, err := os.Stat("/sys/class/net/" + l); err == nil {
-			out = append(out, "link "+l)
-		}
-	}
 	for _, d := range []string{BPFDir, WorkDir} {
 		if _, err := os.Stat(d); err == nil {
 			out = append(out, d)
 		}
-	}
-	if n := forwardRulesLeft(); n > 0 {
-		out = append(out, fmt.Sprintf("%d iptables FORWARD rules tagged %q", n, fwComment))
 	}
 	return out
 }

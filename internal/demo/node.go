@@ -13,16 +13,24 @@ import (
 	"time"
 
 	"github.com/containernetworking/cni/libcni"
+	"github.com/containernetworking/cni/pkg/types"
 	current "github.com/containernetworking/cni/pkg/types/100"
 )
 
-// Names of everything the demo creates on the host. Fixed, with one prefix, so
-// a later run can find and remove what an interrupted run left behind.
+// Names of everything the demo creates. Fixed, with one prefix, so a later run
+// can find and remove what an interrupted run left behind.
+//
+// The node is a network namespace of its own (like a kind node): the bridge,
+// the pods' host-side veths and the route to the outside host live there, so
+// the demo changes no link, sysctl (the bridge plugin turns on ip_forward) or
+// firewall rule of the machine, and deleting the netns removes them all.
+// scrubd runs in the machine's namespace: it reaches pods by netns path.
 const (
 	namePrefix  = "ctscrub-demo"
 	netName     = "ctscrub-demo" // the CNI network
+	nodeNS      = namePrefix + "-node"
 	bridgeName  = "ctsdemo0"
-	outsideVeth = "ctsdemo-out" // host side of the "outside" netns' link
+	outsideVeth = "ctsdemo-out" // the node's side of the outside host's link
 	outsideNS   = namePrefix + "-outside"
 	netnsDir    = "/run/netns"
 )
@@ -84,7 +92,18 @@ func delNetns(name string) error {
 	return ip("netns", "del", name)
 }
 
-// addOutside creates the "outside" host: a netns behind a veth from the host,
+// addNode creates the node's network namespace (nodeNS; tests use another).
+func addNode(c *Cleanup, name string) (string, error) {
+	path, err := addNetns(name)
+	if err != nil {
+		return "", err
+	}
+	// Pushed before any pod: popped after every pod's CNI DEL, which runs in it.
+	c.Push("delete netns "+name+" (bridge, veths, routes)", func() error { return delNetns(name) })
+	return path, nil
+}
+
+// addOutside creates the "outside" host: a netns behind a veth from the node,
 // outside the pod CIDRs, for pod-to-outside and outside-to-pod traffic.
 func addOutside(c *Cleanup) (string, error) {
 	path, err := addNetns(outsideNS)
@@ -92,14 +111,11 @@ func addOutside(c *Cleanup) (string, error) {
 		return "", err
 	}
 	c.Push("delete netns "+outsideNS, func() error { return delNetns(outsideNS) })
-	if err := ip("link", "add", outsideVeth, "type", "veth", "peer", "name", "eth0", "netns", outsideNS); err != nil {
-		return "", err
-	}
-	c.Push("delete link "+outsideVeth, func() error { return delLink(outsideVeth) })
 	steps := [][]string{
-		{"addr", "add", outsideHost[0].String(), "dev", outsideVeth},
-		{"addr", "add", outsideHost[1].String(), "dev", outsideVeth, "nodad"},
-		{"link", "set", outsideVeth, "up"},
+		{"-n", nodeNS, "link", "add", outsideVeth, "type", "veth", "peer", "name", "eth0", "netns", outsideNS},
+		{"-n", nodeNS, "addr", "add", outsideHost[0].String(), "dev", outsideVeth},
+		{"-n", nodeNS, "addr", "add", outsideHost[1].String(), "dev", outsideVeth, "nodad"},
+		{"-n", nodeNS, "link", "set", outsideVeth, "up"},
 		{"-n", outsideNS, "addr", "add", outsideAddr[0].String(), "dev", "eth0"},
 		{"-n", outsideNS, "addr", "add", outsideAddr[1].String(), "dev", "eth0", "nodad"},
 		{"-n", outsideNS, "link", "set", "eth0", "up"},
@@ -114,16 +130,10 @@ func addOutside(c *Cleanup) (string, error) {
 	return path, nil
 }
 
-func delLink(name string) error {
-	if _, err := os.Stat("/sys/class/net/" + name); os.IsNotExist(err) {
-		return nil
-	}
-	return ip("link", "del", name)
-}
-
 // chain is the CNI network the demo's pods are created through: Debian's
 // reference bridge + host-local, then ctscrub, as a runtime would run it.
 type chain struct {
+	node     string // the node's netns path: the plugins run in it
 	cni      *libcni.CNIConfig
 	list     *libcni.NetworkConfigList
 	confPath string
@@ -131,6 +141,7 @@ type chain struct {
 }
 
 type chainConfig struct {
+	Node       string // the node's netns path
 	WorkDir    string // bin dir, cache, IPAM state and the conflist go here
 	RefPlugins string // Debian's reference plugins (/usr/lib/cni)
 	Plugin     string // the ctscrub binary; "" leaves it out of the chain
@@ -208,6 +219,7 @@ func newChain(cfg chainConfig) (*chain, error) {
 		return nil, fmt.Errorf("parse the demo's conflist %s: %w", confPath, err)
 	}
 	return &chain{
+		node:     cfg.Node,
 		cni:      libcni.NewCNIConfigWithCacheDir([]string{binDir}, filepath.Join(cfg.WorkDir, "cni-cache"), nil),
 		list:     list,
 		confPath: confPath,
@@ -253,7 +265,14 @@ func (ch *chain) Add(ctx context.Context, c *Cleanup, name string) (*pod, error)
 	p := &pod{Name: name, ContainerID: nsName, Netns: path, IfName: "eth0"}
 	c.Push("delete netns "+nsName, func() error { return delNetns(nsName) })
 	start := time.Now()
-	res, err := ch.cni.AddNetworkList(ctx, ch.list, p.rt())
+	var res types.Result
+	// A runtime runs the plugins in the node's namespace; they inherit it
+	// from the thread that forks them.
+	err = inNetns(ch.node, func() error {
+		var err error
+		res, err = ch.cni.AddNetworkList(ctx, ch.list, p.rt())
+		return err
+	})
 	p.AddTook = time.Since(start)
 	if err != nil {
 		return nil, fmt.Errorf("CNI ADD of pod %s (netns %s) through %s: %w", name, path, ch.confPath, err)
@@ -293,7 +312,7 @@ func (ch *chain) Add(ctx context.Context, c *Cleanup, name string) (*pod, error)
 // removes the netns.
 func (ch *chain) Del(ctx context.Context, p *pod) (time.Duration, error) {
 	start := time.Now()
-	err := ch.cni.DelNetworkList(ctx, ch.list, p.rt())
+	err := inNetns(ch.node, func() error { return ch.cni.DelNetworkList(ctx, ch.list, p.rt()) })
 	took := time.Since(start)
 	if err != nil {
 		return took, fmt.Errorf("CNI DEL of pod %s (%s): %w", p.Name, p.V4, err)
@@ -308,7 +327,7 @@ func (ch *chain) Del(ctx context.Context, p *pod) (time.Duration, error) {
 func waitDAD(ctx context.Context, link string) error {
 	deadline := time.Now().Add(10 * time.Second)
 	for {
-		out, err := exec.Command("ip", "-6", "addr", "show", "dev", link, "tentative").CombinedOutput()
+		out, err := exec.Command("ip", "-n", nodeNS, "-6", "addr", "show", "dev", link, "tentative").CombinedOutput()
 		if err != nil {
 			return fmt.Errorf("ip -6 addr show dev %s: %v: %s", link, err, bytes.TrimSpace(out))
 		}

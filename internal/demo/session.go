@@ -21,6 +21,7 @@ type session struct {
 	d       *daemon
 	maps    *ctMaps
 	dp      datapath
+	node    string // the node's netns path
 	cleanup *Cleanup
 
 	outside *server
@@ -56,9 +57,6 @@ type reuseCheck struct {
 
 func (s *session) run(ctx context.Context, nPods int) error {
 	p := s.p
-	// The bridge plugin creates the bridge and leaves it on DEL; it goes
-	// after every pod's DEL has run (the stack pops it later).
-	s.cleanup.Push("delete bridge "+bridgeName, func() error { return delLink(bridgeName) })
 	out, err := startServer(netnsPath(outsideNS))
 	if err != nil {
 		return err
@@ -72,6 +70,8 @@ func (s *session) run(ctx context.Context, nPods int) error {
 	if !s.ch.plugin {
 		chainDesc = "bridge + host-local only: bin/ctscrub is missing, scrubs are not run"
 	}
+	p.f("   the node is netns %s (bridge %s, the pods' host-side veths, routing): the machine's own\n", nodeNS, bridgeName)
+	p.f("   links, sysctls and firewall stay untouched; scrubd runs in the machine's namespace.\n")
 	p.f("   chain: %s; host-local hands out only %d addresses per family,\n", chainDesc, nPods)
 	p.f("   so a new pod gets the IP of the pod deleted before it.\n")
 	var pods []*pod
@@ -157,7 +157,8 @@ func (s *session) addPod(ctx context.Context, name, step string) (*pod, error) {
 		return err
 	})
 	pd.onDelete = func() { deleted = true }
-	if err := s.dp.Attach(pd.HostVeth); err != nil {
+	// The host-side veth is in the node's namespace.
+	if err := inNetns(s.node, func() error { return s.dp.Attach(pd.HostVeth) }); err != nil {
 		return nil, err
 	}
 	srv, err := startServer(pd.Netns)
