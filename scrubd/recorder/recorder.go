@@ -235,6 +235,12 @@ func (r *Recorder) Attach(netnsPath, ifname string) (ifindex int, err error) {
 		if err != nil {
 			return fmt.Errorf("find interface %q: %w", ifname, err)
 		}
+		// The programs parse from an Ethernet header; on an interface
+		// without one (netkit in L3 mode, tun, ipip) they would record
+		// nothing while the index believed them attached.
+		if et := l.Attrs().EncapType; et != "ether" {
+			return fmt.Errorf("interface %q has link type %q, not Ethernet: the recorder parses Ethernet frames only (veth, netkit in L2 mode); this pod cannot be indexed, its scrubs will sweep", ifname, et)
+		}
 		ifindex = l.Attrs().Index
 		for _, a := range []struct {
 			pin  string

@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/cilium/ebpf"
+	"github.com/vishvananda/netlink"
 
 	"github.com/ctscrub/ctscrub/internal/testsupport/netpods"
 	"github.com/ctscrub/ctscrub/internal/testsupport/standin"
@@ -471,6 +472,20 @@ func TestDetach(t *testing.T) {
 	}
 	if _, err := w.rec.Attach("/var/run/netns/ctscrub-does-not-exist", "eth0"); err == nil {
 		t.Fatal("Attach to a missing netns succeeded")
+	}
+	if _, err := w.rec.Attach(a.Path, "nosuchif"); err == nil || !strings.Contains(err.Error(), "nosuchif") {
+		t.Fatalf("Attach to a missing interface: %v", err)
+	}
+	// An interface without an Ethernet header: the programs could not
+	// parse its packets, so Attach must refuse rather than record nothing.
+	err := a.Do(func() error {
+		return netlink.LinkAdd(&netlink.Tuntap{LinkAttrs: netlink.LinkAttrs{Name: "tun0"}, Mode: netlink.TUNTAP_MODE_TUN})
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := w.rec.Attach(a.Path, "tun0"); err == nil || !strings.Contains(err.Error(), "not Ethernet") {
+		t.Fatalf("Attach to a tun device: %v, want a not-Ethernet error", err)
 	}
 }
 
