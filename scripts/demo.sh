@@ -5,6 +5,7 @@
 #   ENTRIES=N      CT entries to fill the maps with (default 1048576)
 #   PER_IP=K       stale entries each reused IP's previous owner left (default 1000)
 #   DEMO_SHORT=1   the quick run CI uses (65536 entries, fewer pods and flows)
+#   DEMO_HOLD=1    keep the node up after the summary until Ctrl-C, to look around
 #
 # Everything the demo creates is removed at the end, also on Ctrl-C; see
 # docs/demo.md.

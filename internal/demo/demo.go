@@ -31,6 +31,7 @@ type Config struct {
 	Entries    int    // ENTRIES: CT entries to fill the maps with
 	PerIP      int    // PER_IP: stale entries each reused IP's previous owner left
 	Short      bool   // DEMO_SHORT=1: CI's quick run
+	Hold       bool   // DEMO_HOLD=1: keep the node up until Ctrl-C, to look around
 	BinDir     string // DEMO_BIN: where bin/scrubd and bin/ctscrub are
 	RefPlugins string // CNI_PLUGINS: Debian's reference plugins
 }
@@ -56,6 +57,9 @@ func ConfigFromEnv() (Config, error) {
 			return cfg, fmt.Errorf("%s=%q: want a whole number from %d to %d", e.name, v, e.min, 1<<25)
 		}
 		*e.dst = n
+	}
+	if v := os.Getenv("DEMO_HOLD"); v != "" && v != "0" {
+		cfg.Hold = true
 	}
 	if v := os.Getenv("DEMO_BIN"); v != "" {
 		cfg.BinDir = v
@@ -110,7 +114,10 @@ func Main() {
 		// Let the step in flight see the cancelled context and return, so
 		// cleanup does not race it; a second signal or 15 s end the wait.
 		select {
-		case <-runDone:
+		case err := <-runDone:
+			if err == nil && cfg.Hold {
+				code = 0 // it had finished and was holding the node up
+			}
 		case <-sigs:
 		case <-time.After(15 * time.Second):
 		}

@@ -137,7 +137,37 @@ func (s *session) run(ctx context.Context, nPods int) error {
 				r.IP, r.LeftAtDel, r.OldPod, r.NewPod, r.Inherited)
 		}
 	}
+	s.hold(ctx, pods)
 	return nil
+}
+
+// hold keeps the node up until Ctrl-C when DEMO_HOLD is set, and says what
+// to try meanwhile; otherwise it only names the knob.
+func (s *session) hold(ctx context.Context, pods []*pod) {
+	p := s.p
+	if !s.cfg.Hold {
+		p.f("\n(DEMO_HOLD=1 make demo keeps the node, scrubd and its metrics up until Ctrl-C, to look around.)\n")
+		return
+	}
+	var live *pod
+	for _, pd := range pods {
+		if !pd.gone {
+			live = pd
+		}
+	}
+	p.section("Holding the node up (DEMO_HOLD=1): Ctrl-C removes everything")
+	sock := "--socket " + s.d.Socket
+	p.f("   bin/scrubd status %s\n", sock)
+	p.f("   bin/scrubd index %s\n", sock)
+	if live != nil {
+		p.f("   bin/scrubd index --ip %s %s\n", live.V4, sock)
+		p.f("   bin/scrubd scrub --ip %s --dry-run %s\n", live.V4, sock)
+		p.f("   ip netns exec %s ip addr          # %s, created through the CNI chain\n", namePrefix+"-"+live.Name, live.Name)
+	}
+	p.f("   bin/scrubd ct stats %s\n", sock)
+	p.f("   curl -s http://%s/metrics | grep ^ctscrub_\n", s.d.Metrics)
+	p.f("   ls %s            # the CT maps, pinned\n", s.maps.dir)
+	<-ctx.Done()
 }
 
 // addPod creates a pod through the chain and prints the scrubs it caused.
