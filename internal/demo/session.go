@@ -247,10 +247,12 @@ func (s *session) traffic(ctx context.Context, pd *pod, pods []*pod) error {
 		total += got
 		return err
 	}
+	peers := 0
 	for _, o := range pods {
 		if o == pd || o.gone {
 			continue
 		}
+		peers++
 		for _, dst := range o.IPs() {
 			if err := send(pd.Netns, dst, toPod); err != nil {
 				return err
@@ -267,7 +269,7 @@ func (s *session) traffic(ctx context.Context, pd *pod, pods []*pod) error {
 			return err
 		}
 	}
-	s.p.f("   %-6s %4d flows answered (to %d pods, to and from the outside host)\n", pd.Name, total, len(pods)-1)
+	s.p.f("   %-6s %4d flows answered (to %d pods, to and from the outside host)\n", pd.Name, total, peers)
 	return nil
 }
 
