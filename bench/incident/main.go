@@ -424,7 +424,32 @@ func bench(cfg config, dir string) error {
 	}
 	halfPasses := sweeper.Passes() - passesBefore
 
-	// 4. Cilium 1.16: one full NextKey+Lookup walk per IP, serialised.
+	// 4. Cancellation: a sweep whose caller's deadline passes long before
+	// the pass could end. The daemon stops the work 50 ms before the
+	// deadline (its answer margin) and must answer by the deadline.
+	if err := refill(); err != nil {
+		return err
+	}
+	ix.MarkIncomplete(podIP(1), index.ReasonLost)
+	budget := min(oneSweep/2, 500*time.Millisecond)
+	margin := min(budget/4, 50*time.Millisecond) // the daemon's answer margin (scrubd/daemon withDeadline)
+	cctx, ccancel := context.WithTimeout(context.Background(), budget)
+	dl, _ := cctx.Deadline()
+	_, cerr := c.Scrub(cctx, api.ScrubRequest{IPs: []netip.Addr{podIP(1)}, Reason: scrub.ReasonDel})
+	answered := time.Now()
+	ccancel()
+	cancelStop := answered.Sub(dl.Add(-margin)) // from the daemon's stop time to the answer
+	cancelOutcome := "cancelled answer with partial results"
+	if e, ok := client.APIError(cerr); !ok || e.Code != api.CodeCancelled {
+		cancelOutcome = fmt.Sprintf("no cancelled answer in time: %v", cerr)
+	}
+	// The retry finishes the job.
+	if _, err := c.Scrub(context.Background(), api.ScrubRequest{IPs: []netip.Addr{podIP(1)}, Reason: scrub.ReasonDel}); err != nil {
+		return fmt.Errorf("retry after the cancelled sweep: %w", err)
+	}
+	cancelLeft := left(maps, keys[1])
+
+	// 5. Cilium 1.16: one full NextKey+Lookup walk per IP, serialised.
 	if err := refill(); err != nil {
 		return err
 	}
@@ -465,7 +490,9 @@ func bench(cfg config, dir string) error {
 	fmt.Fprintf(tw, "Cilium 1.16, one NextKey+Lookup walk (%d entries)\t%s\t\t\t\t\t\n", visited, oneWalk.Round(time.Millisecond))
 	fmt.Fprintf(tw, "Cilium 1.16, %d walks under one lock (%s)\t%s\t\t\t\t\t\n", cfg.pods, how, serialTotal.Round(time.Millisecond))
 	tw.Flush()
-	fmt.Printf("\nspeed-up, all indexed: %.0fx; half incomplete: %.1fx one sweep (target <= 2)\n",
+	fmt.Printf("\nsweep cancelled by a %s deadline: answered %s after the daemon stopped it (%s before the deadline): %s; the retry left %d entries\n",
+		budget.Round(time.Millisecond), cancelStop.Round(time.Millisecond), margin, cancelOutcome, cancelLeft)
+	fmt.Printf("speed-up, all indexed: %.0fx; half incomplete: %.1fx one sweep (target <= 2)\n",
 		serialTotal.Seconds()/full.total.Seconds(), half.total.Seconds()/oneSweep.Seconds())
 
 	out := map[string]any{
@@ -482,6 +509,10 @@ func bench(cfg config, dir string) error {
 		"half_incomplete_passes":      halfPasses,
 		"one_sweep_s":                 oneSweep.Seconds(),
 		"half_incomplete_over_sweep":  half.total.Seconds() / oneSweep.Seconds(),
+		"cancel_budget_s":             budget.Seconds(),
+		"cancel_stop_to_answer_s":     cancelStop.Seconds(),
+		"cancel_outcome":              cancelOutcome,
+		"cancel_retry_left":           cancelLeft,
 		"serial_walk_one_s":           oneWalk.Seconds(),
 		"serial_walk_total_s":         serialTotal.Seconds(),
 		"serial_walk_how":             how,
@@ -489,8 +520,8 @@ func bench(cfg config, dir string) error {
 	}
 	b, _ := json.Marshal(out)
 	fmt.Println(string(b))
-	if full.left != 0 || half.left != 0 {
-		return fmt.Errorf("scrubs left entries behind: %d (indexed), %d (half incomplete)", full.left, half.left)
+	if full.left != 0 || half.left != 0 || cancelLeft != 0 {
+		return fmt.Errorf("scrubs left entries behind: %d (indexed), %d (half incomplete), %d (retry after cancel)", full.left, half.left, cancelLeft)
 	}
 	return nil
 }
