@@ -60,7 +60,8 @@ func ParseClock(s string) (Clock, error) {
 // Config configures the Runner.
 type Config struct {
 	Mode Mode
-	// Interval between passes; fixed. Default 60 s.
+	// Interval between passes; fixed: nothing adapts it (Cilium's adaptive
+	// GC interval grew towards 12 h in the incident). Default 60 s.
 	Interval time.Duration
 	// Clock of ct_entry.lifetime; ClockAuto decides from the entries.
 	Clock Clock
@@ -83,10 +84,6 @@ const (
 	DefaultMinEvidence = 16
 	DefaultMode        = ModeSweep
 )
-
-// MaxIntervalFactor bounds the interval: nothing may stretch it beyond
-// Interval x MaxIntervalFactor (Cilium's adaptive interval grew to 12 h).
-const MaxIntervalFactor = 4
 
 // DefaultConfig is sweep mode, every 60 s, clock auto.
 func DefaultConfig() Config {

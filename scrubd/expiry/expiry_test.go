@@ -557,3 +557,47 @@ func TestKernelHZMatchesConfig(t *testing.T) {
 		t.Errorf("now %v does not match the clocks read (%d, %d)", out.Now, out.NowJiffies64, out.NowKtimeNs)
 	}
 }
+
+// Run passes on the fixed interval until its context ends, then returns.
+func TestRunFixedInterval(t *testing.T) {
+	needRoot(t)
+	kt, _ := nows(t)
+	m := newMap(t, ctmap.TCP4, 4096)
+	fill(t, m, ctmap.TCP4, kt, population{live: 100, longExpired: 50})
+	reg := prometheus.NewPedanticRegistry()
+	r := runner(t, [ctmap.NumKinds]*ebpf.Map{ctmap.TCP4: m}, Config{Mode: ModeSweep, Interval: time.Second}, reg)
+	ctx, cancel := context.WithTimeout(context.Background(), 2500*time.Millisecond)
+	defer cancel()
+	done := make(chan error, 1)
+	go func() { done <- r.Run(ctx) }()
+	select {
+	case err := <-done:
+		if err != nil {
+			t.Fatalf("Run: %v", err)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("Run did not return after its context ended")
+	}
+	passes := value(t, r.m.passes.WithLabelValues("cilium_ct4_global", "swept")) + value(t, r.m.passes.WithLabelValues("cilium_ct4_global", "reported"))
+	if passes < 2 {
+		t.Errorf("%v passes in 2.5 s at a 1 s interval, want at least 2", passes)
+	}
+	if n := count(t, m); n != 100 {
+		t.Errorf("%d entries left, want the 100 live ones", n)
+	}
+}
+
+// Mode off loads nothing and runs nothing.
+func TestModeOff(t *testing.T) {
+	r, err := New(nil, Config{Mode: ModeOff}, Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := r.Run(context.Background()); err != nil {
+		t.Fatalf("Run in mode off: %v", err)
+	}
+	rep, err := r.Pass(context.Background())
+	if err != nil || len(rep.Maps) != 0 {
+		t.Fatalf("Pass in mode off: %+v, %v", rep, err)
+	}
+}
