@@ -66,14 +66,11 @@ func (s *session) run(ctx context.Context, nPods int) error {
 	s.servers = map[string]*server{}
 
 	p.section(fmt.Sprintf("3. %d pods through the CNI chain (libcni, conflist %s)", nPods, s.ch.confPath))
-	chainDesc := "bridge + host-local (Debian's reference plugins), then ctscrub"
-	if !s.ch.plugin {
-		chainDesc = "bridge + host-local only: bin/ctscrub is missing, scrubs are not run"
-	}
 	p.f("   the node is netns %s (bridge %s, the pods' host-side veths, routing): the machine's own\n", nodeNS, bridgeName)
 	p.f("   links, sysctls and firewall stay untouched; scrubd runs in the machine's namespace.\n")
-	p.f("   chain: %s; host-local hands out only %d addresses per family,\n", chainDesc, nPods)
-	p.f("   so a new pod gets the IP of the pod deleted before it.\n")
+	p.f("   chain: bridge + host-local (Debian's reference plugins), then ctscrub; host-local hands out\n")
+	p.f("   only %d addresses per family,", nPods)
+	p.f(" so a new pod gets the IP of the pod deleted before it.\n")
 	var pods []*pod
 	for i := 0; i < nPods; i++ {
 		pd, err := s.addPod(ctx, fmt.Sprintf("pod-%c", 'a'+i), "ADD")
