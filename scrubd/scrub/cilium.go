@@ -149,7 +149,9 @@ func (c *Cilium) Scrub(ctx context.Context, req Request) (Result, error) {
 		if err := ctx.Err(); err != nil {
 			return finish(err)
 		}
-		if !c.ix.State(ip).Complete {
+		// The index only holds keys of IPs in the pod CIDRs: any other IP
+		// always takes the sweep, whatever its slot says.
+		if !c.ix.Owns(ip) || !c.ix.State(ip).Complete {
 			sweepIPs = append(sweepIPs, ip)
 			continue
 		}
@@ -191,7 +193,7 @@ func (c *Cilium) Scrub(ctx context.Context, req Request) (Result, error) {
 	res.Method = MethodSweep
 	for _, ip := range sweepIPs {
 		res.PerIP[ip.String()] = MethodSweep
-		if req.DryRun {
+		if req.DryRun || !c.ix.Owns(ip) {
 			continue
 		}
 		if !slices.ContainsFunc(taken, func(h held) bool { return h.ip == ip }) {

@@ -743,3 +743,27 @@ func TestSweepFilterCollision(t *testing.T) {
 	checkDeleted(t, res, want)
 	w.verify(podA, podA6) // reports any entry of the colliding addresses deleted
 }
+
+// An IP outside the pod CIDRs is never indexed, so it must take the sweep on
+// every scrub, also after a complete one.
+func TestScrubIPOutsidePodCIDRs(t *testing.T) {
+	needRoot(t)
+	maps := pinnedMaps(t, 1<<14, false)
+	ix := newIndex()
+	w := newWorld(t, maps, ix)
+	outside := netip.MustParseAddr("172.16.0.9")
+	c := newCilium(t, maps, ix)
+	for round := range 2 {
+		w.addFlows(outside, remote4, 10, true) // records of it index nothing
+		want := w.expected(outside)
+		res, err := c.Scrub(context.Background(), Request{IPs: []netip.Addr{outside}})
+		if err != nil || res.Method != MethodSweep {
+			t.Fatalf("round %d: %+v, %v; want the sweep", round, res, err)
+		}
+		checkDeleted(t, res, want)
+		w.verify(outside)
+	}
+	if st := ix.State(outside); st.Complete {
+		t.Errorf("an IP outside the pod CIDRs was declared tracked: %+v", st)
+	}
+}
