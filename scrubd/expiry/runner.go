@@ -36,7 +36,8 @@ type Runner struct {
 	mu       sync.Mutex // serialises passes and guards the state below
 	decision Decision
 	hz       int
-	walks    int // walks so far: each starts one map further on
+	walks    int  // walks so far: each starts one map further on
+	decided  bool // a decision from evidence was made (and logged)
 
 	// testRefreshMarker switches on bpf/expiry.c's TEST ONLY refresh hook.
 	testRefreshMarker uint64
@@ -215,7 +216,8 @@ func (r *Runner) Pass(ctx context.Context) (Report, error) {
 // decide updates the decision from evidence, logging changes.
 func (r *Runner) decide(e Evidence) {
 	d := Decide(r.cfg.Clock, e, r.cfg.MinEvidence)
-	if d != r.decision {
+	// Log changes of the outcome, not of the counts in the reason.
+	if d.Clock != r.decision.Clock || d.Confirmed != r.decision.Confirmed || d.Delete != r.decision.Delete || !r.decided {
 		lvl := slog.LevelInfo
 		if !d.Delete && r.cfg.Mode == ModeSweep {
 			lvl = slog.LevelWarn
@@ -223,6 +225,7 @@ func (r *Runner) decide(e Evidence) {
 		r.log.Log(context.Background(), lvl, "expiry clock decision", "clock", d.Clock, "confirmed", d.Confirmed, "delete", d.Delete, "why", d.Why)
 	}
 	r.decision = d
+	r.decided = true
 }
 
 // params builds the program's input.
