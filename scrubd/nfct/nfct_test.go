@@ -591,3 +591,61 @@ func TestStaleSeededKeysArePruned(t *testing.T) {
 		t.Errorf("%d stale keys of %s still indexed after the scrub", len(fs), target)
 	}
 }
+
+// Scrubs keep the index path while other pods' flows keep arriving: the
+// catch-up before a scrub must not wait for a quiet table.
+func TestScrubWhileFlowsArrive(t *testing.T) {
+	ns := privateNetns(t)
+	tab, err := OpenTable(ns)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tab.Close()
+	churn, err := OpenTable(ns)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer churn.Close()
+	n, err := New(Config{PodCIDRs: []netip.Prefix{podNet}, Netns: ns})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer n.Close()
+	stop, done := make(chan struct{}), make(chan struct{})
+	go func() {
+		defer close(done)
+		for k := 0; ; {
+			select {
+			case <-stop:
+				return
+			default:
+			}
+			es := make([]Entry, 200)
+			for i := range es {
+				es[i] = udp(fmt.Sprintf("10.244.%d.%d", 10+(k/250)%200, 1+k%250), "172.17.0.1", uint16(1024+k%50000), uint16(1+(k/50000)%1000))
+				k++
+			}
+			churn.Create(es, 600)
+			time.Sleep(10 * time.Millisecond) // ~20,000 new flows/s at most
+		}
+	}()
+	defer func() { close(stop); <-done }()
+	target := netip.MustParseAddr("10.244.1.5")
+	mine, _ := population(target.String(), 300)
+	for r := 0; r < 3; r++ {
+		fill(t, tab, mine)
+		before := snapshot(t, tab)
+		ev := n.Stats().Events
+		res, err := n.Scrub(context.Background(), scrub.Request{IPs: []netip.Addr{target}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if res.Method != scrub.MethodIndex || res.Deleted[MapName] != len(mine) {
+			t.Fatalf("round %d under churn: want an index scrub deleting %d, got %+v", r, len(mine), res)
+		}
+		checkScrubbed(t, tab, before, target)
+		if n.Stats().Events == ev {
+			t.Fatal("no events arrived during the round: the churn is not running")
+		}
+	}
+}
