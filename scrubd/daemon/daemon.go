@@ -113,6 +113,7 @@ type Daemon struct {
 	admitted     atomic.Int64  // requests admitted, running or queued
 	ready        atomic.Bool
 	started      time.Time
+	metricsLn    atomic.Pointer[net.Addr] // where /metrics listens (port 0 resolved)
 
 	hostMu    sync.Mutex
 	hostAddrs map[netip.Addr]bool
@@ -185,6 +186,15 @@ func (d *Daemon) ciliumIndexFigures() IndexFigures {
 	return f
 }
 
+// MetricsAddr is the address /metrics listens on, once Run serves ("" when
+// off or not yet listening).
+func (d *Daemon) MetricsAddr() string {
+	if a := d.metricsLn.Load(); a != nil {
+		return (*a).String()
+	}
+	return ""
+}
+
 // Backends are the daemon's backends, in the order results are reported.
 func (d *Daemon) Backends() []scrub.Backend { return d.backends }
 
@@ -249,6 +259,8 @@ func (d *Daemon) Run(ctx context.Context) error {
 			apiLn.Close()
 			return fmt.Errorf("metrics address %s: %w (set --metrics-addr, or off)", d.cfg.MetricsAddr, err)
 		}
+		addr := mln.Addr()
+		d.metricsLn.Store(&addr)
 		metricsSrv = &http.Server{Handler: d.metricsHandler(), ReadHeaderTimeout: 10 * time.Second}
 		go metricsSrv.Serve(mln)
 	}

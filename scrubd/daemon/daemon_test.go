@@ -708,3 +708,66 @@ func TestConfigFile(t *testing.T) {
 		}
 	}
 }
+
+func httpGet(t *testing.T, url string) (int, string) {
+	t.Helper()
+	resp, err := http.Get(url)
+	if err != nil {
+		t.Fatalf("GET %s: %v", url, err)
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	return resp.StatusCode, string(b)
+}
+
+// /metrics carries the scrub and CT metrics with their labels; health
+// endpoints answer; pprof is off unless asked for.
+func TestMetricsEndpoint(t *testing.T) {
+	for _, pprofOn := range []bool{false, true} {
+		root := newCTRoot(t, 1<<12)
+		cfg := testConfig(t, root)
+		cfg.MetricsAddr = "127.0.0.1:0"
+		cfg.Pprof = pprofOn
+		td := startDaemon(t, cfg)
+		ip := mustAddr("10.244.8.8")
+		keys := podFlows(ip, 10)
+		root.put4(t, keys)
+		if _, err := td.c.Scrub(context.Background(), api.ScrubRequest{IPs: []netip.Addr{ip}, Reason: scrub.ReasonDel}); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := td.c.CTStats(context.Background()); err != nil {
+			t.Fatal(err)
+		}
+		base := "http://" + td.MetricsAddr()
+		code, body := httpGet(t, base+"/metrics")
+		if code != 200 {
+			t.Fatalf("/metrics: %d", code)
+		}
+		for _, want := range []string{
+			`ctscrub_scrub_duration_seconds_bucket{backend="cilium",method="sweep",reason="del",result="complete",le="0.0001"}`,
+			`ctscrub_scrub_duration_seconds_bucket{backend="cilium",method="sweep",reason="del",result="complete",le="100"} 1`,
+			`ctscrub_scrub_deleted_entries_total{backend="cilium",map="cilium_ct4_global",method="sweep"} 10`,
+			`ctscrub_scrub_deleted_entries_total{backend="cilium",map="cilium_ct_any4_global",method="sweep"} 10`,
+			`ctscrub_scrubs_in_flight 0`,
+			`ctscrub_index_keys{backend="cilium"} 0`,
+			`ctscrub_index_incomplete_ips{backend="cilium"}`,
+			`ctscrub_index_lost_total{backend="cilium"} 0`,
+			`ctscrub_ct_max_entries{backend="cilium",map="cilium_ct4_global"} 4096`,
+			`ctscrub_ct_entries{backend="cilium",map="cilium_ct4_global",state=`,
+		} {
+			if !strings.Contains(body, want) {
+				t.Errorf("/metrics lacks %s", want)
+			}
+		}
+		if code, _ := httpGet(t, base+"/healthz"); code != 200 {
+			t.Errorf("/healthz: %d", code)
+		}
+		if code, _ := httpGet(t, base+"/readyz"); code != 200 {
+			t.Errorf("/readyz: %d", code)
+		}
+		code, _ = httpGet(t, base+"/debug/pprof/")
+		if pprofOn && code != 200 || !pprofOn && code != 404 {
+			t.Errorf("pprof %v: /debug/pprof/ answered %d", pprofOn, code)
+		}
+	}
+}
