@@ -3,6 +3,7 @@ package nfct
 import (
 	"context"
 	"crypto/rand"
+	"encoding/binary"
 	"encoding/hex"
 	"fmt"
 	"net/netip"
@@ -521,6 +522,24 @@ func TestKernelIPv6FilterMatch(t *testing.T) {
 	}
 	defer n.Close()
 	fill(t, tab, []Entry{udp("fd00::5", "fd00::9", 1, 2), udp("fd00::6", "fd00::9", 1, 2)})
+	// The same filter on a dump.
+	var dumped []netip.Addr
+	if err := tab.s.dump(unix.AF_INET6, func(m *msgBuf) {
+		m.nest(ctaTupleOrig)
+		m.nest(ctaTupleIP)
+		m.attr(ctaIPv6Src, netip.MustParseAddr("fd00::5").AsSlice())
+		m.endNest()
+		m.endNest()
+		m.nest(ctaFilter)
+		m.attr(ctaFilterOrigFlags, binary.NativeEndian.AppendUint32(nil, filterFlagIPSrc))
+		m.endNest()
+	}, func(e Entry) { dumped = append(dumped, e.Orig.Src) }); err != nil {
+		t.Fatalf("filtered v6 dump: %v", err)
+	}
+	t.Logf("a v6 CTA_FILTER dump for orig source fd00::5 returned sources %v", dumped)
+	if len(dumped) != 1 {
+		t.Fatalf("a filtered dump of two entries by one source returned %v", dumped)
+	}
 	if err := n.flushOne(netip.MustParseAddr("fd00::5"), ctaTupleOrig, ctaFilterOrigFlags, filterFlagIPSrc, 0, false); err != nil {
 		t.Fatal(err)
 	}
