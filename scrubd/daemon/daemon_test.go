@@ -203,6 +203,9 @@ func testConfig(t *testing.T, root *ctRoot) Config {
 	cfg.PodCIDRs = []string{testCIDR}
 	cfg.MetricsAddr = "off"
 	cfg.Backends = "cilium"
+	// The expiry pass has tests of its own; here its walk of the whole map
+	// at start would compete for the CPUs with the scrubs under test.
+	cfg.Expiry.Mode = "off"
 	return cfg
 }
 
@@ -769,5 +772,68 @@ func TestMetricsEndpoint(t *testing.T) {
 		if pprofOn && code != 200 || !pprofOn && code != 404 {
 			t.Errorf("pprof %v: /debug/pprof/ answered %d", pprofOn, code)
 		}
+	}
+}
+
+// SIGTERM (Run's context ending) stops accepting at once, gives in-flight
+// scrubs the grace, then cancels them: a sweep longer than the grace answers
+// "cancelled" with its partial results, and the IP stays incomplete.
+func TestShutdownCancelsAfterGrace(t *testing.T) {
+	root := newCTRoot(t, 1<<22)
+	root.put4(t, background(2_000_000))
+	ip := mustAddr("10.244.10.10")
+	keys := podFlows(ip, 500)
+	root.put4(t, keys)
+	cfg := testConfig(t, root)
+	cfg.ShutdownGrace.Duration = 100 * time.Millisecond
+	logs := &logBuffer{}
+	d, err := Open(cfg, slog.New(slog.NewJSONHandler(logs, nil)), "test")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer d.Close()
+	ctx, stop := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- d.Run(ctx) }()
+	c := client.New(cfg.Socket)
+	waitServing(t, c, done)
+
+	answer := make(chan error, 1)
+	go func() {
+		_, err := c.Scrub(context.Background(), api.ScrubRequest{IPs: []netip.Addr{ip}, Reason: scrub.ReasonDel})
+		answer <- err
+	}()
+	waitFor(t, "the sweep to be in flight", func() bool { return d.flights.running() == 1 })
+	stopAt := time.Now()
+	stop()
+	err = <-answer
+	took := time.Since(stopAt)
+	if e, ok := client.APIError(err); !ok || e.Code != api.CodeCancelled || len(e.Results) != 1 {
+		t.Fatalf("in-flight sweep at shutdown: %v, want cancelled with results", err)
+	}
+	t.Logf("cancelled answer %s after the stop (grace %s)", took, cfg.ShutdownGrace.Duration)
+	if lines := logs.scrubLines(t); len(lines) == 1 {
+		we, _ := time.Parse(time.RFC3339Nano, fmt.Sprint(lines[0]["work_end"]))
+		t.Logf("the sweep's work ended %s after the grace ran out", we.Sub(stopAt.Add(cfg.ShutdownGrace.Duration)))
+	}
+	if took < cfg.ShutdownGrace.Duration {
+		t.Errorf("the scrub was cancelled %s after the stop, before its grace of %s", took, cfg.ShutdownGrace.Duration)
+	}
+	select {
+	case err := <-done:
+		if err != nil {
+			t.Errorf("Run: %v", err)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("Run did not return after shutdown")
+	}
+	if _, err := c.Status(context.Background()); !client.IsUnavailable(err) {
+		t.Errorf("status after shutdown: %v, want unavailable", err)
+	}
+	if st := d.Index().State(ip); st.Complete {
+		t.Errorf("IP complete after a cancelled sweep")
+	}
+	if n := root.present4(t, keys); n == 0 {
+		t.Errorf("the sweep finished despite the cancel: map too small to test the grace")
 	}
 }

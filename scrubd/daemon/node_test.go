@@ -215,7 +215,8 @@ func startProcess(t *testing.T, bin string, cfg Config, logName string) *daemonP
 		t.Fatal(err)
 	}
 	args := []string{"run", "--socket", cfg.Socket, "--ct-root", cfg.CTRoot, "--pin-dir", cfg.PinDir,
-		"--state-file", cfg.StateFile, "--metrics-addr", "off", "--backends", "cilium", "--shutdown-grace", "2s"}
+		"--state-file", cfg.StateFile, "--metrics-addr", "off", "--backends", "cilium", "--shutdown-grace", "2s",
+		"--expiry-mode", "off"}
 	for _, c := range cfg.PodCIDRs {
 		args = append(args, "--pod-cidr", c)
 	}
