@@ -469,6 +469,12 @@ func (n *NFCT) fallback(ctx context.Context, ips []netip.Addr, dryRun bool) (int
 			dump = append(dump, ip)
 		}
 	}
+	// Four kernel walks per IP against one user-space walk for the whole set:
+	// at 1M entries 1.7 s against 4.2 s (docs/nfct.md), so past two IPs the
+	// dump is cheaper.
+	if len(flush) > flushMaxIPs && n.cfg.Fallback != FallbackFlush {
+		dump, flush = append(dump, flush...), nil
+	}
 	deleted := 0
 	for _, ip := range flush {
 		d, err := n.flushIP(ctx, ip)
@@ -492,6 +498,9 @@ func (n *NFCT) fallback(ctx context.Context, ips []netip.Addr, dryRun bool) (int
 	}
 	return deleted, nil
 }
+
+// flushMaxIPs is the most IPs one fallback flushes; more go through one dump.
+const flushMaxIPs = 2
 
 func (n *NFCT) useFlush(ip netip.Addr) bool {
 	switch n.cfg.Fallback {

@@ -668,3 +668,47 @@ func TestScrubWhileFlowsArrive(t *testing.T) {
 		}
 	}
 }
+
+// A fallback for several IPs at once (one walk for the set) removes exactly
+// their entries.
+func TestSweepOfSeveralIPs(t *testing.T) {
+	ns := privateNetns(t)
+	tab, err := OpenTable(ns)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tab.Close()
+	n, err := New(Config{PodCIDRs: []netip.Prefix{podNet}, Netns: ns})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer n.Close()
+	var ips []netip.Addr
+	var all []Entry
+	want := 0
+	for i, a := range []string{"10.244.1.5", "10.244.1.6", "10.244.1.7"} {
+		mine, others := population(a, 30+i)
+		ips = append(ips, netip.MustParseAddr(a))
+		// population's shared peers (10.244.7.7, 10.244.9.9) make
+		// different IPs' entries collide: keep each IP's own ports apart.
+		for j := range mine {
+			mine[j].Orig.SPort += uint16(1000 * i)
+			mine[j].Reply.DPort += uint16(1000 * i)
+		}
+		all = append(all, mine...)
+		if i == 0 {
+			all = append(all, others...)
+		}
+		want += len(mine)
+	}
+	fill(t, tab, all)
+	before := snapshot(t, tab)
+	res, err := n.Sweep(context.Background(), scrub.Request{IPs: ips})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res.Method != scrub.MethodSweep || res.Deleted[MapName] != want {
+		t.Fatalf("sweep of %v: want %d deleted, got %+v", ips, want, res)
+	}
+	checkScrubbed(t, tab, before, ips...)
+}
