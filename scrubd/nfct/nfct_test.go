@@ -712,3 +712,45 @@ func TestSweepOfSeveralIPs(t *testing.T) {
 	}
 	checkScrubbed(t, tab, before, ips...)
 }
+
+// The fallbacks respect zones too: limited to zone 7, neither the filtered
+// flush (CTA_ZONE in the filter) nor the dump touches zone 0.
+func TestZonedSweep(t *testing.T) {
+	for _, fb := range []Fallback{FallbackFlush, FallbackDump} {
+		t.Run(string(fb), func(t *testing.T) {
+			if fb == FallbackFlush && !kernelAtLeast(6, 12) {
+				t.Skip("filtered flush needs Linux 6.12+")
+			}
+			ns := privateNetns(t)
+			tab, err := OpenTable(ns)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer tab.Close()
+			n, err := New(Config{PodCIDRs: []netip.Prefix{podNet}, Netns: ns, Zones: []uint16{7}, Fallback: fb})
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer n.Close()
+			target := netip.MustParseAddr("10.244.1.5")
+			a := udp("10.244.1.5", "10.244.9.9", 1111, 53)
+			b := a
+			b.Zone = 7
+			c := dnat("10.244.7.7", "10.96.0.10", "10.244.1.5", 2222, 80)
+			c.Zone = 7
+			fill(t, tab, []Entry{a, b, c})
+			if _, err := n.Sweep(context.Background(), scrub.Request{IPs: []netip.Addr{target}}); err != nil {
+				t.Fatal(err)
+			}
+			left := snapshot(t, tab)
+			if len(left) != 1 {
+				t.Fatalf("%d entries left, want only the zone-0 one", len(left))
+			}
+			for _, e := range left {
+				if e.Zone != 0 {
+					t.Errorf("left an entry of zone %d", e.Zone)
+				}
+			}
+		})
+	}
+}
