@@ -837,3 +837,59 @@ func TestShutdownCancelsAfterGrace(t *testing.T) {
 		t.Errorf("the sweep finished despite the cancel: map too small to test the grace")
 	}
 }
+
+// IPs that need the sweep at the same moment share one pass: eight
+// requests arriving while a first sweep runs are all served by the next
+// pass, two passes in all.
+func TestSweepsShareAPass(t *testing.T) {
+	root := newCTRoot(t, 1<<22)
+	root.put4(t, background(3_000_000))
+	td := startDaemon(t, testConfig(t, root))
+	var sw *scrub.Sweeper
+	for _, b := range td.Backends() {
+		if s, ok := b.(interface{ Sweeper() *scrub.Sweeper }); ok {
+			sw = s.Sweeper()
+		}
+	}
+	if sw == nil {
+		t.Fatal("no Cilium backend with a Sweeper")
+	}
+	first := mustAddr("10.244.11.1")
+	var ips []netip.Addr
+	var keys []ctmap.CTKey4
+	for i := range 8 {
+		ip := netip.AddrFrom4([4]byte{10, 244, 11, byte(10 + i)})
+		ips = append(ips, ip)
+		keys = append(keys, podFlows(ip, 100)...)
+	}
+	root.put4(t, keys)
+	before := sw.Passes()
+	errs := make(chan error, 9)
+	send := func(ip netip.Addr) {
+		_, err := td.c.Scrub(context.Background(), api.ScrubRequest{IPs: []netip.Addr{ip}, Reason: scrub.ReasonDel})
+		errs <- err
+	}
+	go send(first)
+	waitFor(t, "the first sweep to run", func() bool { _, running := sw.Waiting(); return running == 1 })
+	for _, ip := range ips {
+		go send(ip)
+	}
+	waitFor(t, "eight callers to wait for the next pass", func() bool {
+		pending, running := sw.Waiting()
+		return pending == 8 || running == 0
+	})
+	if pending, _ := sw.Waiting(); pending != 8 {
+		t.Logf("the first pass ended before all eight requests arrived (machine too busy?)")
+	}
+	for range 9 {
+		if err := <-errs; err != nil {
+			t.Fatal(err)
+		}
+	}
+	if n := sw.Passes() - before; n != 2 {
+		t.Errorf("nine sweeping scrubs took %d passes, want 2 (one running, one shared by the eight that arrived during it)", n)
+	}
+	if n := root.present4(t, keys); n != 0 {
+		t.Errorf("%d entries left", n)
+	}
+}
