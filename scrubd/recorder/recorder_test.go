@@ -549,7 +549,7 @@ func TestAutoPrune(t *testing.T) {
 	var sent []uint16
 	err := a.Do(func() error {
 		for port := uint16(20000); port < 20600; port++ {
-			if err := sendUDPFrom(port, remote.Addr4, netpods.EchoPort); err != nil {
+			if err := sendUDPFrom(port, remote.Addr4, silentPort); err != nil {
 				return err
 			}
 			sent = append(sent, port)
@@ -562,14 +562,14 @@ func TestAutoPrune(t *testing.T) {
 	w.requireIndexed(t, []netip.Addr{a.Addr4}, 601)
 	// Cilium's GC removes the first 600 flows.
 	for _, port := range sent {
-		k := ctmap.NewKey4(a.Addr4, remote.Addr4, netpods.EchoPort, port, ctmap.ProtoUDP, ctmap.FlagOut)
+		k := ctmap.NewKey4(a.Addr4, remote.Addr4, silentPort, port, ctmap.ProtoUDP, ctmap.FlagOut)
 		if err := w.ct.Map(ctmap.Any4).Delete(k); err != nil {
 			t.Fatalf("delete %s: %v", k, err)
 		}
 	}
 	err = a.Do(func() error {
 		for port := uint16(30000); port < 30500; port++ {
-			if err := sendUDPFrom(port, remote.Addr4, netpods.EchoPort); err != nil {
+			if err := sendUDPFrom(port, remote.Addr4, silentPort); err != nil {
 				return err
 			}
 		}
@@ -654,7 +654,7 @@ func TestRingFullMarksLost(t *testing.T) {
 		t.Helper()
 		err := a.Do(func() error {
 			for port := uint16(42000); port < 42200; port++ {
-				if err := sendUDPFrom(port, remote.Addr4, netpods.EchoPort); err != nil {
+				if err := sendUDPFrom(port, remote.Addr4, silentPort); err != nil {
 					return err
 				}
 			}
@@ -664,7 +664,10 @@ func TestRingFullMarksLost(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	send() // 200 new flows, nobody reading
+	// 200 new flows, nobody reading. No replies: a reply retrying a lost
+	// record would record the flow with the reply's direction (the IP is
+	// incomplete anyway, see docs/recorder.md).
+	send()
 	time.Sleep(200 * time.Millisecond)
 	if rec.Lost() == 0 {
 		t.Fatal("no loss counted although 200 new flows went into a one-page ring buffer nobody read")
@@ -683,8 +686,20 @@ func TestRingFullMarksLost(t *testing.T) {
 	}
 	// The lost flows' next packets are recorded now that Run drains the
 	// ring: every entry ends up indexed (200 flows + 1 shared related key).
-	send()
-	w.requireIndexed(t, []netip.Addr{a.Addr4}, 201)
+	// A busy machine may overflow the small ring again; flows lost again
+	// stay unseen and their next round of packets retries.
+	for round := 0; ; round++ {
+		send()
+		time.Sleep(200 * time.Millisecond)
+		missing, total := w.missing(t, []netip.Addr{a.Addr4})
+		if len(missing) == 0 && total >= 201 {
+			t.Logf("all %d entries indexed after %d rounds of retries", total, round+1)
+			break
+		}
+		if round == 20 {
+			t.Fatalf("%d of %d entries still not indexed after %d rounds:\n%s", len(missing), total, round+1, strings.Join(missing, "\n"))
+		}
+	}
 }
 
 // A pod IP reused on the node: the new pod's flows are recorded even when
@@ -694,7 +709,7 @@ func TestIPReuse(t *testing.T) {
 	w := newWorld(t, 1)
 	a, remote := w.pods[0], w.node.Remote
 	const port = 43000
-	if err := a.Do(func() error { return sendUDPFrom(port, remote.Addr4, netpods.EchoPort) }); err != nil {
+	if err := a.Do(func() error { return sendUDPFrom(port, remote.Addr4, silentPort) }); err != nil {
 		t.Fatal(err)
 	}
 	w.requireIndexed(t, []netip.Addr{a.Addr4}, 2)
@@ -717,10 +732,10 @@ func TestIPReuse(t *testing.T) {
 	}
 	t.Cleanup(func() { w.rec.Detach(b.Path, "eth0") })
 	w.ix.Track(b.Addr4)
-	if err := b.Do(func() error { return sendUDPFrom(port, remote.Addr4, netpods.EchoPort) }); err != nil {
+	if err := b.Do(func() error { return sendUDPFrom(port, remote.Addr4, silentPort) }); err != nil {
 		t.Fatal(err)
 	}
-	want := ctmap.NewKey4(b.Addr4, remote.Addr4, netpods.EchoPort, port, ctmap.ProtoUDP, ctmap.FlagOut)
+	want := ctmap.NewKey4(b.Addr4, remote.Addr4, silentPort, port, ctmap.ProtoUDP, ctmap.FlagOut)
 	if !lookup4(t, w.ct.Map(ctmap.Any4), want) {
 		t.Fatalf("stand-in did not re-create %s", want)
 	}
@@ -737,10 +752,10 @@ func TestScrubOfLiveIPReindexes(t *testing.T) {
 	a, remote := w.pods[0], w.node.Remote
 	flow := func(port uint16) ctmap.CTKey4 {
 		t.Helper()
-		if err := a.Do(func() error { return sendUDPFrom(port, remote.Addr4, netpods.EchoPort) }); err != nil {
+		if err := a.Do(func() error { return sendUDPFrom(port, remote.Addr4, silentPort) }); err != nil {
 			t.Fatal(err)
 		}
-		return ctmap.NewKey4(a.Addr4, remote.Addr4, netpods.EchoPort, port, ctmap.ProtoUDP, ctmap.FlagOut)
+		return ctmap.NewKey4(a.Addr4, remote.Addr4, silentPort, port, ctmap.ProtoUDP, ctmap.FlagOut)
 	}
 	deleteAll := func(keys ...ctmap.CTKey4) {
 		for _, k := range keys {
@@ -781,6 +796,13 @@ func TestScrubOfLiveIPReindexes(t *testing.T) {
 		t.Fatalf("sweep path: %s re-created, indexed %v, state %+v", k, containsKey(k4, k), st)
 	}
 }
+
+// silentPort is a port nothing listens on: datagrams sent there get no
+// reply that could arrive after a test deleted the flow's entry (the
+// stand-in would then create an IN entry with the peer as initiator, the
+// blind spot docs/recorder.md describes for entries re-created without
+// idleness).
+const silentPort = 41999
 
 // sendUDPFrom sends one datagram from local port sport (in the current
 // netns).
