@@ -400,10 +400,10 @@ func mustCount(t *testing.T, c *Cilium, k ctmap.Kind) int64 {
 // to join) plus recorded flows of a few pods.
 func bigWorld(t *testing.T, bulk int) (*world, *Cilium) {
 	needRoot(t)
-	if testing.Short() {
-		t.Skip("fills a map of a million entries")
+	if testing.Short() && bulk >= 1<<20 {
+		t.Skip("fills a map of millions of entries")
 	}
-	maps := pinnedMaps(t, uint32(bulk)*2, false)
+	maps := pinnedMaps(t, uint32(bulk)+1<<16, false)
 	bulkFill(t, maps.Map(ctmap.TCP4), bulk)
 	ix := newIndex()
 	w := newWorld(t, maps, ix)
@@ -415,7 +415,9 @@ func bigWorld(t *testing.T, bulk int) (*world, *Cilium) {
 }
 
 func TestSweepCancel(t *testing.T) {
-	const bulk = 1 << 20
+	// Big enough that a pass lasts about 0.2 s (with the address filter),
+	// so the cancel below lands while the program walks the map.
+	const bulk = 2 << 20
 	w, c := bigWorld(t, bulk)
 	target := netip.AddrFrom4([4]byte{10, 244, 0, 10})
 	ctx, cancel := context.WithCancel(context.Background())
@@ -462,9 +464,31 @@ func TestSweepCancel(t *testing.T) {
 	}
 }
 
+// gates hold the runner before each of its next passes until released.
+type gates struct {
+	n  atomic.Int32
+	ch []chan struct{}
+}
+
+func holdPasses(sw *Sweeper, n int) *gates {
+	g := &gates{}
+	for range n {
+		g.ch = append(g.ch, make(chan struct{}))
+	}
+	sw.mu.Lock()
+	sw.beforePass = func() {
+		if i := int(g.n.Add(1)) - 1; i < len(g.ch) {
+			<-g.ch[i]
+		}
+	}
+	sw.mu.Unlock()
+	return g
+}
+
+func (g *gates) release(i int) { close(g.ch[i]) }
+
 func TestSweepSharedPass(t *testing.T) {
-	const bulk = 1 << 20
-	w, c := bigWorld(t, bulk)
+	w, c := bigWorld(t, 1<<16)
 	sw := c.Sweeper()
 	ips := make([]netip.Addr, 6)
 	for i := range ips {
@@ -478,20 +502,22 @@ func TestSweepSharedPass(t *testing.T) {
 	results := make([]Result, len(ips))
 	errs := make([]error, len(ips))
 	var wg sync.WaitGroup
-	scrub := func(i int) {
+	scrub := func(ctx context.Context, i int) {
 		defer wg.Done()
-		results[i], errs[i] = c.Scrub(context.Background(), Request{IPs: []netip.Addr{ips[i]}})
+		results[i], errs[i] = c.Scrub(ctx, Request{IPs: []netip.Addr{ips[i]}})
 	}
-	// The first caller starts a pass; the others arrive while it runs and
-	// must all share the next one.
+	// The first caller's pass is held while the others arrive: they must
+	// all share the next pass.
+	g := holdPasses(sw, 1)
 	wg.Add(1)
-	go scrub(0)
+	go scrub(context.Background(), 0)
 	waitFor(t, func() bool { _, r := sw.Waiting(); return r == 1 })
 	for i := 1; i < len(ips); i++ {
 		wg.Add(1)
-		go scrub(i)
+		go scrub(context.Background(), i)
 	}
-	waitFor(t, func() bool { p, _ := sw.Waiting(); return p == len(ips)-1 || sw.Passes() > before+1 })
+	waitFor(t, func() bool { p, _ := sw.Waiting(); return p == len(ips)-1 })
+	g.release(0)
 	wg.Wait()
 	if got := sw.Passes() - before; got != 2 {
 		t.Errorf("%d callers ran %d passes, want 2 (one for the first, one shared by the %d that arrived during it)", len(ips), got, len(ips)-1)
@@ -504,9 +530,9 @@ func TestSweepSharedPass(t *testing.T) {
 	}
 	w.verify(ips...)
 
-	// A caller leaving a shared pass does not stop it for the others. A
-	// blocker pass runs while three callers arrive; they share the next pass
-	// and one of them leaves it mid-way.
+	// A caller leaving a shared pass does not stop it for the others: three
+	// callers arrive during a blocker's pass and share the next one; one
+	// leaves after the runner took it.
 	before = sw.Passes()
 	for i, ip := range ips[:4] {
 		w.addFlows(ip, remote4, 5, false)
@@ -516,21 +542,20 @@ func TestSweepSharedPass(t *testing.T) {
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
+	g = holdPasses(sw, 2)
 	wg.Add(1)
-	go scrub(3) // the blocker
+	go scrub(context.Background(), 3) // the blocker
 	waitFor(t, func() bool { _, r := sw.Waiting(); return r == 1 })
-	wg.Add(1)
-	go func() {
-		defer wg.Done()
-		results[0], errs[0] = c.Scrub(ctx, Request{IPs: []netip.Addr{ips[0]}})
-	}()
-	for i := 1; i < 3; i++ {
-		wg.Add(1)
-		go scrub(i)
-	}
+	wg.Add(3)
+	go scrub(ctx, 0)
+	go scrub(context.Background(), 1)
+	go scrub(context.Background(), 2)
+	waitFor(t, func() bool { p, _ := sw.Waiting(); return p == 3 })
+	g.release(0)
 	waitFor(t, func() bool { _, r := sw.Waiting(); return r == 3 })
-	waitFor(t, sw.inProg.Load)
 	cancel()
+	waitFor(t, func() bool { _, r := sw.Waiting(); return r == 2 })
+	g.release(1)
 	wg.Wait()
 	if !errors.Is(errs[0], context.Canceled) || results[0].Outcome != Cancelled {
 		t.Errorf("caller that left: %+v, %v; want Cancelled", results[0], errs[0])

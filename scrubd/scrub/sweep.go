@@ -191,6 +191,10 @@ type Sweeper struct {
 
 	passes atomic.Uint64 // passes run (each over every map it needed)
 	inProg atomic.Bool   // the sweep program is running in the kernel
+	// beforePass, when set (tests only), runs after the runner took a pass
+	// and before it sweeps: tests hold a pass there to make callers join
+	// or leave at a known point.
+	beforePass func()
 	last   [ctmap.NumKinds]PassStats
 }
 
@@ -401,8 +405,12 @@ func (s *Sweeper) runner() {
 		p.started = true
 		s.running = p
 		s.setStop(0)
+		hook := s.beforePass
 		s.mu.Unlock()
 
+		if hook != nil {
+			hook()
+		}
 		err := s.runPass(p)
 
 		s.mu.Lock()
