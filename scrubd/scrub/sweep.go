@@ -195,7 +195,7 @@ type Sweeper struct {
 	// and before it sweeps: tests hold a pass there to make callers join
 	// or leave at a known point.
 	beforePass func()
-	last   [ctmap.NumKinds]PassStats
+	last       [ctmap.NumKinds]PassStats
 }
 
 // pass is one shared run of the sweep.
