@@ -17,6 +17,7 @@ import (
 	"net"
 	"net/netip"
 	"os"
+	"os/exec"
 	"sync/atomic"
 	"syscall"
 	"testing"
@@ -60,6 +61,9 @@ func newBareNode(t *testing.T, srvLast string, ctscrub func(nodePath string) *ct
 	t.Helper()
 	if os.Geteuid() != 0 {
 		t.Skip("needs root: network namespaces, CNI plugins, iptables, conntrack")
+	}
+	if _, err := exec.LookPath("iptables"); err != nil {
+		t.Skip("iptables missing (apt-get install iptables; scripts/setup.sh): the Service's DNAT needs it")
 	}
 	r := randHex(3)
 	n := &testNode{path: addNetns(t, "ctsn-"+r)}
