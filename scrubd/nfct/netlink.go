@@ -107,32 +107,49 @@ func openSocket(nsPath string) (*socket, error) {
 	return s, nil
 }
 
-// inNetns runs fn on a locked OS thread moved into the namespace at path.
+// inNetns runs fn on a locked OS thread moved into the namespace at path. It
+// runs on a goroutine of its own: if the thread cannot be moved back, it stays
+// locked and the runtime discards it when that goroutine ends, so no other
+// code ever runs in the wrong namespace.
 func inNetns(path string, fn func() (int, error)) (int, error) {
 	target, err := netns.GetFromPath(path)
 	if err != nil {
 		return -1, fmt.Errorf("open network namespace %s: %w (does it exist?)", path, err)
 	}
 	defer target.Close()
-	runtime.LockOSThread()
-	defer runtime.UnlockOSThread()
-	orig, err := netns.Get()
-	if err != nil {
-		return -1, fmt.Errorf("get current network namespace: %w", err)
+	type result struct {
+		fd  int
+		err error
 	}
-	defer orig.Close()
-	if err := netns.Set(target); err != nil {
-		return -1, fmt.Errorf("enter network namespace %s: %w", path, err)
-	}
-	fd, ferr := fn()
-	if err := netns.Set(orig); err != nil {
-		// The thread is in the wrong namespace: never let the runtime reuse it.
-		if fd >= 0 {
-			unix.Close(fd)
+	done := make(chan result, 1)
+	go func() {
+		runtime.LockOSThread()
+		orig, err := netns.Get()
+		if err != nil {
+			runtime.UnlockOSThread()
+			done <- result{-1, fmt.Errorf("get current network namespace: %w", err)}
+			return
 		}
-		runtime.Goexit()
+		defer orig.Close()
+		if err := netns.Set(target); err != nil {
+			runtime.UnlockOSThread()
+			done <- result{-1, fmt.Errorf("enter network namespace %s: %w", path, err)}
+			return
+		}
+		fd, ferr := fn()
+		if err := netns.Set(orig); err != nil {
+			done <- result{fd, errors.Join(ferr, fmt.Errorf("leave network namespace %s: %w", path, err))}
+			return // thread stays locked: discarded with this goroutine
+		}
+		runtime.UnlockOSThread()
+		done <- result{fd, ferr}
+	}()
+	r := <-done
+	if r.err != nil && r.fd >= 0 {
+		unix.Close(r.fd)
+		r.fd = -1
 	}
-	return fd, ferr
+	return r.fd, r.err
 }
 
 func (s *socket) close() error { return unix.Close(s.fd) }
