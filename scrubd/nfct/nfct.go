@@ -709,8 +709,20 @@ func (n *NFCT) Lost() uint64 { return n.ev.drops() }
 
 // Complete reports whether the index proves it holds every entry of ip.
 func (n *NFCT) Complete(ip netip.Addr) bool {
-	_, c := n.ix.take(ip.Unmap())
+	_, c := n.IndexIP(ip)
 	return c
+}
+
+// IndexIP returns how many entries the index holds for ip and whether it
+// proves they are all (for `scrubd index --ip`).
+func (n *NFCT) IndexIP(ip netip.Addr) (entries int, complete bool) {
+	ip = ip.Unmap()
+	n.ix.mu.Lock()
+	defer n.ix.mu.Unlock()
+	if s := n.ix.ips[ip]; s != nil {
+		entries = len(s.flows)
+	}
+	return entries, n.ix.completeLocked(ip)
 }
 
 // kernelAtLeast compares the running kernel's release with major.minor.
