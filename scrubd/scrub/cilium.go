@@ -36,6 +36,8 @@ type Cilium struct {
 	// between would see an empty set and wrongly report the IP clean.
 	lockMu sync.Mutex
 	locks  map[netip.Addr]*ipLock
+
+	countErr error // why Count walks instead of reading the kernel's counter
 }
 
 type ipLock struct {
@@ -56,16 +58,17 @@ func NewCilium(maps *ctmap.Maps, ix *index.Index, opts CiliumOptions) (*Cilium, 
 	if opts.DeleteChunk <= 0 {
 		opts.DeleteChunk = 1024
 	}
-	progs, ips4, ips6, err := loadProgs(maps)
+	progs, ips4, ips6, countErr, err := loadProgs(maps)
 	if err != nil {
 		return nil, err
 	}
 	return &Cilium{
-		maps:    maps,
-		ix:      ix,
-		opts:    opts,
-		sweeper: &Sweeper{progs: progs, ips4: ips4, ips6: ips6},
-		locks:   map[netip.Addr]*ipLock{},
+		maps:     maps,
+		ix:       ix,
+		opts:     opts,
+		sweeper:  &Sweeper{progs: progs, ips4: ips4, ips6: ips6},
+		locks:    map[netip.Addr]*ipLock{},
+		countErr: countErr,
 	}, nil
 }
 
@@ -406,6 +409,10 @@ func (c *Cilium) Count(k ctmap.Kind) (int64, error) {
 	}
 	return a.Count, nil
 }
+
+// CountError says why Count falls back to a walk (nil when it does not), for
+// the daemon's startup log.
+func (c *Cilium) CountError() error { return c.countErr }
 
 // CountIsCheap reports whether Count uses the kernel's element counter
 // rather than a walk.

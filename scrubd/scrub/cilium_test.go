@@ -372,7 +372,7 @@ func TestCount(t *testing.T) {
 		}
 	}
 	if !c.CountIsCheap() {
-		t.Logf("Count walks the map: the kernel's element counter is unavailable: %v", countErr)
+		t.Logf("Count walks the map: the kernel's element counter is unavailable: %v", c.CountError())
 	}
 	// The counter follows deletions too.
 	res, err := c.Scrub(context.Background(), Request{IPs: []netip.Addr{podA}})

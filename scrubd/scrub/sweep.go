@@ -83,14 +83,10 @@ func (p *mapProg) close() {
 // loadProgs loads bpf/sweep.c once per CT map present in maps, with the map
 // given as the replacement of the program's placeholder, and the IP sets
 // shared by every instance.
-// countErr is why the cheap entry count could not be loaded (for Count's
-// documentation and the daemon's log).
-var countErr error
-
-func loadProgs(maps *ctmap.Maps) (progs [ctmap.NumKinds]*mapProg, ips4, ips6 *ebpf.Map, err error) {
+func loadProgs(maps *ctmap.Maps) (progs [ctmap.NumKinds]*mapProg, ips4, ips6 *ebpf.Map, countErr, err error) {
 	spec, err := bpf.LoadSweep()
 	if err != nil {
-		return progs, nil, nil, fmt.Errorf("load sweep program spec: %w", err)
+		return progs, nil, nil, nil, fmt.Errorf("load sweep program spec: %w", err)
 	}
 	closeAll := func() {
 		for _, p := range progs {
@@ -106,11 +102,11 @@ func loadProgs(maps *ctmap.Maps) (progs [ctmap.NumKinds]*mapProg, ips4, ips6 *eb
 		}
 	}
 	if ips4, err = ebpf.NewMap(spec.Maps["ips4"]); err != nil {
-		return progs, nil, nil, fmt.Errorf("create sweep IP set ips4: %w", err)
+		return progs, nil, nil, nil, fmt.Errorf("create sweep IP set ips4: %w", err)
 	}
 	if ips6, err = ebpf.NewMap(spec.Maps["ips6"]); err != nil {
 		closeAll()
-		return progs, nil, nil, fmt.Errorf("create sweep IP set ips6: %w", err)
+		return progs, nil, nil, nil, fmt.Errorf("create sweep IP set ips6: %w", err)
 	}
 	for _, k := range ctmap.Kinds {
 		m := maps.Map(k)
@@ -137,7 +133,7 @@ func loadProgs(maps *ctmap.Maps) (progs [ctmap.NumKinds]*mapProg, ips4, ips6 *eb
 		})
 		if err != nil {
 			closeAll()
-			return progs, nil, nil, fmt.Errorf("load sweep program for %s: %w", k.Name(), err)
+			return progs, nil, nil, nil, fmt.Errorf("load sweep program for %s: %w", k.Name(), err)
 		}
 		p.sweep, p.stop, p.filter = objs.Sweep, objs.Stop, objs.Filter4
 		if k.IPv6() {
@@ -157,11 +153,11 @@ func loadProgs(maps *ctmap.Maps) (progs [ctmap.NumKinds]*mapProg, ips4, ips6 *eb
 			MapReplacements: map[string]*ebpf.Map{"ct" + fam: m},
 		}); err == nil {
 			p.count = cobjs.Count
-		} else {
-			countErr = err
+		} else if countErr == nil {
+			countErr = fmt.Errorf("load the entry-count program for %s: %w", k.Name(), err)
 		}
 	}
-	return progs, ips4, ips6, nil
+	return progs, ips4, ips6, countErr, nil
 }
 
 // placeholderSpec copies spec and gives its ct4/ct6 placeholder the real
