@@ -227,10 +227,11 @@ type SweepResult struct {
 // Sweep deletes (dryRun: counts) every entry whose daddr or saddr is one of
 // ips, in every map of the IPs' family. It shares a pass with concurrent
 // callers. When ctx ends first it returns ctx's error with what was counted
-// so far and Complete false. ips must be valid and unmapped (see checkIPs).
+// so far and Complete false. ips are checked with CheckIPs.
 func (s *Sweeper) Sweep(ctx context.Context, ips []netip.Addr, dryRun bool) (SweepResult, error) {
-	if len(ips) == 0 {
-		return SweepResult{Complete: true}, nil
+	ips, err := CheckIPs(ips)
+	if err != nil {
+		return SweepResult{}, err
 	}
 	if len(ips) > MaxSweepIPs {
 		return SweepResult{}, fmt.Errorf("sweep: %d IPs in one request, at most %d", len(ips), MaxSweepIPs)
