@@ -97,6 +97,32 @@ func (f durationFlag) String() string {
 func (f durationFlag) Set(s string) error { return f.d.UnmarshalText([]byte(s)) }
 
 func run(args []string) error {
+	cfg, err := runConfig(args)
+	if errors.Is(err, flag.ErrHelp) {
+		return nil
+	}
+	if err != nil {
+		return err
+	}
+	var level slog.Level
+	if err := level.UnmarshalText([]byte(cfg.LogLevel)); err != nil {
+		return fmt.Errorf("log level %q: want debug, info, warn or error", cfg.LogLevel)
+	}
+	log := slog.New(slog.NewJSONHandler(os.Stderr, &slog.HandlerOptions{Level: level}))
+
+	d, err := daemon.Open(cfg, log, version)
+	if err != nil {
+		return err
+	}
+	defer d.Close()
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
+	defer stop()
+	return d.Run(ctx)
+}
+
+// runConfig builds the daemon's config: defaults, then the config file, then
+// the flags given on the command line.
+func runConfig(args []string) (daemon.Config, error) {
 	fs := flag.NewFlagSet("scrubd run", flag.ContinueOnError)
 	var (
 		configPath = fs.String("config", "", "YAML or JSON config file (see conf/scrubd.yaml); flags given here win over it")
@@ -122,20 +148,17 @@ func run(args []string) error {
 	fs.StringVar(&flagCfg.Expiry.Clock, "expiry-clock", flagCfg.Expiry.Clock, "clock of Cilium's CT lifetimes: auto, ktime or jiffies")
 	fs.StringVar(&flagCfg.NFCTFallback, "nfct-fallback", flagCfg.NFCTFallback, "nf_conntrack scrub of incomplete IPs: auto (empty), flush or dump")
 	if err := fs.Parse(args); err != nil {
-		if errors.Is(err, flag.ErrHelp) {
-			return nil
-		}
-		return err
+		return daemon.Config{}, err
 	}
 	if fs.NArg() > 0 {
-		return fmt.Errorf("unexpected arguments %q", fs.Args())
+		return daemon.Config{}, fmt.Errorf("unexpected arguments %q", fs.Args())
 	}
 	flagCfg.PodCIDRs = cidrs
 
 	cfg := daemon.DefaultConfig()
 	if *configPath != "" {
 		if err := daemon.LoadConfigFile(*configPath, &cfg); err != nil {
-			return err
+			return daemon.Config{}, err
 		}
 	}
 	// Flags given on the command line win over the file.
@@ -179,21 +202,7 @@ func run(args []string) error {
 			cfg.NFCTFallback = flagCfg.NFCTFallback
 		}
 	})
-
-	var level slog.Level
-	if err := level.UnmarshalText([]byte(cfg.LogLevel)); err != nil {
-		return fmt.Errorf("log level %q: want debug, info, warn or error", cfg.LogLevel)
-	}
-	log := slog.New(slog.NewJSONHandler(os.Stderr, &slog.HandlerOptions{Level: level}))
-
-	d, err := daemon.Open(cfg, log, version)
-	if err != nil {
-		return err
-	}
-	defer d.Close()
-	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
-	defer stop()
-	return d.Run(ctx)
+	return cfg, nil
 }
 
 // cliFlags are the flags every CLI command takes.
