@@ -132,7 +132,7 @@ func LoadConfigFile(path string, cfg *Config) error {
 // Validate checks cfg and returns the parsed pod CIDRs.
 func (c *Config) Validate() ([]netip.Prefix, error) {
 	if len(c.PodCIDRs) == 0 {
-		return nil, errors.New("no pod CIDRs configured: set --pod-cidr (repeatable) or pod_cidrs in the config file to the node's pod ranges (e.g. Cilium's ipv4-native-routing-cidr or the node's PodCIDRs)")
+		return nil, errors.New("no pod CIDRs configured: set --pod-cidr (repeatable) or pod_cidrs in the config file to this node's pod ranges (the Node's spec.podCIDRs, or the CiliumNode's spec.ipam.podCIDRs)")
 	}
 	var out []netip.Prefix
 	for _, s := range c.PodCIDRs {
