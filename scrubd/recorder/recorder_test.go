@@ -9,6 +9,7 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -295,6 +296,52 @@ func TestEveryEntryIndexed(t *testing.T) {
 		if st := w.ix.State(ip); st.Incomplete == index.ReasonLost || st.Incomplete == index.ReasonService {
 			t.Errorf("%s marked incomplete (%s) without a loss or a service", ip, st.Incomplete)
 		}
+	}
+}
+
+// Five pods talking all-to-all (and to and from the remote host), over
+// both families and three protocols, concurrently: every entry with a pod
+// IP is indexed under that IP.
+func TestAllToAll(t *testing.T) {
+	w := newWorld(t, 5)
+	hosts := []*netpods.Host{w.node.Remote}
+	for _, p := range w.pods {
+		hosts = append(hosts, &p.Host)
+	}
+	errs := make(chan error, 1024)
+	var wg sync.WaitGroup
+	for _, from := range hosts {
+		for _, to := range hosts {
+			if from == to {
+				continue
+			}
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				for _, dst := range []netip.Addr{to.Addr4, to.Addr6} {
+					if err := from.TCP(dst, netpods.EchoPort); err != nil {
+						errs <- err
+					}
+					if err := from.UDP(dst, netpods.EchoPort); err != nil {
+						errs <- err
+					}
+					if _, err := from.Ping(dst); err != nil {
+						errs <- err
+					}
+				}
+			}()
+		}
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		t.Fatal(err)
+	}
+	// 5 pods x 5 peers x 2 families x 3 protocols, at least one entry
+	// with the pod each (plus related and twin entries).
+	w.requireIndexed(t, w.podIPs(), 5*5*2*3)
+	if lost := w.rec.Lost(); lost != 0 {
+		t.Errorf("recorder lost %d records", lost)
 	}
 }
 
