@@ -4,6 +4,8 @@ import (
 	"errors"
 	"fmt"
 	"net/netip"
+	"sync"
+	"sync/atomic"
 
 	"github.com/cilium/ebpf"
 
@@ -23,31 +25,99 @@ type forgetArgs struct {
 }
 
 // ForgetIPs drops from the seen caches every flow whose local or remote
-// address is one of ips, in one in-kernel pass per cache and batch of eight
-// IPs (SEC("syscall") program forget_ips, run with BPF_PROG_TEST_RUN). Their
-// next packets are recorded again. Attach calls it for a new pod's
-// addresses.
+// address is one of ips, in in-kernel passes over the caches (SEC("syscall")
+// program forget_ips, run with BPF_PROG_TEST_RUN; one pass per cache covers
+// eight IPs). Their next packets are recorded again. Attach calls it for a
+// new pod's addresses, and Run's Tracked hook for an IP declared complete.
+//
+// Callers arriving while passes run share the next passes: 50 pods
+// attached together cost about 50/8 passes, not 50. deleted counts every
+// flow the shared passes dropped.
 func (r *Recorder) ForgetIPs(ips ...netip.Addr) (deleted int, err error) {
-	for len(ips) > 0 {
-		var a forgetArgs
-		for len(ips) > 0 && a.N4 < forgetMaxIPs && a.N6 < forgetMaxIPs {
-			ip := ips[0].Unmap()
-			ips = ips[1:]
+	w := &forgetWaiter{done: make(chan struct{})}
+	for _, ip := range ips {
+		if ip = ip.Unmap(); ip.IsValid() {
+			w.ips = append(w.ips, ip)
+		}
+	}
+	if len(w.ips) == 0 {
+		return 0, nil
+	}
+	q := &r.forgetQ
+	q.mu.Lock()
+	q.waiting = append(q.waiting, w)
+	if !q.leading {
+		// Lead: run passes until nobody waits, then hand over.
+		q.leading = true
+		for len(q.waiting) > 0 {
+			batch := q.waiting
+			q.waiting = nil
+			q.mu.Unlock()
+			r.forgetBatch(batch)
+			q.mu.Lock()
+		}
+		q.leading = false
+	}
+	q.mu.Unlock()
+	<-w.done
+	return w.deleted, w.err
+}
+
+// forgetQueue coalesces concurrent ForgetIPs calls.
+type forgetQueue struct {
+	mu      sync.Mutex
+	waiting []*forgetWaiter
+	leading bool
+	passes  atomic.Int64 // BPF_PROG_TEST_RUN calls made (tests)
+}
+
+type forgetWaiter struct {
+	ips     []netip.Addr
+	deleted int
+	err     error
+	done    chan struct{}
+}
+
+// forgetBatch forgets the IPs of every waiter in batch and releases them.
+func (r *Recorder) forgetBatch(batch []*forgetWaiter) {
+	var v4, v6 []netip.Addr
+	seen := make(map[netip.Addr]bool)
+	for _, w := range batch {
+		for _, ip := range w.ips {
+			if seen[ip] {
+				continue
+			}
+			seen[ip] = true
 			if ip.Is4() {
-				a.IPs4[a.N4] = ip.As4()
-				a.N4++
-			} else if ip.Is6() {
-				a.IPs6[a.N6] = ip.As16()
-				a.N6++
+				v4 = append(v4, ip)
+			} else {
+				v6 = append(v6, ip)
 			}
 		}
+	}
+	var deleted int
+	var err error
+	for (len(v4) > 0 || len(v6) > 0) && err == nil {
+		var a forgetArgs
+		for ; len(v4) > 0 && a.N4 < forgetMaxIPs; v4 = v4[1:] {
+			a.IPs4[a.N4] = v4[0].As4()
+			a.N4++
+		}
+		for ; len(v6) > 0 && a.N6 < forgetMaxIPs; v6 = v6[1:] {
+			a.IPs6[a.N6] = v6[0].As16()
+			a.N6++
+		}
 		var out forgetArgs
-		if _, err := r.objs.ForgetIps.Run(&ebpf.RunOptions{Context: a, ContextOut: &out}); err != nil {
-			return deleted, fmt.Errorf("recorder: forget the flows of %d IPs: %w", a.N4+a.N6, err)
+		r.forgetQ.passes.Add(1)
+		if _, rerr := r.objs.ForgetIps.Run(&ebpf.RunOptions{Context: a, ContextOut: &out}); rerr != nil {
+			err = fmt.Errorf("recorder: forget the flows of %d IPs: %w", a.N4+a.N6, rerr)
 		}
 		deleted += int(out.Deleted)
 	}
-	return deleted, nil
+	for _, w := range batch {
+		w.deleted, w.err = deleted, err
+		close(w.done)
+	}
 }
 
 // ForgetKeys drops the flows of CT keys from the seen caches: for each key

@@ -4,6 +4,7 @@ import (
 	"net/netip"
 	"os"
 	"path/filepath"
+	"sync"
 	"testing"
 	"time"
 
@@ -118,5 +119,69 @@ func TestForgetKeysCost(t *testing.T) {
 	var v [8]byte
 	if it := r.objs.RecSeen4.Iterate(); it.Next(&k, &v) {
 		t.Fatalf("flow %x still cached", k)
+	}
+}
+
+// Concurrent ForgetIPs calls share passes over the cache.
+func TestForgetIPsShared(t *testing.T) {
+	requireRoot(t)
+	dir, err := os.MkdirTemp("/sys/fs/bpf", "ctscrub-test-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { os.RemoveAll(dir) })
+	r, err := Load(Options{PinDir: filepath.Join(dir, "ctscrub"), CTRoot: dir})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { r.Close() })
+	// 50 pod IPs with 1,000 flows each, plus 100,000 flows of others.
+	const pods = 50
+	var keys []seenKey4
+	for i := range pods*1000 + 100_000 {
+		local := [4]byte{10, 244, 0, byte(i % pods)}
+		if i >= pods*1000 {
+			local = [4]byte{10, 245, byte(i >> 8), byte(i)}
+		}
+		remote := [4]byte{192, byte(i >> 16), byte(i >> 8), byte(i)}
+		keys = append(keys, newSeenKey4(local[:], remote[:], []byte{1, 1}, []byte{0, 80}, 6))
+	}
+	if _, err := r.objs.RecSeen4.BatchUpdate(keys, make([]uint64, len(keys)), nil); err != nil {
+		t.Fatal(err)
+	}
+	start := time.Now()
+	var wg sync.WaitGroup
+	errs := make(chan error, pods)
+	for p := range pods {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			if _, err := r.ForgetIPs(netip.AddrFrom4([4]byte{10, 244, 0, byte(p)})); err != nil {
+				errs <- err
+			}
+		}()
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		t.Fatal(err)
+	}
+	passes := r.forgetQ.passes.Load()
+	t.Logf("50 concurrent ForgetIPs over %d cached flows: %d passes, %v", len(keys), passes, time.Since(start))
+	if passes >= pods {
+		t.Fatalf("%d passes for %d concurrent callers: not shared", passes, pods)
+	}
+	var k seenKey4
+	var v [8]byte
+	left := 0
+	it := r.objs.RecSeen4.Iterate()
+	for it.Next(&k, &v) {
+		left++
+		if k[0] == 10 && k[1] == 244 {
+			t.Fatalf("flow of a forgotten IP left: %x", k)
+		}
+	}
+	if left != 100_000 {
+		t.Fatalf("%d flows left, want the 100,000 of other IPs", left)
 	}
 }

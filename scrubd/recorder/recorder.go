@@ -90,6 +90,8 @@ type Recorder struct {
 	mu       sync.Mutex // serialises Attach/Detach (they switch netns on a locked thread)
 	lostMu   sync.Mutex
 	lostSeen map[[16]byte]uint64 // last lost count acted on, per IP
+
+	forgetQ forgetQueue
 }
 
 // Load loads the recorder's programs. Its maps are pinned under PinDir; when
