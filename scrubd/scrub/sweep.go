@@ -191,7 +191,10 @@ type Sweeper struct {
 	// and before it sweeps: tests hold a pass there to make callers join
 	// or leave at a known point.
 	beforePass func()
-	last       [ctmap.NumKinds]PassStats
+	// beforeRun, when set (tests only), runs right before the program walks
+	// a map: a test leaves the pass there to see the program obey the flag.
+	beforeRun func()
+	last      [ctmap.NumKinds]PassStats
 }
 
 // pass is one shared run of the sweep.
@@ -473,6 +476,9 @@ func (s *Sweeper) runPass(p *pass) error {
 		if gone {
 			p.stopped = true
 			return nil
+		}
+		if s.beforeRun != nil {
+			s.beforeRun()
 		}
 		prog.mu.Lock()
 		s.inProg.Store(true)
