@@ -224,14 +224,28 @@ func (r *Recorder) linkPins(netnsPath, ifname string) (ingress, egress string) {
 // 5-tuple. The addresses must be configured when Attach runs, as they are
 // when the CNI chain calls it after the IP-assigning plugin.
 func (r *Recorder) Attach(netnsPath, ifname string) (ifindex int, err error) {
+	fresh, addrs, ifindex, err := r.attachLinks(netnsPath, ifname)
+	if err != nil {
+		return 0, fmt.Errorf("recorder: attach to %s in netns %s: %w", ifname, netnsPath, err)
+	}
+	// Outside the attach lock: pods attached together share the passes.
+	if fresh {
+		if _, err := r.ForgetIPs(addrs...); err != nil {
+			return 0, fmt.Errorf("recorder: attach to %s in netns %s: %w", ifname, netnsPath, err)
+		}
+	}
+	return ifindex, nil
+}
+
+// attachLinks attaches (or re-points) the pinned links of one interface and
+// returns whether it created them and the interface's addresses.
+func (r *Recorder) attachLinks(netnsPath, ifname string) (fresh bool, addrs []netip.Addr, ifindex int, err error) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	pinIn, pinEg := r.linkPins(netnsPath, ifname)
 	if err := os.MkdirAll(filepath.Dir(pinIn), 0o700); err != nil {
-		return 0, fmt.Errorf("recorder: create %s: %w", filepath.Dir(pinIn), err)
+		return false, nil, 0, fmt.Errorf("create %s: %w", filepath.Dir(pinIn), err)
 	}
-	var fresh bool
-	var addrs []netip.Addr
 	err = InNetns(netnsPath, func() error {
 		l, err := netlink.LinkByName(ifname)
 		if err != nil {
@@ -269,15 +283,7 @@ func (r *Recorder) Attach(netnsPath, ifname string) (ifindex int, err error) {
 		}
 		return nil
 	})
-	if err != nil {
-		return 0, fmt.Errorf("recorder: attach to %s in netns %s: %w", ifname, netnsPath, err)
-	}
-	if fresh {
-		if _, err := r.ForgetIPs(addrs...); err != nil {
-			return 0, fmt.Errorf("recorder: attach to %s in netns %s: %w", ifname, netnsPath, err)
-		}
-	}
-	return ifindex, nil
+	return fresh, addrs, ifindex, err
 }
 
 // attachOne attaches prog to ifindex and pins the link at pin, or moves an
