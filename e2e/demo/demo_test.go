@@ -5,6 +5,7 @@ import (
 	"bytes"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -56,23 +57,46 @@ func needDemoHost(t *testing.T) {
 	}
 }
 
-// buildAll builds scrubd, the plugin and the demo into a temp dir, as
+var (
+	buildOnce sync.Once
+	buildDir  string
+	buildErr  error
+)
+
+// TestMain removes the binaries the tests built.
+func TestMain(m *testing.M) {
+	code := m.Run()
+	if buildDir != "" {
+		os.RemoveAll(buildDir)
+	}
+	os.Exit(code)
+}
+
+// buildAll builds scrubd, the plugin and the demo once into a temp dir, as
 // `make demo` does into bin/.
 func buildAll(t *testing.T) string {
 	t.Helper()
-	goBin, err := exec.LookPath("go")
-	if err != nil {
-		goBin = filepath.Join(runtime.GOROOT(), "bin", "go")
-	}
-	dir := t.TempDir()
-	for name, pkg := range map[string]string{"scrubd": "../../scrubd", "ctscrub": "../../plugin", "ctscrub-demo": "."} {
-		cmd := exec.Command(goBin, "build", "-o", filepath.Join(dir, name), pkg)
-		cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
-		if out, err := cmd.CombinedOutput(); err != nil {
-			t.Fatalf("go build %s: %v\n%s", pkg, err, out)
+	buildOnce.Do(func() {
+		goBin, err := exec.LookPath("go")
+		if err != nil {
+			goBin = filepath.Join(runtime.GOROOT(), "bin", "go")
 		}
+		if buildDir, buildErr = os.MkdirTemp("", "ctscrub-demo-bin-"); buildErr != nil {
+			return
+		}
+		for name, pkg := range map[string]string{"scrubd": "../../scrubd", "ctscrub": "../../plugin", "ctscrub-demo": "."} {
+			cmd := exec.Command(goBin, "build", "-o", filepath.Join(buildDir, name), pkg)
+			cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
+			if out, err := cmd.CombinedOutput(); err != nil {
+				buildErr = fmt.Errorf("go build %s: %v\n%s", pkg, err, out)
+				return
+			}
+		}
+	})
+	if buildErr != nil {
+		t.Fatal(buildErr)
 	}
-	return dir
+	return buildDir
 }
 
 // output collects the demo's stdout and lets a test wait for a line.
