@@ -172,7 +172,9 @@ func Run(ctx context.Context, cfg Config, cleanup *Cleanup, w io.Writer) error {
 	for _, k := range ctmap.Kinds {
 		p.f("   %-24s LRU hash, max %s entries\n", k.Name(), num(int(maps.maps[k].MaxEntries())))
 	}
-	nbg := max(64, cfg.Entries/256)
+	// The node's other pods: 256 entries each, at most 16,384 pods so their
+	// v4 addresses stay inside bgPods4.
+	nbg := min(max(64, cfg.Entries/256), 16384)
 	nbg -= nbg % 4
 	put, took, err := fill(ctx, maps, fillPlan{
 		Entries:    cfg.Entries,
