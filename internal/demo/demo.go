@@ -156,6 +156,10 @@ func Run(ctx context.Context, cfg Config, cleanup *Cleanup, w io.Writer) error {
 	if cfg.Short {
 		nPods = 3
 	}
+	if stale := cfg.PerIP * 2 * nPods; stale > cfg.Entries/2 {
+		return fmt.Errorf("PER_IP=%d: the %d reused addresses would hold %d stale entries, over half of ENTRIES=%d; lower PER_IP or raise ENTRIES",
+			cfg.PerIP, 2*nPods, stale, cfg.Entries)
+	}
 	owners4, owners6 := podRange(nPods)
 	owners := append(append([]netip.Addr{}, owners4...), owners6...)
 
