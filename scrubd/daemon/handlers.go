@@ -428,9 +428,19 @@ func (d *Daemon) handleIndexStart(w http.ResponseWriter, r *http.Request) {
 		}
 		pod.Ifindex = ifindex
 	}
-	if err := d.pods.start(pod); err != nil {
+	displaced, err := d.pods.start(pod)
+	if err != nil {
 		writeError(w, &api.Error{Code: api.CodeInternal, Message: err.Error()})
 		return
+	}
+	for _, old := range displaced {
+		d.log.Warn("index start: an older attachment held the same IP; stopped it (its DEL never reached scrubd)",
+			"container_id", old.ContainerID, "ifname", old.IfName, "ips", old.IPs, "new_container_id", req.ContainerID)
+		if d.rec != nil {
+			if err := d.rec.Detach(old.Netns, old.IfName); err != nil {
+				d.log.Warn("detach recorder of a displaced attachment", "container_id", old.ContainerID, "err", err)
+			}
+		}
 	}
 	d.log.Info("index start", "container_id", req.ContainerID, "ifname", req.IfName, "netns", req.Netns, "ips", ips, "ifindex", pod.Ifindex)
 	writeJSON(w, http.StatusOK, pod)

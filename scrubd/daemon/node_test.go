@@ -379,3 +379,34 @@ func TestCLI(t *testing.T) {
 		t.Errorf("CLI scrub of a malformed IP: %v\n%s", err, out)
 	}
 }
+
+// An IP has one owner: indexing a new attachment with an IP that an older,
+// never stopped attachment holds stops the older one.
+func TestIndexStartDisplacesStaleOwner(t *testing.T) {
+	root, _ := standinRoot(t, 1<<12)
+	node := netpods.NewNode(t)
+	oldPod, newPod := node.AddPod(), node.AddPod()
+	td := startDaemon(t, podConfig(t, root))
+	ctx := context.Background()
+	ip := newPod.Addr4 // the new pod got the IP the old one had
+	old := api.Attachment{ContainerID: "old", IfName: "eth0"}
+	cur := api.Attachment{ContainerID: "new", IfName: "eth0"}
+	if err := td.c.IndexStart(ctx, api.IndexStartRequest{Attachment: old, Netns: oldPod.Path, IPs: []netip.Addr{ip}}); err != nil {
+		t.Fatal(err)
+	}
+	if err := td.c.IndexStart(ctx, api.IndexStartRequest{Attachment: cur, Netns: newPod.Path, IPs: []netip.Addr{ip}}); err != nil {
+		t.Fatal(err)
+	}
+	st, err := td.c.IndexIP(ctx, ip)
+	if err != nil || st.Owner == nil || *st.Owner != cur {
+		t.Errorf("owner of %s: %+v, %v; want the new attachment", ip, st.Owner, err)
+	}
+	got, err := td.c.IndexPod(ctx, old)
+	if err != nil || got.Stopped.IsZero() {
+		t.Errorf("displaced attachment: %+v, %v; want it stopped", got, err)
+	}
+	list, err := td.c.IndexList(ctx)
+	if err != nil || len(list.Pods) != 1 || list.Pods[0].Attachment != cur {
+		t.Errorf("active attachments: %+v, %v", list, err)
+	}
+}

@@ -144,12 +144,29 @@ func sortedPods(m map[api.Attachment]api.IndexedPod) []api.IndexedPod {
 }
 
 // start records an attachment (replacing an earlier one of the same key).
-func (p *pods) start(pod api.IndexedPod) error {
+// An other active attachment holding one of its IPs is stale (an IP belongs
+// to one live pod; its DEL never reached scrubd): it is moved to the stopped
+// set and returned, so that the caller detaches it and an IP has one owner.
+func (p *pods) start(pod api.IndexedPod) (displaced []api.IndexedPod, err error) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
+	for a, other := range p.active {
+		if a == pod.Attachment {
+			continue
+		}
+		for _, ip := range other.IPs {
+			if slices.Contains(pod.IPs, ip) {
+				delete(p.active, a)
+				other.Stopped = time.Now().UTC()
+				p.stopped[a] = other
+				displaced = append(displaced, other)
+				break
+			}
+		}
+	}
 	p.active[pod.Attachment] = pod
 	delete(p.stopped, pod.Attachment)
-	return p.saveLocked()
+	return displaced, p.saveLocked()
 }
 
 // stop moves an attachment to the stopped set; it returns what was known.
