@@ -9,6 +9,7 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"hash/fnv"
 	"log/slog"
 	"net/netip"
 	"os"
@@ -87,7 +88,7 @@ type Recorder struct {
 	// svcWarned: the service-map change was logged already.
 	svcWarned [2]bool
 
-	mu       sync.Mutex // serialises Attach/Detach (they switch netns on a locked thread)
+	ifaces   [64]sync.Mutex // striped by interface: Attach/Detach of one interface in turn
 	lostMu   sync.Mutex
 	lostSeen map[[16]byte]uint64 // last lost count acted on, per IP
 
@@ -200,6 +201,16 @@ func Load(opts Options) (*Recorder, error) {
 // and IPv6.
 func (r *Recorder) VIPDetection() (v4, v6 bool) { return r.vip[0], r.vip[1] }
 
+// lockIface serialises Attach and Detach of one interface (different pods
+// attach in parallel); it returns the unlock function.
+func (r *Recorder) lockIface(pin string) func() {
+	h := fnv.New32a()
+	h.Write([]byte(pin))
+	mu := &r.ifaces[h.Sum32()%uint32(len(r.ifaces))]
+	mu.Lock()
+	return mu.Unlock
+}
+
 // linkPins returns the pin paths of the ingress and egress links of one
 // interface. The name is derived from the netns path and interface name
 // only, so Detach finds the pins after the netns is gone.
@@ -240,9 +251,8 @@ func (r *Recorder) Attach(netnsPath, ifname string) (ifindex int, err error) {
 // attachLinks attaches (or re-points) the pinned links of one interface and
 // returns whether it created them and the interface's addresses.
 func (r *Recorder) attachLinks(netnsPath, ifname string) (fresh bool, addrs []netip.Addr, ifindex int, err error) {
-	r.mu.Lock()
-	defer r.mu.Unlock()
 	pinIn, pinEg := r.linkPins(netnsPath, ifname)
+	defer r.lockIface(pinIn)()
 	if err := os.MkdirAll(filepath.Dir(pinIn), 0o700); err != nil {
 		return false, nil, 0, fmt.Errorf("create %s: %w", filepath.Dir(pinIn), err)
 	}
@@ -323,10 +333,10 @@ func attachOne(pin string, prog *ebpf.Program, typ ebpf.AttachType, ifindex int)
 // Detach removes the recorder from ifname in netnsPath. It succeeds when the
 // netns, the interface or the links are already gone.
 func (r *Recorder) Detach(netnsPath, ifname string) error {
-	r.mu.Lock()
-	defer r.mu.Unlock()
+	pinIn, pinEg := r.linkPins(netnsPath, ifname)
+	defer r.lockIface(pinIn)()
 	var errs []error
-	for _, pin := range func() []string { a, b := r.linkPins(netnsPath, ifname); return []string{a, b} }() {
+	for _, pin := range []string{pinIn, pinEg} {
 		l, err := link.LoadPinnedLink(pin, nil)
 		if errors.Is(err, os.ErrNotExist) {
 			continue

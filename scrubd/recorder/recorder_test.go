@@ -345,6 +345,45 @@ func TestAllToAll(t *testing.T) {
 	}
 }
 
+// Pods attached concurrently (as 50 pods starting together are) are all
+// recorded.
+func TestConcurrentAttach(t *testing.T) {
+	w := newWorld(t, 0)
+	var pods []*netpods.Pod
+	for range 8 {
+		p := w.node.AddPod()
+		if err := w.node.Do(func() error { return w.dp.AttachHostSide(p.HostVeth) }); err != nil {
+			t.Fatal(err)
+		}
+		pods = append(pods, p)
+	}
+	var wg sync.WaitGroup
+	errs := make(chan error, len(pods))
+	for _, p := range pods {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			if _, err := w.rec.Attach(p.Path, "eth0"); err != nil {
+				errs <- err
+			}
+		}()
+		t.Cleanup(func() { w.rec.Detach(p.Path, "eth0") })
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		t.Fatal(err)
+	}
+	var ips []netip.Addr
+	for _, p := range pods {
+		if _, err := p.Ping(w.node.Remote.Addr4); err != nil {
+			t.Fatal(err)
+		}
+		ips = append(ips, p.Addr4)
+	}
+	w.requireIndexed(t, ips, 2*len(pods))
+}
+
 // ICMP echo keys follow Cilium's convention: the requester's identifier is
 // the initiator's "port" (sport = id, dport = 0).
 func TestICMPEchoKey(t *testing.T) {
