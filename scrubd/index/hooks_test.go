@@ -20,15 +20,21 @@ func TestHooks(t *testing.T) {
 			_ = ix.State(ip) // would deadlock under the IP's lock
 			taken = append(taken, k4...)
 		},
-		Tracked: func(ip netip.Addr) {
-			_ = ix.State(ip)
-			tracked = append(tracked, ip)
+		Tracked: func(ips []netip.Addr) {
+			for _, ip := range ips {
+				_ = ix.State(ip)
+			}
+			tracked = append(tracked, ips...)
 		},
 	})
 	ix.Add4(k)
 	ix.Track(pod)
 	if len(tracked) != 1 || tracked[0] != pod {
 		t.Fatalf("Tracked hook got %v, want [%s]", tracked, pod)
+	}
+	ix.TrackAll([]netip.Addr{pod, peer})
+	if len(tracked) != 3 || !ix.State(peer).Complete {
+		t.Fatalf("TrackAll: hook got %v, peer state %+v", tracked, ix.State(peer))
 	}
 	k4, _, _ := ix.Take(pod)
 	if len(k4) != 1 || len(taken) != 1 || taken[0] != k {

@@ -64,9 +64,10 @@ type Index struct {
 type Hooks struct {
 	// Taken receives the keys Take handed out (non-empty sets only).
 	Taken func(ip netip.Addr, k4 []ctmap.CTKey4, k6 []ctmap.CTKey6)
-	// Tracked is called when ip is declared complete: every flow of ip
-	// must be recorded again from now on.
-	Tracked func(ip netip.Addr)
+	// Tracked is called when IPs are declared complete: every flow of
+	// them must be recorded again from now on. TrackAll passes all its IPs
+	// in one call (the recorder then forgets them in shared passes).
+	Tracked func(ips []netip.Addr)
 }
 
 // SetHooks installs h (nil removes them). scrubd/recorder.Run sets them.
@@ -205,6 +206,24 @@ func (ix *Index) MarkIncomplete(ip netip.Addr, reason string) {
 // Track declares ip complete from now on: called after a sweep removed every
 // entry of ip, or for an IP whose every flow the recorders have seen.
 func (ix *Index) Track(ip netip.Addr) {
+	ix.track(ip)
+	if h := ix.hooks.Load(); h != nil && h.Tracked != nil {
+		h.Tracked([]netip.Addr{ip})
+	}
+}
+
+// TrackAll is Track for several IPs (e.g. before one sweep of all of them):
+// the Tracked hook runs once for the set.
+func (ix *Index) TrackAll(ips []netip.Addr) {
+	for _, ip := range ips {
+		ix.track(ip)
+	}
+	if h := ix.hooks.Load(); h != nil && h.Tracked != nil && len(ips) > 0 {
+		h.Tracked(ips)
+	}
+}
+
+func (ix *Index) track(ip netip.Addr) {
 	e := ix.entry(ip, true)
 	e.mu.Lock()
 	e.tracked = true
@@ -213,9 +232,6 @@ func (ix *Index) Track(ip netip.Addr) {
 		ix.incomplete.Add(-1)
 	}
 	e.mu.Unlock()
-	if h := ix.hooks.Load(); h != nil && h.Tracked != nil {
-		h.Tracked(ip)
-	}
 }
 
 // State is what the index knows of one IP.

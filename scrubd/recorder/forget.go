@@ -189,9 +189,9 @@ func (r *Recorder) hooks() *index.Hooks {
 				r.opts.Log.Warn("recorder: forget the flows of taken keys", "ip", ip, "err", err)
 			}
 		},
-		Tracked: func(ip netip.Addr) {
-			if _, err := r.ForgetIPs(ip); err != nil {
-				r.opts.Log.Warn("recorder: forget the flows of a tracked IP", "ip", ip, "err", err)
+		Tracked: func(ips []netip.Addr) {
+			if _, err := r.ForgetIPs(ips...); err != nil {
+				r.opts.Log.Warn("recorder: forget the flows of tracked IPs", "ips", ips, "err", err)
 			}
 		},
 	}
