@@ -322,9 +322,10 @@ func (d *Daemon) backendNames() []string {
 	return out
 }
 
-// restore reads the attachments of an earlier run. The index itself is not
-// persisted: records the recorder made while no daemon read them may be lost,
-// so every attached IP is marked incomplete and its next scrub sweeps.
+// restore reads the attachments of an earlier run and re-attaches the
+// recorder to them. The index itself is not persisted: records the dead
+// process had read are gone, so every attached IP is marked incomplete and
+// its next scrub sweeps.
 func (d *Daemon) restore() error {
 	if err := d.pods.load(); err != nil {
 		return err
@@ -333,6 +334,21 @@ func (d *Daemon) restore() error {
 	for _, pod := range active {
 		for _, ip := range pod.IPs {
 			d.ix.MarkIncomplete(ip, index.ReasonRestart)
+		}
+		if pod.Netns != "" && d.rec != nil {
+			// Re-attach: a no-op for links that survived in the pin dir, a
+			// move to this binary's programs after an upgrade, and a fresh
+			// attach when the pins were lost.
+			if _, err := os.Stat(pod.Netns); err == nil {
+				if ifindex, err := d.rec.Attach(pod.Netns, pod.IfName); err != nil {
+					d.log.Warn("re-attach recorder after restart", "container_id", pod.ContainerID, "ifname", pod.IfName, "netns", pod.Netns, "err", err)
+				} else if ifindex != pod.Ifindex {
+					pod.Ifindex = ifindex
+					if _, err := d.pods.start(pod); err != nil {
+						return err
+					}
+				}
+			}
 		}
 		if pod.Netns != "" {
 			if _, err := os.Stat(pod.Netns); errors.Is(err, os.ErrNotExist) {

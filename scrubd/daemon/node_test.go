@@ -294,6 +294,11 @@ func TestKilledDaemonRestarts(t *testing.T) {
 	if links, _ := os.ReadDir(filepath.Join(cfg.PinDir, "links")); len(links) == 0 {
 		t.Errorf("no recorder links pinned under %s after SIGKILL", cfg.PinDir)
 	}
+	// Lose the link pins too (as a bpffs remount would): the restart must
+	// attach the recorder again from the state file.
+	if err := os.RemoveAll(filepath.Join(cfg.PinDir, "links")); err != nil {
+		t.Fatal(err)
+	}
 	leftAfterKill := root.present4(t, keys)
 	t.Logf("%d of the target's %d entries left after the kill", leftAfterKill, len(keys))
 
@@ -301,6 +306,9 @@ func TestKilledDaemonRestarts(t *testing.T) {
 	list, err := c.IndexList(ctx)
 	if err != nil || len(list.Pods) != 1 || list.Pods[0].Attachment != a {
 		t.Fatalf("attachments after restart: %+v, %v", list, err)
+	}
+	if links, _ := os.ReadDir(filepath.Join(cfg.PinDir, "links")); len(links) == 0 {
+		t.Errorf("the restarted daemon did not attach the recorder to the restored pod again")
 	}
 	st, err := c.IndexIP(ctx, pod.Addr4)
 	if err != nil || st.Complete || st.Incomplete != index.ReasonRestart {
