@@ -194,6 +194,7 @@ func (c *Cilium) Scrub(ctx context.Context, req Request) (Result, error) {
 	// records lost meanwhile mark the IP incomplete again rather than being
 	// wiped by a Track at the end.
 	res.Method = MethodSweep
+	var track []netip.Addr
 	for _, ip := range sweepIPs {
 		res.PerIP[ip.String()] = MethodSweep
 		if req.DryRun || !c.ix.Owns(ip) {
@@ -203,8 +204,11 @@ func (c *Cilium) Scrub(ctx context.Context, req Request) (Result, error) {
 			k4, k6, _ := c.ix.Take(ip)
 			taken = append(taken, held{ip, k4, k6})
 		}
-		c.ix.Track(ip)
+		track = append(track, ip)
 	}
+	// One TrackAll: the recorder forgets the flows of all these IPs in
+	// shared passes over its seen caches rather than one pass per IP.
+	c.ix.TrackAll(track)
 	sr, err := c.sweeper.Sweep(ctx, sweepIPs, req.DryRun)
 	for k, n := range sr.Deleted {
 		if n > 0 {
