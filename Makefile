@@ -43,7 +43,7 @@ setup: ## Install what the tests and demo need (apt packages, bpffs); root
 	./scripts/setup.sh
 
 .PHONY: test
-test: ## Run every test (root: real BPF, namespaces, containerd)
+test: setup ## Set up (scripts/setup.sh) and run every test (root: real BPF, namespaces, containerd)
 	$(GO) vet ./...
 	$(GO) test -count=1 -timeout 20m ./...
 
