@@ -299,6 +299,17 @@ func (d *Daemon) Run(ctx context.Context) error {
 	}
 	stopBG()
 	bg.Wait()
+	// The snapshot is sound only when nothing can change the index any more:
+	// no scrub holds keys it took, and the recorder's reader has returned.
+	if d.flights.running() == 0 && d.admitted.Load() == 0 {
+		if err := d.writeSnapshot(); err != nil {
+			d.log.Warn("no index snapshot written: attached IPs will sweep after the restart", "err", err)
+		} else if p := d.snapshotPath(); p != "" {
+			d.log.Info("index snapshot written", "path", p, "keys", d.ix.Keys(), "incomplete_ips", d.ix.IncompleteIPs())
+		}
+	} else {
+		d.log.Warn("scrubs still running at the stop: no index snapshot, attached IPs will sweep after the restart")
+	}
 	return runErr
 }
 
@@ -323,17 +334,27 @@ func (d *Daemon) backendNames() []string {
 }
 
 // restore reads the attachments of an earlier run and re-attaches the
-// recorder to them. The index itself is not persisted: records the dead
-// process had read are gone, so every attached IP is marked incomplete and
-// its next scrub sweeps.
+// recorder to them. After a clean stop the index comes back from its
+// snapshot (see snapshot.go); otherwise the records the dead process had read
+// are gone, so every attached IP is marked incomplete and its next scrub
+// sweeps.
 func (d *Daemon) restore() error {
 	if err := d.pods.load(); err != nil {
 		return err
 	}
+	restored, err := d.loadSnapshot()
+	if err != nil {
+		return err
+	}
+	if restored {
+		d.log.Info("index restored from the snapshot of a clean stop", "keys", d.ix.Keys(), "incomplete_ips", d.ix.IncompleteIPs())
+	}
 	active, _ := d.pods.list()
 	for _, pod := range active {
-		for _, ip := range pod.IPs {
-			d.ix.MarkIncomplete(ip, index.ReasonRestart)
+		if !restored {
+			for _, ip := range pod.IPs {
+				d.ix.MarkIncomplete(ip, index.ReasonRestart)
+			}
 		}
 		if pod.Netns != "" && d.rec != nil {
 			// Re-attach: a no-op for links that survived in the pin dir, a

@@ -191,6 +191,9 @@ type testDaemon struct {
 	c    *client.Client
 	logs *logBuffer
 	cfg  Config
+	// stop ends Run as SIGTERM does and closes the daemon (pins stay); the
+	// test's cleanup calls it too.
+	stop func()
 }
 
 func testConfig(t *testing.T, root *ctRoot) Config {
@@ -220,21 +223,25 @@ func startDaemon(t *testing.T, cfg Config) *testDaemon {
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
 	go func() { done <- d.Run(ctx) }()
-	t.Cleanup(func() {
-		cancel()
-		select {
-		case err := <-done:
-			if err != nil {
-				t.Errorf("daemon Run: %v", err)
+	var once sync.Once
+	stop := func() {
+		once.Do(func() {
+			cancel()
+			select {
+			case err := <-done:
+				if err != nil {
+					t.Errorf("daemon Run: %v", err)
+				}
+			case <-time.After(10 * time.Second):
+				t.Errorf("daemon did not stop within 10 s of its context's end")
 			}
-		case <-time.After(10 * time.Second):
-			t.Errorf("daemon did not stop within 10 s of its context's end")
-		}
-		d.Close()
-	})
+			d.Close()
+		})
+	}
+	t.Cleanup(stop)
 	c := client.New(cfg.Socket)
 	waitServing(t, c, done)
-	return &testDaemon{Daemon: d, c: c, logs: logs, cfg: cfg}
+	return &testDaemon{Daemon: d, c: c, logs: logs, cfg: cfg, stop: stop}
 }
 
 func waitServing(t *testing.T, c *client.Client, done <-chan error) {

@@ -418,3 +418,81 @@ func TestIndexStartDisplacesStaleOwner(t *testing.T) {
 		t.Errorf("active attachments: %+v, %v", list, err)
 	}
 }
+
+// A clean stop keeps the index: the next start restores it from the
+// snapshot, applies the records made while no daemon ran (pinned ring
+// buffer), and the DEL scrub takes the index path and leaves nothing. A
+// snapshot over other maps (the recorder's pins re-created) is dropped.
+func TestCleanRestartKeepsIndex(t *testing.T) {
+	root, dp := standinRoot(t, 1<<16)
+	node := netpods.NewNode(t)
+	node.Remote.ServeEcho()
+	pod := node.AddPod()
+	if err := node.Do(func() error { return dp.AttachHostSide(pod.HostVeth) }); err != nil {
+		t.Fatal(err)
+	}
+	cfg := podConfig(t, root)
+	ctx := context.Background()
+	ip := pod.Addr4
+	a := api.Attachment{ContainerID: "clean", IfName: "eth0"}
+
+	first := startDaemon(t, cfg)
+	if err := first.c.IndexStart(ctx, api.IndexStartRequest{Attachment: a, Netns: pod.Path, IPs: []netip.Addr{ip}}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := first.c.Scrub(ctx, api.ScrubRequest{IPs: []netip.Addr{ip}, Reason: scrub.ReasonAdd}); err != nil {
+		t.Fatal(err)
+	}
+	if err := pod.TCP(node.Remote.Addr4, netpods.EchoPort); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, "the first flow to be indexed", func() bool { return first.Index().State(ip).Keys > 0 })
+	keysBefore := first.Index().State(ip).Keys
+	first.stop()
+	snap := filepath.Join(filepath.Dir(cfg.StateFile), "index.snapshot")
+	if _, err := os.Stat(snap); err != nil {
+		t.Fatalf("no snapshot after a clean stop: %v", err)
+	}
+
+	// A flow while no daemon runs: recorded into the pinned ring buffer.
+	if err := pod.UDP(node.Remote.Addr4, netpods.EchoPort); err != nil {
+		t.Fatal(err)
+	}
+	entries := root.entriesOf(t, ip)
+
+	second := startDaemon(t, cfg)
+	if _, err := os.Stat(snap); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("snapshot not consumed at start: %v", err)
+	}
+	waitFor(t, "the flow made while scrubd was down to be indexed", func() bool {
+		st := second.Index().State(ip)
+		return st.Keys > keysBefore
+	})
+	if st := second.Index().State(ip); !st.Complete {
+		t.Fatalf("%s after a clean restart: incomplete (%s), want complete", ip, st.Incomplete)
+	}
+	resp, err := second.c.Scrub(ctx, api.ScrubRequest{IPs: []netip.Addr{ip}, Reason: scrub.ReasonDel})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if r := resp.Results[0]; r.Method != scrub.MethodIndex || r.Total != entries {
+		t.Errorf("DEL scrub after a clean restart: %s deleted %d, want index and %d", r.Method, r.Total, entries)
+	}
+	if left := root.entriesOf(t, ip); left != 0 {
+		t.Errorf("%d entries of %s left", left, ip)
+	}
+	second.stop()
+
+	// The recorder's maps re-created (pins removed): the snapshot no longer
+	// matches them and must not be used.
+	ents, _ := os.ReadDir(cfg.PinDir)
+	for _, e := range ents {
+		if !e.IsDir() {
+			os.Remove(filepath.Join(cfg.PinDir, e.Name()))
+		}
+	}
+	third := startDaemon(t, cfg)
+	if st := third.Index().State(ip); st.Complete || st.Incomplete != index.ReasonRestart {
+		t.Errorf("%s after a restart over new recorder maps: %+v, want incomplete (%s)", ip, st, index.ReasonRestart)
+	}
+}
