@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"maps"
+	"net/netip"
 	"os"
 	"path/filepath"
 
@@ -32,7 +33,51 @@ const snapshotVersion = 1
 type snapshotFile struct {
 	Version int
 	MapIDs  map[string]ebpf.MapID // pinned map path -> kernel map ID
-	Index   index.Snapshot
+	IPs     []snapshotIP
+}
+
+// snapshotIP stores an IP's keys as flat bytes: gob writes a []byte as is,
+// but an array element by element.
+type snapshotIP struct {
+	IP         netip.Addr
+	Tracked    bool
+	Incomplete string
+	Keys4      []byte // ctmap.KeySize4 bytes per key
+	Keys6      []byte // ctmap.KeySize6 bytes per key
+}
+
+func encodeIndex(s index.Snapshot) []snapshotIP {
+	out := make([]snapshotIP, len(s.IPs))
+	for i, ip := range s.IPs {
+		o := snapshotIP{IP: ip.IP, Tracked: ip.Tracked, Incomplete: ip.Incomplete,
+			Keys4: make([]byte, 0, len(ip.Keys4)*ctmap.KeySize4), Keys6: make([]byte, 0, len(ip.Keys6)*ctmap.KeySize6)}
+		for _, k := range ip.Keys4 {
+			o.Keys4 = append(o.Keys4, k[:]...)
+		}
+		for _, k := range ip.Keys6 {
+			o.Keys6 = append(o.Keys6, k[:]...)
+		}
+		out[i] = o
+	}
+	return out
+}
+
+func decodeIndex(ips []snapshotIP) (index.Snapshot, error) {
+	var s index.Snapshot
+	for _, o := range ips {
+		if len(o.Keys4)%ctmap.KeySize4 != 0 || len(o.Keys6)%ctmap.KeySize6 != 0 {
+			return s, fmt.Errorf("keys of %s: truncated", o.IP)
+		}
+		ip := index.SnapshotIP{IP: o.IP, Tracked: o.Tracked, Incomplete: o.Incomplete}
+		for b := o.Keys4; len(b) > 0; b = b[ctmap.KeySize4:] {
+			ip.Keys4 = append(ip.Keys4, ctmap.CTKey4(b[:ctmap.KeySize4]))
+		}
+		for b := o.Keys6; len(b) > 0; b = b[ctmap.KeySize6:] {
+			ip.Keys6 = append(ip.Keys6, ctmap.CTKey6(b[:ctmap.KeySize6]))
+		}
+		s.IPs = append(s.IPs, ip)
+	}
+	return s, nil
 }
 
 func (d *Daemon) snapshotPath() string {
@@ -97,7 +142,7 @@ func (d *Daemon) writeSnapshot() error {
 		return fmt.Errorf("index snapshot: %w", err)
 	}
 	defer os.Remove(tmp.Name())
-	err = gob.NewEncoder(tmp).Encode(snapshotFile{Version: snapshotVersion, MapIDs: ids, Index: d.ix.Snapshot()})
+	err = gob.NewEncoder(tmp).Encode(snapshotFile{Version: snapshotVersion, MapIDs: ids, IPs: encodeIndex(d.ix.Snapshot())})
 	if err == nil {
 		err = tmp.Sync()
 	}
@@ -143,7 +188,12 @@ func (d *Daemon) loadSnapshot() (bool, error) {
 		d.log.Warn("index snapshot made over other maps (recorder pins or Cilium's CT maps re-created): dropped, attached IPs will sweep", "err", err)
 		return false, nil
 	}
-	if err := d.ix.Restore(s.Index); err != nil {
+	snap, err := decodeIndex(s.IPs)
+	if err != nil {
+		d.log.Warn("index snapshot unreadable: dropped, attached IPs will sweep", "path", path, "err", err)
+		return false, nil
+	}
+	if err := d.ix.Restore(snap); err != nil {
 		return false, err
 	}
 	return true, nil
