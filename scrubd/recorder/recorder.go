@@ -14,16 +14,16 @@ import (
 	"net/netip"
 	"os"
 	"path/filepath"
-	"runtime"
 	"strings"
 	"sync"
 	"time"
+
+	"github.com/ctscrub/ctscrub/internal/nsexec"
 
 	"github.com/cilium/ebpf"
 	"github.com/cilium/ebpf/link"
 	"github.com/cilium/ebpf/ringbuf"
 	"github.com/vishvananda/netlink"
-	"github.com/vishvananda/netns"
 
 	"github.com/ctscrub/ctscrub/bpf"
 	"github.com/ctscrub/ctscrub/scrubd/ctmap"
@@ -380,31 +380,7 @@ func (r *Recorder) Attachments() ([]string, error) {
 // InNetns runs fn on a locked OS thread inside the network namespace at
 // path, then moves the thread back. If it cannot move back the thread stays
 // locked and Go discards it when the goroutine ends.
-func InNetns(path string, fn func() error) error {
-	runtime.LockOSThread()
-	orig, err := netns.Get()
-	if err != nil {
-		runtime.UnlockOSThread()
-		return fmt.Errorf("get current netns: %w", err)
-	}
-	defer orig.Close()
-	target, err := netns.GetFromPath(path)
-	if err != nil {
-		runtime.UnlockOSThread()
-		return fmt.Errorf("open netns %s: %w", path, err)
-	}
-	defer target.Close()
-	if err := netns.Set(target); err != nil {
-		runtime.UnlockOSThread()
-		return fmt.Errorf("enter netns %s: %w", path, err)
-	}
-	ferr := fn()
-	if err := netns.Set(orig); err != nil {
-		return errors.Join(ferr, fmt.Errorf("return from netns %s: %w", path, err))
-	}
-	runtime.UnlockOSThread()
-	return ferr
-}
+func InNetns(path string, fn func() error) error { return nsexec.Do(path, fn) }
 
 // Run reads records until ctx ends and puts each into ix through Apply.
 // While it runs, keys the index hands to a scrub (Take) and IPs it declares

@@ -9,7 +9,6 @@ import (
 	"context"
 	"crypto/rand"
 	"encoding/hex"
-	"errors"
 	"fmt"
 	"net"
 	"net/http"
@@ -23,6 +22,8 @@ import (
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/ctscrub/ctscrub/internal/nsexec"
 
 	"github.com/vishvananda/netns"
 
@@ -357,28 +358,4 @@ func NewNetns(t *testing.T, name string) string {
 // Do runs fn on a locked OS thread inside the network namespace at path.
 // Programs fn starts (CNI plugins run by libcni) and sockets it opens live in
 // that namespace.
-func Do(path string, fn func() error) error {
-	runtime.LockOSThread()
-	orig, err := netns.Get()
-	if err != nil {
-		runtime.UnlockOSThread()
-		return fmt.Errorf("get current netns: %w", err)
-	}
-	defer orig.Close()
-	target, err := netns.GetFromPath(path)
-	if err != nil {
-		runtime.UnlockOSThread()
-		return fmt.Errorf("open netns %s: %w", path, err)
-	}
-	defer target.Close()
-	if err := netns.Set(target); err != nil {
-		runtime.UnlockOSThread()
-		return fmt.Errorf("enter netns %s: %w", path, err)
-	}
-	ferr := fn()
-	if err := netns.Set(orig); err != nil {
-		return errors.Join(ferr, fmt.Errorf("return from netns %s: %w", path, err))
-	}
-	runtime.UnlockOSThread()
-	return ferr
-}
+func Do(path string, fn func() error) error { return nsexec.Do(path, fn) }

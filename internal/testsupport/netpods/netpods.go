@@ -25,6 +25,8 @@ import (
 	"sync"
 	"testing"
 
+	"github.com/ctscrub/ctscrub/internal/nsexec"
+
 	"github.com/vishvananda/netlink"
 	"github.com/vishvananda/netns"
 	"golang.org/x/sys/unix"
@@ -291,32 +293,7 @@ func newHost(t testing.TB, name string) *Host {
 
 // Do runs fn on a locked OS thread inside the host's network namespace.
 // Sockets opened in fn stay in that namespace after Do returns.
-func (h *Host) Do(fn func() error) error {
-	runtime.LockOSThread()
-	orig, err := netns.Get()
-	if err != nil {
-		runtime.UnlockOSThread()
-		return fmt.Errorf("get current netns: %w", err)
-	}
-	defer orig.Close()
-	target, err := netns.GetFromPath(h.Path)
-	if err != nil {
-		runtime.UnlockOSThread()
-		return fmt.Errorf("open netns %s: %w", h.Path, err)
-	}
-	defer target.Close()
-	if err := netns.Set(target); err != nil {
-		runtime.UnlockOSThread()
-		return fmt.Errorf("enter netns %s: %w", h.Path, err)
-	}
-	ferr := fn()
-	if err := netns.Set(orig); err != nil {
-		// Leave the thread locked: Go discards it with the goroutine.
-		return errors.Join(ferr, fmt.Errorf("return from netns %s: %w", h.Path, err))
-	}
-	runtime.UnlockOSThread()
-	return ferr
-}
+func (h *Host) Do(fn func() error) error { return nsexec.Do(h.Path, fn) }
 
 func linkUp(name string) error {
 	l, err := netlink.LinkByName(name)
