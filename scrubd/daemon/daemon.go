@@ -219,17 +219,33 @@ func (d *Daemon) Logger() *slog.Logger { return d.log }
 // rest, and leaves every pinned object in place.
 func (d *Daemon) Run(ctx context.Context) error {
 	d.started = time.Now()
-	if err := d.restore(); err != nil {
-		return err
-	}
+	// The socket first: a second scrubd on the same node fails here, before
+	// it touches the state file, the snapshot or the recorder's links.
 	apiLn, err := listenUnix(d.cfg.Socket)
 	if err != nil {
+		return err
+	}
+	if err := d.restore(); err != nil {
+		apiLn.Close()
 		return err
 	}
 	apiSrv := &http.Server{
 		Handler:           d.apiHandler(),
 		BaseContext:       func(net.Listener) context.Context { return d.workCtx },
 		ReadHeaderTimeout: 10 * time.Second,
+	}
+
+	var metricsSrv *http.Server
+	if d.cfg.MetricsAddr != "" && d.cfg.MetricsAddr != "off" {
+		mln, err := net.Listen("tcp", d.cfg.MetricsAddr)
+		if err != nil {
+			apiLn.Close()
+			return fmt.Errorf("metrics address %s: %w (set --metrics-addr, or off)", d.cfg.MetricsAddr, err)
+		}
+		addr := mln.Addr()
+		d.metricsLn.Store(&addr)
+		metricsSrv = &http.Server{Handler: d.metricsHandler(), ReadHeaderTimeout: 10 * time.Second}
+		go metricsSrv.Serve(mln)
 	}
 
 	var bg sync.WaitGroup
@@ -251,19 +267,6 @@ func (d *Daemon) Run(ctx context.Context) error {
 		})
 	}
 	bg.Go(func() { d.statsLoop(bgCtx) })
-
-	var metricsSrv *http.Server
-	if d.cfg.MetricsAddr != "" && d.cfg.MetricsAddr != "off" {
-		mln, err := net.Listen("tcp", d.cfg.MetricsAddr)
-		if err != nil {
-			apiLn.Close()
-			return fmt.Errorf("metrics address %s: %w (set --metrics-addr, or off)", d.cfg.MetricsAddr, err)
-		}
-		addr := mln.Addr()
-		d.metricsLn.Store(&addr)
-		metricsSrv = &http.Server{Handler: d.metricsHandler(), ReadHeaderTimeout: 10 * time.Second}
-		go metricsSrv.Serve(mln)
-	}
 
 	serveErr := make(chan error, 1)
 	go func() { serveErr <- apiSrv.Serve(apiLn) }()

@@ -504,8 +504,8 @@ func TestSameIPIsShared(t *testing.T) {
 	held := holdSlot(t, td, root, 1_500_000)
 
 	// Three requests for one IP while its flight waits for the slot: the
-	// first starts it, the others join it; the third gives up early (its own
-	// deadline) without cancelling the flight the others still wait for.
+	// first starts it, the others join it; the third goes away early without
+	// cancelling the flight the others still wait for.
 	type answer struct {
 		resp *api.ScrubResponse
 		err  error
@@ -518,15 +518,18 @@ func TestSameIPIsShared(t *testing.T) {
 	go send(context.Background(), a)
 	waitFor(t, "the first request's flight", func() bool { return td.flights.running() == 2 })
 	go send(context.Background(), b)
-	shortCtx, cancel := context.WithTimeout(context.Background(), 30*time.Millisecond)
-	defer cancel()
-	go send(shortCtx, c)
+	leaving, leave := context.WithCancel(context.Background())
+	defer leave()
+	go send(leaving, c)
+	waitFor(t, "three callers on the flight", func() bool { return waiters(td, ip) == 3 })
+	leave() // the third caller goes away while the flight is still queued
 	ac := <-c
 	if e, ok := client.APIError(ac.err); ok && e.Code == api.CodeCancelled {
-		// The daemon answered before the caller's deadline.
-	} else if !errors.Is(ac.err, context.DeadlineExceeded) {
-		t.Errorf("request with a 30 ms deadline: %v, want cancelled", ac.err)
+		// The daemon answered before the caller hung up.
+	} else if !errors.Is(ac.err, context.Canceled) {
+		t.Errorf("request whose caller went away: %v, want cancelled", ac.err)
 	}
+	waitFor(t, "the third caller to leave the flight", func() bool { return waiters(td, ip) == 2 })
 	if err := <-held; err != nil {
 		t.Fatalf("holder scrub: %v", err)
 	}
@@ -549,6 +552,16 @@ func TestSameIPIsShared(t *testing.T) {
 	if int(del) != len(keys) {
 		t.Errorf("deleted-entries counter for the index path: %v, want %d", del, len(keys))
 	}
+}
+
+// waiters is the number of callers waiting on ip's flight (0: none).
+func waiters(td *testDaemon, ip netip.Addr) int {
+	td.flights.mu.Lock()
+	defer td.flights.mu.Unlock()
+	if f := td.flights.m[flightKey{ip: ip}]; f != nil {
+		return f.waiters
+	}
+	return 0
 }
 
 func counterValue(t *testing.T, td *testDaemon, name string, labels map[string]string) float64 {
