@@ -628,7 +628,7 @@ func TestQueueFullTryAgain(t *testing.T) {
 
 // A short deadline cancels a slow sweep; the retry completes it.
 func TestDeadlineCancelsSweepAndRetryCompletes(t *testing.T) {
-	const bulk = 2_000_000
+	const bulk = 3_000_000
 	root := newCTRoot(t, 1<<22)
 	td := startDaemon(t, testConfig(t, root))
 	root.put4(t, background(bulk))
@@ -636,7 +636,7 @@ func TestDeadlineCancelsSweepAndRetryCompletes(t *testing.T) {
 	keys := podFlows(ip, 1000)
 	root.put4(t, keys)
 
-	const budget = 300 * time.Millisecond
+	const budget = 200 * time.Millisecond
 	ctx, cancel := context.WithTimeout(context.Background(), budget)
 	defer cancel()
 	dl, _ := ctx.Deadline()
@@ -800,7 +800,7 @@ func TestMetricsEndpoint(t *testing.T) {
 // "cancelled" with its partial results, and the IP stays incomplete.
 func TestShutdownCancelsAfterGrace(t *testing.T) {
 	root := newCTRoot(t, 1<<22)
-	root.put4(t, background(2_000_000))
+	root.put4(t, background(3_000_000))
 	ip := mustAddr("10.244.10.10")
 	keys := podFlows(ip, 500)
 	root.put4(t, keys)
