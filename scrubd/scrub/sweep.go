@@ -185,6 +185,7 @@ type Sweeper struct {
 	running *pass
 	active  bool // a runner goroutine exists
 
+	joins  uint64        // callers that joined a pending set (under mu)
 	passes atomic.Uint64 // passes run (each over every map it needed)
 	inProg atomic.Bool   // the sweep program is running in the kernel
 	// beforePass, when set (tests only), runs after the runner took a pass
@@ -269,6 +270,7 @@ func (s *Sweeper) Sweep(ctx context.Context, ips []netip.Addr, dryRun bool) (Swe
 		p.ips[ip]++
 	}
 	p.callers++
+	s.joins++
 	if !s.active {
 		s.active = true
 		go s.runner()
@@ -384,9 +386,36 @@ func (s *Sweeper) setStop(v uint32) {
 	}
 }
 
+// Callers that arrive together (50 pod starts at once, each request on its
+// own connection) reach Sweep a few milliseconds apart. Before it takes the
+// pending set, the runner waits until no caller has joined for gatherQuiet,
+// at most gatherMax: a few ms beside a pass of 100 ms and more, and it keeps
+// the callers of one burst in one pass instead of two or more.
+const (
+	gatherQuiet = 3 * time.Millisecond
+	gatherMax   = 25 * time.Millisecond
+)
+
+func (s *Sweeper) gather() {
+	until := time.Now().Add(gatherMax)
+	for {
+		s.mu.Lock()
+		before := s.joins
+		s.mu.Unlock()
+		time.Sleep(gatherQuiet)
+		s.mu.Lock()
+		after := s.joins
+		s.mu.Unlock()
+		if after == before || time.Now().After(until) {
+			return
+		}
+	}
+}
+
 // runner runs pending passes until none is left; deleting passes go first.
 func (s *Sweeper) runner() {
 	for {
+		s.gather()
 		s.mu.Lock()
 		p := s.pending[0]
 		if p == nil {
