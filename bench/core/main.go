@@ -35,6 +35,7 @@ import (
 	"github.com/cilium/ebpf/rlimit"
 	"golang.org/x/sys/unix"
 
+	"github.com/ctscrub/ctscrub/scrubd/cilium"
 	"github.com/ctscrub/ctscrub/scrubd/ctmap"
 	"github.com/ctscrub/ctscrub/scrubd/index"
 	"github.com/ctscrub/ctscrub/scrubd/recorder"
@@ -312,7 +313,7 @@ func run(cfg config) (result, error) {
 }
 
 // setup creates and fills a node of n entries and loads the backend on it.
-func setup(cfg config, n int) (*node, *scrub.Cilium, error) {
+func setup(cfg config, n int) (*node, *cilium.Backend, error) {
 	nd, err := newNode(n, cfg.perIP, cfg.pods)
 	if err != nil {
 		return nil, nil, err
@@ -322,7 +323,7 @@ func setup(cfg config, n int) (*node, *scrub.Cilium, error) {
 	default:
 	}
 	live <- nd
-	c, err := scrub.NewCilium(nd.maps, nd.ix, scrub.CiliumOptions{})
+	c, err := cilium.New(nd.maps, nd.ix, cilium.Options{})
 	if err != nil {
 		nd.close()
 		return nil, nil, err
@@ -357,7 +358,7 @@ func indexOnly(cfg config, n int) (med, p99 time.Duration, reps int, err error) 
 
 // indexSeries times reps index scrubs of the target, refilling and
 // re-indexing its entries before each, and checks each scrub.
-func indexSeries(nd *node, c *scrub.Cilium, reps int) (d, cpu, waited []time.Duration, err error) {
+func indexSeries(nd *node, c *cilium.Backend, reps int) (d, cpu, waited []time.Duration, err error) {
 	gcDuring := 0
 	// One OS thread for the whole series, so its CPU time and its wait for a
 	// CPU (schedstat) can be read around each scrub: on a shared machine the

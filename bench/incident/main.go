@@ -42,6 +42,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/ctscrub/ctscrub/scrubd/api"
+	"github.com/ctscrub/ctscrub/scrubd/cilium"
 	"github.com/ctscrub/ctscrub/scrubd/client"
 	"github.com/ctscrub/ctscrub/scrubd/ctmap"
 	"github.com/ctscrub/ctscrub/scrubd/daemon"
@@ -411,9 +412,9 @@ func bench(cfg config, dir string) error {
 			ix.MarkIncomplete(podIP(i), index.ReasonLost)
 		}
 	}
-	var sweeper *scrub.Sweeper
+	var sweeper *cilium.Sweeper
 	for _, b := range d.Backends() {
-		if s, ok := b.(interface{ Sweeper() *scrub.Sweeper }); ok {
+		if s, ok := b.(interface{ Sweeper() *cilium.Sweeper }); ok {
 			sweeper = s.Sweeper()
 		}
 	}

@@ -14,6 +14,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/ctscrub/ctscrub/scrubd/api"
+	"github.com/ctscrub/ctscrub/scrubd/cilium"
 	"github.com/ctscrub/ctscrub/scrubd/client"
 	"github.com/ctscrub/ctscrub/scrubd/ctmap"
 	"github.com/ctscrub/ctscrub/scrubd/index"
@@ -74,7 +75,7 @@ func TestEveryBackendScrubs(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer maps.Close()
-	c, err := scrub.NewCilium(maps, ix, scrub.CiliumOptions{})
+	c, err := cilium.New(maps, ix, cilium.Options{})
 	if err != nil {
 		t.Fatal(err)
 	}

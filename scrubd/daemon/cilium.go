@@ -5,20 +5,20 @@ import (
 	"errors"
 
 	"github.com/ctscrub/ctscrub/scrubd/api"
+	"github.com/ctscrub/ctscrub/scrubd/cilium"
 	"github.com/ctscrub/ctscrub/scrubd/ctmap"
-	"github.com/ctscrub/ctscrub/scrubd/scrub"
 )
 
 // CiliumStats reports the occupancy of Cilium's global CT maps through the
 // Cilium backend's Count (the kernel's element counter where the kernel has
 // one, else a counting walk in the kernel).
-func CiliumStats(maps *ctmap.Maps, c *scrub.Cilium) StatsSource {
+func CiliumStats(maps *ctmap.Maps, c *cilium.Backend) StatsSource {
 	return ciliumStats{maps: maps, c: c}
 }
 
 type ciliumStats struct {
 	maps *ctmap.Maps
-	c    *scrub.Cilium
+	c    *cilium.Backend
 }
 
 func (s ciliumStats) CTStats(ctx context.Context) ([]api.MapStats, error) {

@@ -22,6 +22,7 @@ import (
 	"github.com/cilium/ebpf"
 
 	"github.com/ctscrub/ctscrub/scrubd/api"
+	"github.com/ctscrub/ctscrub/scrubd/cilium"
 	"github.com/ctscrub/ctscrub/scrubd/client"
 	"github.com/ctscrub/ctscrub/scrubd/ctmap"
 	"github.com/ctscrub/ctscrub/scrubd/recorder"
@@ -865,9 +866,9 @@ func TestSweepsShareAPass(t *testing.T) {
 	root := newCTRoot(t, 1<<22)
 	root.put4(t, background(3_000_000))
 	td := startDaemon(t, testConfig(t, root))
-	var sw *scrub.Sweeper
+	var sw *cilium.Sweeper
 	for _, b := range td.Backends() {
-		if s, ok := b.(interface{ Sweeper() *scrub.Sweeper }); ok {
+		if s, ok := b.(interface{ Sweeper() *cilium.Sweeper }); ok {
 			sw = s.Sweeper()
 		}
 	}

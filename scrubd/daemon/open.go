@@ -9,11 +9,11 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/ctscrub/ctscrub/scrubd/cilium"
 	"github.com/ctscrub/ctscrub/scrubd/ctmap"
 	"github.com/ctscrub/ctscrub/scrubd/expiry"
 	"github.com/ctscrub/ctscrub/scrubd/index"
 	"github.com/ctscrub/ctscrub/scrubd/recorder"
-	"github.com/ctscrub/ctscrub/scrubd/scrub"
 )
 
 // Open builds the daemon a node needs from cfg: the index, the backends the
@@ -42,7 +42,7 @@ func Open(cfg Config, log *slog.Logger, version string) (*Daemon, error) {
 		switch {
 		case err == nil:
 			closers = append(closers, maps.Close)
-			c, err := scrub.NewCilium(maps, ix, scrub.CiliumOptions{})
+			c, err := cilium.New(maps, ix, cilium.Options{})
 			if err != nil {
 				return fail(fmt.Errorf("cilium backend: load the sweep programs: %w", err))
 			}
@@ -107,13 +107,13 @@ func Open(cfg Config, log *slog.Logger, version string) (*Daemon, error) {
 // ciliumBackend closes the expiry pass and the CT maps with the backend
 // that uses them.
 type ciliumBackend struct {
-	*scrub.Cilium
+	*cilium.Backend
 	maps *ctmap.Maps
 	exp  *expiry.Runner
 }
 
 func (c ciliumBackend) Close() error {
-	return errors.Join(c.exp.Close(), c.Cilium.Close(), c.maps.Close())
+	return errors.Join(c.exp.Close(), c.Backend.Close(), c.maps.Close())
 }
 
 // openExpiry builds the expiry pass; its metrics go on the daemon's registry

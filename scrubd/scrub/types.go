@@ -1,6 +1,8 @@
-// Package scrub deletes every CT entry of a set of IPs: through the index when
-// it can prove completeness (O(k)), else through the sweep (one in-kernel pass
-// over each map for a whole set of IPs).
+// Package scrub is the contract every conntrack backend serves: a request to
+// delete every entry of a set of IPs, and the result it reports (method,
+// entries deleted per map, outcome). The backends are scrubd/cilium (Cilium's
+// BPF CT maps) and scrubd/nfct (the kernel's nf_conntrack). It links no BPF
+// code, so the CNI plugin and the CLI can share the API types cheaply.
 package scrub
 
 import (

@@ -1,4 +1,4 @@
-package scrub
+package cilium
 
 import (
 	"context"
@@ -12,6 +12,8 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/ctscrub/ctscrub/scrubd/scrub"
 
 	"github.com/cilium/ebpf"
 
@@ -29,7 +31,7 @@ var (
 
 // trackedWorld builds maps holding flows of several pods, every pod tracked
 // from its creation and every flow recorded, so the index is complete.
-func trackedWorld(t *testing.T, maxEntries uint32) (*world, *Cilium) {
+func trackedWorld(t *testing.T, maxEntries uint32) (*world, *Backend) {
 	needRoot(t)
 	maps := pinnedMaps(t, maxEntries, true)
 	ix := newIndex()
@@ -45,7 +47,7 @@ func trackedWorld(t *testing.T, maxEntries uint32) (*world, *Cilium) {
 	return w, newCilium(t, maps, ix)
 }
 
-func checkDeleted(t *testing.T, res Result, want map[string]int) {
+func checkDeleted(t *testing.T, res scrub.Result, want map[string]int) {
 	t.Helper()
 	for name, n := range want {
 		if res.Deleted[name] != n {
@@ -67,11 +69,11 @@ func TestScrubIndexPath(t *testing.T) {
 	if want[ctmap.TCP4.Name()] == 0 || want[ctmap.Any4.Name()] == 0 || want[ctmap.TCP6.Name()] == 0 || want[ctmap.Any6.Name()] == 0 {
 		t.Fatalf("fill is missing entries of some map: %v", want)
 	}
-	res, err := c.Scrub(context.Background(), Request{IPs: []netip.Addr{podA, podA6}, Reason: ReasonDel})
+	res, err := c.Scrub(context.Background(), scrub.Request{IPs: []netip.Addr{podA, podA6}, Reason: scrub.ReasonDel})
 	if err != nil {
 		t.Fatalf("Scrub: %v", err)
 	}
-	if res.Outcome != Complete || res.Method != MethodIndex || res.PerIP[podA.String()] != MethodIndex || res.PerIP[podA6.String()] != MethodIndex {
+	if res.Outcome != scrub.Complete || res.Method != scrub.MethodIndex || res.PerIP[podA.String()] != scrub.MethodIndex || res.PerIP[podA6.String()] != scrub.MethodIndex {
 		t.Errorf("result %+v: want complete through the index", res)
 	}
 	checkDeleted(t, res, want)
@@ -83,8 +85,8 @@ func TestScrubIndexPath(t *testing.T) {
 	}
 	// The peer's index keeps its keys of the shared flows; they are stale now
 	// and its scrub must still work.
-	res, err = c.Scrub(context.Background(), Request{IPs: []netip.Addr{podB}})
-	if err != nil || res.Outcome != Complete {
+	res, err = c.Scrub(context.Background(), scrub.Request{IPs: []netip.Addr{podB}})
+	if err != nil || res.Outcome != scrub.Complete {
 		t.Fatalf("scrub of peer with stale keys: %+v, %v", res, err)
 	}
 	checkDeleted(t, res, w.expected(podB))
@@ -118,19 +120,19 @@ func TestScrubWhileOthersInsert(t *testing.T) {
 		}()
 	}
 	want := w.expected(podA)
-	res, err := c.Scrub(context.Background(), Request{IPs: []netip.Addr{podA}})
+	res, err := c.Scrub(context.Background(), scrub.Request{IPs: []netip.Addr{podA}})
 	checkDeleted(t, res, want)
 	w.verify(podA)
 	// And the sweep path under the same load.
 	c.ix.MarkIncomplete(podB, index.ReasonLost)
 	wantB := w.expected(podB)
-	resB, errB := c.Scrub(context.Background(), Request{IPs: []netip.Addr{podB}})
+	resB, errB := c.Scrub(context.Background(), scrub.Request{IPs: []netip.Addr{podB}})
 	stop()
 	wg.Wait()
 	if err != nil || errB != nil {
 		t.Fatalf("Scrub: %v / %v", err, errB)
 	}
-	if resB.Method != MethodSweep {
+	if resB.Method != scrub.MethodSweep {
 		t.Errorf("scrub of an IP marked lost used %s, want sweep", resB.Method)
 	}
 	checkDeleted(t, resB, wantB)
@@ -173,11 +175,11 @@ func TestScrubIncompleteTakesSweep(t *testing.T) {
 			t.Fatalf("%s: index claims complete: %+v", ip, st)
 		}
 		want := w.expected(ip)
-		res, err := c.Scrub(context.Background(), Request{IPs: []netip.Addr{ip}})
+		res, err := c.Scrub(context.Background(), scrub.Request{IPs: []netip.Addr{ip}})
 		if err != nil {
 			t.Fatalf("scrub %s (%s): %v", ip, st.Incomplete, err)
 		}
-		if res.Method != MethodSweep || res.Outcome != Complete {
+		if res.Method != scrub.MethodSweep || res.Outcome != scrub.Complete {
 			t.Errorf("scrub %s (%s): %+v, want a complete sweep", ip, st.Incomplete, res)
 		}
 		checkDeleted(t, res, want)
@@ -191,8 +193,8 @@ func TestScrubIncompleteTakesSweep(t *testing.T) {
 	}
 	// Flows after the sweep are indexed: the next scrub takes the index.
 	w.addFlows(lost, podC, 3, true)
-	res, err := c.Scrub(context.Background(), Request{IPs: []netip.Addr{lost}})
-	if err != nil || res.Method != MethodIndex {
+	res, err := c.Scrub(context.Background(), scrub.Request{IPs: []netip.Addr{lost}})
+	if err != nil || res.Method != scrub.MethodIndex {
 		t.Fatalf("scrub after the sweep: %+v, %v; want the index", res, err)
 	}
 	checkDeleted(t, res, w.expected(lost))
@@ -216,8 +218,8 @@ func TestScrubStaleKeys(t *testing.T) {
 		}
 	}
 	want := w.expected(podA)
-	res, err := c.Scrub(context.Background(), Request{IPs: []netip.Addr{podA}})
-	if err != nil || res.Outcome != Complete {
+	res, err := c.Scrub(context.Background(), scrub.Request{IPs: []netip.Addr{podA}})
+	if err != nil || res.Outcome != scrub.Complete {
 		t.Fatalf("scrub with stale keys: %+v, %v", res, err)
 	}
 	checkDeleted(t, res, want)
@@ -241,7 +243,7 @@ func TestSweepDeletesEverything(t *testing.T) {
 	}
 	c := newCilium(t, maps, ix)
 	want := w.expected(podA, podB)
-	res, err := c.Scrub(context.Background(), Request{IPs: []netip.Addr{podA, podB}})
+	res, err := c.Scrub(context.Background(), scrub.Request{IPs: []netip.Addr{podA, podB}})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -255,8 +257,8 @@ func TestScrubDryRun(t *testing.T) {
 	before4, before6 := dump(t, c.maps)
 	keysBefore := c.ix.State(podA).Keys
 	for _, ip := range []netip.Addr{podA, podB, podA6} {
-		res, err := c.Scrub(context.Background(), Request{IPs: []netip.Addr{ip}, DryRun: true})
-		if err != nil || res.Outcome != Complete {
+		res, err := c.Scrub(context.Background(), scrub.Request{IPs: []netip.Addr{ip}, DryRun: true})
+		if err != nil || res.Outcome != scrub.Complete {
 			t.Fatalf("dry run %s: %+v, %v", ip, res, err)
 		}
 		checkDeleted(t, res, w.expected(ip))
@@ -288,11 +290,11 @@ func TestScrubBadInput(t *testing.T) {
 		{"zone", []netip.Addr{netip.MustParseAddr("fe80::1%eth0")}, "zone"},
 	}
 	for _, tc := range cases {
-		res, err := c.Scrub(context.Background(), Request{IPs: tc.ips})
-		if err == nil || !errors.Is(err, ErrBadRequest) || !strings.Contains(err.Error(), tc.want) {
-			t.Errorf("%s: err %v, want ErrBadRequest mentioning %q", tc.name, err, tc.want)
+		res, err := c.Scrub(context.Background(), scrub.Request{IPs: tc.ips})
+		if err == nil || !errors.Is(err, scrub.ErrBadRequest) || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("%s: err %v, want scrub.ErrBadRequest mentioning %q", tc.name, err, tc.want)
 		}
-		if res.Outcome != Failed || res.Total != 0 {
+		if res.Outcome != scrub.Failed || res.Total != 0 {
 			t.Errorf("%s: result %+v, want error and nothing deleted", tc.name, res)
 		}
 	}
@@ -305,12 +307,12 @@ func TestScrubBadInput(t *testing.T) {
 	// A v6 IP on a node without the IPv6 maps.
 	maps4 := pinnedMaps(t, 1024, false)
 	c4 := newCilium(t, maps4, newIndex())
-	_, err := c4.Scrub(context.Background(), Request{IPs: []netip.Addr{podA, podA6}})
-	if err == nil || !errors.Is(err, ErrBadRequest) || !strings.Contains(err.Error(), "IPv6 CT maps") {
+	_, err := c4.Scrub(context.Background(), scrub.Request{IPs: []netip.Addr{podA, podA6}})
+	if err == nil || !errors.Is(err, scrub.ErrBadRequest) || !strings.Contains(err.Error(), "IPv6 CT maps") {
 		t.Errorf("v6 IP without v6 maps: %v", err)
 	}
 	// An IPv4-mapped address means the IPv4 address.
-	ips, err := CheckIPs([]netip.Addr{netip.MustParseAddr("::ffff:10.244.0.5"), podA})
+	ips, err := scrub.CheckIPs([]netip.Addr{netip.MustParseAddr("::ffff:10.244.0.5"), podA})
 	if err != nil || len(ips) != 1 || ips[0] != podA {
 		t.Errorf("CheckIPs(::ffff:10.244.0.5, 10.244.0.5) = %v, %v; want [10.244.0.5]", ips, err)
 	}
@@ -341,8 +343,8 @@ func TestOpenWrongLayout(t *testing.T) {
 	if _, err := ctmap.Open(dir); err == nil || !errors.Is(err, ctmap.ErrLayout) || !strings.Contains(err.Error(), "key size 38") {
 		t.Errorf("Open with a wrong-size %s: %v, want ErrLayout naming the key size", ctmap.TCP4.Name(), err)
 	}
-	if _, err := NewCilium(nil, newIndex(), CiliumOptions{}); err == nil {
-		t.Error("NewCilium without maps: no error")
+	if _, err := New(nil, newIndex(), Options{}); err == nil {
+		t.Error("New without maps: no error")
 	}
 }
 
@@ -375,7 +377,7 @@ func TestCount(t *testing.T) {
 		t.Logf("Count walks the map: the kernel's element counter is unavailable: %v", c.CountError())
 	}
 	// The counter follows deletions too.
-	res, err := c.Scrub(context.Background(), Request{IPs: []netip.Addr{podA}})
+	res, err := c.Scrub(context.Background(), scrub.Request{IPs: []netip.Addr{podA}})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -388,7 +390,7 @@ func TestCount(t *testing.T) {
 	}
 }
 
-func mustCount(t *testing.T, c *Cilium, k ctmap.Kind) int64 {
+func mustCount(t *testing.T, c *Backend, k ctmap.Kind) int64 {
 	n, err := c.Count(k)
 	if err != nil {
 		t.Fatal(err)
@@ -398,7 +400,7 @@ func mustCount(t *testing.T, c *Cilium, k ctmap.Kind) int64 {
 
 // bigWorld is a map of bulk entries (so a pass takes long enough to cancel or
 // to join) plus recorded flows of a few pods.
-func bigWorld(t *testing.T, bulk int) (*world, *Cilium) {
+func bigWorld(t *testing.T, bulk int) (*world, *Backend) {
 	needRoot(t)
 	if testing.Short() && bulk >= 1<<20 {
 		t.Skip("fills a map of millions of entries")
@@ -422,11 +424,11 @@ func TestSweepCancel(t *testing.T) {
 	target := netip.AddrFrom4([4]byte{10, 244, 0, 10})
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
-	var res Result
+	var res scrub.Result
 	var err error
 	go func() {
 		defer close(done)
-		res, err = c.Scrub(ctx, Request{IPs: []netip.Addr{target}})
+		res, err = c.Scrub(ctx, scrub.Request{IPs: []netip.Addr{target}})
 	}()
 	// Cancel while the program walks the map in the kernel.
 	waitFor(t, c.Sweeper().inProg.Load)
@@ -434,8 +436,8 @@ func TestSweepCancel(t *testing.T) {
 	cancelled := time.Now()
 	<-done
 	took := time.Since(cancelled)
-	if !errors.Is(err, context.Canceled) || res.Outcome != Cancelled {
-		t.Fatalf("cancelled sweep: %+v, %v; want Cancelled", res, err)
+	if !errors.Is(err, context.Canceled) || res.Outcome != scrub.Cancelled {
+		t.Fatalf("cancelled sweep: %+v, %v; want scrub.Cancelled", res, err)
 	}
 	st := c.Sweeper().lastStats()
 	stopped := false
@@ -456,8 +458,8 @@ func TestSweepCancel(t *testing.T) {
 	want := w.expected(target)
 	want[ctmap.TCP4.Name()] -= res.Deleted[ctmap.TCP4.Name()]
 	want[ctmap.Any4.Name()] -= res.Deleted[ctmap.Any4.Name()]
-	res, err = c.Scrub(context.Background(), Request{IPs: []netip.Addr{target}})
-	if err != nil || res.Outcome != Complete || res.Method != MethodSweep {
+	res, err = c.Scrub(context.Background(), scrub.Request{IPs: []netip.Addr{target}})
+	if err != nil || res.Outcome != scrub.Complete || res.Method != scrub.MethodSweep {
 		t.Fatalf("retry: %+v, %v", res, err)
 	}
 	checkDeleted(t, res, want)
@@ -504,9 +506,9 @@ func TestSweepStopFlag(t *testing.T) {
 		waitFor(t, func() bool { _, r := sw.Waiting(); return r == 0 })
 	}
 	sw.mu.Unlock()
-	res, err := c.Scrub(ctx, Request{IPs: []netip.Addr{target}})
-	if !errors.Is(err, context.Canceled) || res.Outcome != Cancelled || res.Total != 0 {
-		t.Fatalf("%+v, %v; want Cancelled with nothing deleted", res, err)
+	res, err := c.Scrub(ctx, scrub.Request{IPs: []netip.Addr{target}})
+	if !errors.Is(err, context.Canceled) || res.Outcome != scrub.Cancelled || res.Total != 0 {
+		t.Fatalf("%+v, %v; want scrub.Cancelled with nothing deleted", res, err)
 	}
 	st := sw.lastStats()[ctmap.TCP4]
 	if !st.Stopped || st.Visited != 0 {
@@ -519,8 +521,8 @@ func TestSweepStopFlag(t *testing.T) {
 	sw.beforeRun = nil
 	sw.mu.Unlock()
 	want := w.expected(target)
-	res, err = c.Scrub(context.Background(), Request{IPs: []netip.Addr{target}})
-	if err != nil || res.Outcome != Complete {
+	res, err = c.Scrub(context.Background(), scrub.Request{IPs: []netip.Addr{target}})
+	if err != nil || res.Outcome != scrub.Complete {
 		t.Fatalf("retry: %+v, %v", res, err)
 	}
 	checkDeleted(t, res, want)
@@ -539,22 +541,22 @@ func TestSweepSharedPass(t *testing.T) {
 		wants[i] = w.expected(ip)
 	}
 	before := sw.Passes()
-	results := make([]Result, len(ips))
+	results := make([]scrub.Result, len(ips))
 	errs := make([]error, len(ips))
 	var wg sync.WaitGroup
-	scrub := func(ctx context.Context, i int) {
+	scrubOne := func(ctx context.Context, i int) {
 		defer wg.Done()
-		results[i], errs[i] = c.Scrub(ctx, Request{IPs: []netip.Addr{ips[i]}})
+		results[i], errs[i] = c.Scrub(ctx, scrub.Request{IPs: []netip.Addr{ips[i]}})
 	}
 	// The first caller's pass is held while the others arrive: they must
 	// all share the next pass.
 	g := holdPasses(sw, 1)
 	wg.Add(1)
-	go scrub(context.Background(), 0)
+	go scrubOne(context.Background(), 0)
 	waitFor(t, func() bool { _, r := sw.Waiting(); return r == 1 })
 	for i := 1; i < len(ips); i++ {
 		wg.Add(1)
-		go scrub(context.Background(), i)
+		go scrubOne(context.Background(), i)
 	}
 	waitFor(t, func() bool { p, _ := sw.Waiting(); return p == len(ips)-1 })
 	g.release(0)
@@ -563,7 +565,7 @@ func TestSweepSharedPass(t *testing.T) {
 		t.Errorf("%d callers ran %d passes, want 2 (one for the first, one shared by the %d that arrived during it)", len(ips), got, len(ips)-1)
 	}
 	for i := range ips {
-		if errs[i] != nil || results[i].Outcome != Complete {
+		if errs[i] != nil || results[i].Outcome != scrub.Complete {
 			t.Fatalf("caller %d: %+v, %v", i, results[i], errs[i])
 		}
 		checkDeleted(t, results[i], wants[i])
@@ -584,12 +586,12 @@ func TestSweepSharedPass(t *testing.T) {
 	defer cancel()
 	g = holdPasses(sw, 2)
 	wg.Add(1)
-	go scrub(context.Background(), 3) // the blocker
+	go scrubOne(context.Background(), 3) // the blocker
 	waitFor(t, func() bool { _, r := sw.Waiting(); return r == 1 })
 	wg.Add(3)
-	go scrub(ctx, 0)
-	go scrub(context.Background(), 1)
-	go scrub(context.Background(), 2)
+	go scrubOne(ctx, 0)
+	go scrubOne(context.Background(), 1)
+	go scrubOne(context.Background(), 2)
 	waitFor(t, func() bool { p, _ := sw.Waiting(); return p == 3 })
 	g.release(0)
 	waitFor(t, func() bool { _, r := sw.Waiting(); return r == 3 })
@@ -597,11 +599,11 @@ func TestSweepSharedPass(t *testing.T) {
 	waitFor(t, func() bool { _, r := sw.Waiting(); return r == 2 })
 	g.release(1)
 	wg.Wait()
-	if !errors.Is(errs[0], context.Canceled) || results[0].Outcome != Cancelled {
-		t.Errorf("caller that left: %+v, %v; want Cancelled", results[0], errs[0])
+	if !errors.Is(errs[0], context.Canceled) || results[0].Outcome != scrub.Cancelled {
+		t.Errorf("caller that left: %+v, %v; want scrub.Cancelled", results[0], errs[0])
 	}
 	for i := 1; i < 4; i++ {
-		if errs[i] != nil || results[i].Outcome != Complete {
+		if errs[i] != nil || results[i].Outcome != scrub.Complete {
 			t.Errorf("caller %d of a pass another caller left: %+v, %v", i, results[i], errs[i])
 			continue
 		}
@@ -628,7 +630,7 @@ func waitFor(t *testing.T, cond func() bool) {
 	}
 }
 
-func dumpKind(t *testing.T, c *Cilium, k ctmap.Kind) []ctmap.CTKey4 {
+func dumpKind(t *testing.T, c *Backend, k ctmap.Kind) []ctmap.CTKey4 {
 	k4, _ := dump(t, c.maps)
 	var out []ctmap.CTKey4
 	for key := range k4 {
@@ -646,7 +648,7 @@ func TestSweepKeepsWhatHappensDuringPass(t *testing.T) {
 	ip := netip.AddrFrom4([4]byte{10, 244, 0, 11})
 	done := make(chan error, 1)
 	go func() {
-		_, err := c.Scrub(context.Background(), Request{IPs: []netip.Addr{ip}})
+		_, err := c.Scrub(context.Background(), scrub.Request{IPs: []netip.Addr{ip}})
 		done <- err
 	}()
 	waitFor(t, c.Sweeper().inProg.Load)
@@ -699,8 +701,8 @@ func TestScrubAfterLRUEviction(t *testing.T) {
 		t.Fatalf("no entry of %s was evicted; the test needs LRU eviction", podA)
 	}
 	c := newCilium(t, maps, ix)
-	res, err := c.Scrub(context.Background(), Request{IPs: []netip.Addr{podA}})
-	if err != nil || res.Outcome != Complete || res.Method != MethodIndex {
+	res, err := c.Scrub(context.Background(), scrub.Request{IPs: []netip.Addr{podA}})
+	if err != nil || res.Outcome != scrub.Complete || res.Method != scrub.MethodIndex {
 		t.Fatalf("scrub after eviction: %+v, %v", res, err)
 	}
 	if res.Total != present {
@@ -736,7 +738,7 @@ func (c *cancelAfter) Err() error {
 
 func TestIndexScrubCancel(t *testing.T) {
 	w, _ := trackedWorld(t, 1<<16)
-	c, err := NewCilium(w.maps, w.ix, CiliumOptions{DeleteChunk: 16})
+	c, err := New(w.maps, w.ix, Options{DeleteChunk: 16})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -744,8 +746,8 @@ func TestIndexScrubCancel(t *testing.T) {
 	keys := c.ix.State(podA).Keys
 	ctx := &cancelAfter{Context: context.Background()}
 	ctx.n.Store(4) // the IP loop check, then three delete batches
-	res, err := c.Scrub(ctx, Request{IPs: []netip.Addr{podA}})
-	if !errors.Is(err, context.Canceled) || res.Outcome != Cancelled {
+	res, err := c.Scrub(ctx, scrub.Request{IPs: []netip.Addr{podA}})
+	if !errors.Is(err, context.Canceled) || res.Outcome != scrub.Cancelled {
 		t.Fatalf("cancelled index scrub: %+v, %v", res, err)
 	}
 	if res.Total == 0 || res.Total >= keys {
@@ -760,8 +762,8 @@ func TestIndexScrubCancel(t *testing.T) {
 	for name, n := range res.Deleted {
 		want[name] -= n
 	}
-	res2, err := c.Scrub(context.Background(), Request{IPs: []netip.Addr{podA}})
-	if err != nil || res2.Method != MethodIndex {
+	res2, err := c.Scrub(context.Background(), scrub.Request{IPs: []netip.Addr{podA}})
+	if err != nil || res2.Method != scrub.MethodIndex {
 		t.Fatalf("retry: %+v, %v", res2, err)
 	}
 	checkDeleted(t, res2, want)
@@ -801,8 +803,8 @@ func TestSweepFilterCollision(t *testing.T) {
 	}
 	c := newCilium(t, maps, ix)
 	want := w.expected(podA, podA6)
-	res, err := c.Scrub(context.Background(), Request{IPs: []netip.Addr{podA, podA6}})
-	if err != nil || res.Method != MethodSweep {
+	res, err := c.Scrub(context.Background(), scrub.Request{IPs: []netip.Addr{podA, podA6}})
+	if err != nil || res.Method != scrub.MethodSweep {
 		t.Fatalf("%+v, %v", res, err)
 	}
 	checkDeleted(t, res, want)
@@ -821,8 +823,8 @@ func TestScrubIPOutsidePodCIDRs(t *testing.T) {
 	for round := range 2 {
 		w.addFlows(outside, remote4, 10, true) // records of it index nothing
 		want := w.expected(outside)
-		res, err := c.Scrub(context.Background(), Request{IPs: []netip.Addr{outside}})
-		if err != nil || res.Method != MethodSweep {
+		res, err := c.Scrub(context.Background(), scrub.Request{IPs: []netip.Addr{outside}})
+		if err != nil || res.Method != scrub.MethodSweep {
 			t.Fatalf("round %d: %+v, %v; want the sweep", round, res, err)
 		}
 		checkDeleted(t, res, want)

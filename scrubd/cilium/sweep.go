@@ -1,4 +1,4 @@
-package scrub
+package cilium
 
 import (
 	"context"
@@ -9,6 +9,8 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
+
+	"github.com/ctscrub/ctscrub/scrubd/scrub"
 
 	"github.com/cilium/ebpf"
 
@@ -233,7 +235,7 @@ type SweepResult struct {
 // callers. When ctx ends first it returns ctx's error with what was counted
 // so far and Complete false. ips are checked with CheckIPs.
 func (s *Sweeper) Sweep(ctx context.Context, ips []netip.Addr, dryRun bool) (SweepResult, error) {
-	ips, err := CheckIPs(ips)
+	ips, err := scrub.CheckIPs(ips)
 	if err != nil {
 		return SweepResult{}, err
 	}

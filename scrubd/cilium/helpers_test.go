@@ -1,4 +1,4 @@
-package scrub
+package cilium
 
 import (
 	"encoding/binary"
@@ -63,11 +63,11 @@ func pinnedMaps(t testing.TB, maxEntries uint32, withV6 bool) *ctmap.Maps {
 	return maps
 }
 
-func newCilium(t testing.TB, maps *ctmap.Maps, ix *index.Index) *Cilium {
+func newCilium(t testing.TB, maps *ctmap.Maps, ix *index.Index) *Backend {
 	t.Helper()
-	c, err := NewCilium(maps, ix, CiliumOptions{})
+	c, err := New(maps, ix, Options{})
 	if err != nil {
-		t.Fatalf("NewCilium: %v", err)
+		t.Fatalf("New: %v", err)
 	}
 	t.Cleanup(func() { c.Close() })
 	return c

@@ -1,4 +1,4 @@
-package scrub_test
+package cilium_test
 
 import (
 	"context"
@@ -7,6 +7,7 @@ import (
 	"net/netip"
 	"time"
 
+	"github.com/ctscrub/ctscrub/scrubd/cilium"
 	"github.com/ctscrub/ctscrub/scrubd/ctmap"
 	"github.com/ctscrub/ctscrub/scrubd/index"
 	"github.com/ctscrub/ctscrub/scrubd/scrub"
@@ -14,14 +15,14 @@ import (
 
 // Scrub one pod IP out of Cilium's CT maps with a deadline, as the daemon
 // does for a CNI DEL. (Needs root and Cilium's pinned maps; not run by go test.)
-func ExampleCilium_Scrub() {
+func ExampleBackend_Scrub() {
 	maps, err := ctmap.Open(ctmap.DefaultRoot)
 	if err != nil {
 		log.Fatal(err) // e.g. "... cilium_ct4_global: open CT map: file does not exist (is Cilium running ...?)"
 	}
 	defer maps.Close()
 	ix := index.New(index.Config{PodCIDRs: []netip.Prefix{netip.MustParsePrefix("10.0.0.0/8")}})
-	c, err := scrub.NewCilium(maps, ix, scrub.CiliumOptions{})
+	c, err := cilium.New(maps, ix, cilium.Options{})
 	if err != nil {
 		log.Fatal(err)
 	}

@@ -1,4 +1,9 @@
-package scrub
+// Package cilium is ctscrub's backend for Cilium's four global CT maps: a scrub
+// deletes an IP's entries through the index (O(k), BPF_MAP_DELETE_BATCH of
+// exactly its keys) when the index can prove completeness, else through the
+// sweep (bpf/sweep.c, one in-kernel pass over each map for a set of IPs,
+// shared by concurrent callers).
+package cilium
 
 import (
 	"context"
@@ -9,26 +14,28 @@ import (
 	"sync"
 	"time"
 
+	"github.com/ctscrub/ctscrub/scrubd/scrub"
+
 	"github.com/cilium/ebpf"
 
 	"github.com/ctscrub/ctscrub/scrubd/ctmap"
 	"github.com/ctscrub/ctscrub/scrubd/index"
 )
 
-// CiliumOptions tunes the Cilium backend.
-type CiliumOptions struct {
+// Options tunes the Cilium backend.
+type Options struct {
 	// DeleteChunk is the number of keys per BPF_MAP_DELETE_BATCH call of the
 	// index path; ctx is checked between chunks. 0 means 1024 (about 0.2 ms
 	// of deletes, so a cancelled scrub stops within a fraction of a ms).
 	DeleteChunk int
 }
 
-// Cilium scrubs Cilium's global CT maps: through the index for IPs whose
+// Backend scrubs Cilium's global CT maps: through the index for IPs whose
 // index is complete, through the shared sweep for the others.
-type Cilium struct {
+type Backend struct {
 	maps    *ctmap.Maps
 	ix      *index.Index
-	opts    CiliumOptions
+	opts    Options
 	sweeper *Sweeper
 
 	// Scrubs of one IP run one at a time: a scrub takes the IP's keys from
@@ -45,12 +52,12 @@ type ipLock struct {
 	refs int
 }
 
-// NewCilium loads the sweep program once per CT map of maps (the maps stay
+// New loads the sweep program once per CT map of maps (the maps stay
 // the caller's: Close does not close them). ix is the index the recorder
 // fills.
-func NewCilium(maps *ctmap.Maps, ix *index.Index, opts CiliumOptions) (*Cilium, error) {
+func New(maps *ctmap.Maps, ix *index.Index, opts Options) (*Backend, error) {
 	if maps == nil || ix == nil {
-		return nil, errors.New("scrub: NewCilium needs the CT maps and the index")
+		return nil, errors.New("scrub: New needs the CT maps and the index")
 	}
 	if maps.Map(ctmap.TCP4) == nil && maps.Map(ctmap.TCP6) == nil {
 		return nil, errors.New("scrub: no CT map present")
@@ -62,7 +69,7 @@ func NewCilium(maps *ctmap.Maps, ix *index.Index, opts CiliumOptions) (*Cilium, 
 	if err != nil {
 		return nil, err
 	}
-	return &Cilium{
+	return &Backend{
 		maps:     maps,
 		ix:       ix,
 		opts:     opts,
@@ -73,13 +80,13 @@ func NewCilium(maps *ctmap.Maps, ix *index.Index, opts CiliumOptions) (*Cilium, 
 }
 
 // Name labels the backend's metrics and results.
-func (c *Cilium) Name() string { return "cilium" }
+func (c *Backend) Name() string { return "cilium" }
 
 // Sweeper returns the backend's shared sweep.
-func (c *Cilium) Sweeper() *Sweeper { return c.sweeper }
+func (c *Backend) Sweeper() *Sweeper { return c.sweeper }
 
 // Close unloads the sweep programs. The CT maps are left open.
-func (c *Cilium) Close() error {
+func (c *Backend) Close() error {
 	c.sweeper.close()
 	return nil
 }
@@ -88,21 +95,21 @@ func (c *Cilium) Close() error {
 // two methods. On ctx's end it stops, gives the index back the keys it did
 // not try, marks swept IPs incomplete and returns Cancelled with the counts
 // so far.
-func (c *Cilium) Scrub(ctx context.Context, req Request) (Result, error) {
+func (c *Backend) Scrub(ctx context.Context, req scrub.Request) (scrub.Result, error) {
 	start := time.Now()
-	res := Result{
+	res := scrub.Result{
 		Backend: c.Name(),
-		Method:  MethodIndex,
-		Outcome: Complete,
+		Method:  scrub.MethodIndex,
+		Outcome: scrub.Complete,
 		Deleted: map[string]int{},
-		PerIP:   map[string]Method{},
+		PerIP:   map[string]scrub.Method{},
 	}
 	for _, k := range ctmap.Kinds {
 		if c.maps.Map(k) != nil {
 			res.Deleted[k.Name()] = 0
 		}
 	}
-	finish := func(err error) (Result, error) {
+	finish := func(err error) (scrub.Result, error) {
 		res.Duration = time.Since(start)
 		res.Total = 0
 		for _, n := range res.Deleted {
@@ -111,21 +118,21 @@ func (c *Cilium) Scrub(ctx context.Context, req Request) (Result, error) {
 		switch {
 		case err == nil:
 		case errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded):
-			res.Outcome = Cancelled
+			res.Outcome = scrub.Cancelled
 			res.Error = err.Error()
 		default:
-			res.Outcome = Failed
+			res.Outcome = scrub.Failed
 			res.Error = err.Error()
 		}
 		return res, err
 	}
 
-	ips, err := CheckIPs(req.IPs)
+	ips, err := scrub.CheckIPs(req.IPs)
 	if err == nil {
 		for _, ip := range ips {
 			if ip.Is6() && !c.maps.HasIPv6() {
 				err = fmt.Errorf("%w: %s is IPv6 but the IPv6 CT maps (%s, %s) are not present under %s (IPv6 disabled in Cilium?); nothing deleted",
-					ErrBadRequest, ip, ctmap.TCP6.Name(), ctmap.Any6.Name(), c.maps.Root)
+					scrub.ErrBadRequest, ip, ctmap.TCP6.Name(), ctmap.Any6.Name(), c.maps.Root)
 				break
 			}
 		}
@@ -171,7 +178,7 @@ func (c *Cilium) Scrub(ctx context.Context, req Request) (Result, error) {
 			}
 			continue
 		}
-		res.PerIP[ip.String()] = MethodIndex
+		res.PerIP[ip.String()] = scrub.MethodIndex
 		if req.DryRun {
 			if err := c.countKeys(ctx, k4, k6, res.Deleted); err != nil {
 				return finish(err)
@@ -193,10 +200,10 @@ func (c *Cilium) Scrub(ctx context.Context, req Request) (Result, error) {
 	// stays indexed (its entry may be created after the pass went by), and
 	// records lost meanwhile mark the IP incomplete again rather than being
 	// wiped by a Track at the end.
-	res.Method = MethodSweep
+	res.Method = scrub.MethodSweep
 	var track []netip.Addr
 	for _, ip := range sweepIPs {
-		res.PerIP[ip.String()] = MethodSweep
+		res.PerIP[ip.String()] = scrub.MethodSweep
 		if req.DryRun || !c.ix.Owns(ip) {
 			continue
 		}
@@ -233,7 +240,7 @@ func (c *Cilium) Scrub(ctx context.Context, req Request) (Result, error) {
 // or an error). A key that is already gone (Cilium's GC, LRU eviction) is
 // skipped: the kernel stops the batch at it with ENOENT and reports how many
 // it deleted before it.
-func (c *Cilium) deleteKeys(ctx context.Context, k4 []ctmap.CTKey4, k6 []ctmap.CTKey6, deleted map[string]int) (left4 []ctmap.CTKey4, left6 []ctmap.CTKey6, err error) {
+func (c *Backend) deleteKeys(ctx context.Context, k4 []ctmap.CTKey4, k6 []ctmap.CTKey6, deleted map[string]int) (left4 []ctmap.CTKey4, left6 []ctmap.CTKey6, err error) {
 	var tcp4, any4 []ctmap.CTKey4
 	for _, k := range k4 {
 		if k.Kind() == ctmap.TCP4 {
@@ -328,7 +335,7 @@ func deleteBatch[K any](ctx context.Context, m *ebpf.Map, keys []K, chunk int) (
 }
 
 // countKeys adds to counts, per map name, the keys that exist (dry run).
-func (c *Cilium) countKeys(ctx context.Context, k4 []ctmap.CTKey4, k6 []ctmap.CTKey6, counts map[string]int) error {
+func (c *Backend) countKeys(ctx context.Context, k4 []ctmap.CTKey4, k6 []ctmap.CTKey6, counts map[string]int) error {
 	var val ctmap.Entry
 	for i, k := range k4 {
 		if i%1024 == 0 && ctx.Err() != nil {
@@ -353,7 +360,7 @@ func (c *Cilium) countKeys(ctx context.Context, k4 []ctmap.CTKey4, k6 []ctmap.CT
 
 // lockIPs serialises scrubs per IP, in address order so two multi-IP scrubs
 // cannot deadlock.
-func (c *Cilium) lockIPs(ctx context.Context, ips []netip.Addr) (unlock func(), err error) {
+func (c *Backend) lockIPs(ctx context.Context, ips []netip.Addr) (unlock func(), err error) {
 	sorted := slices.Clone(ips)
 	slices.SortFunc(sorted, func(a, b netip.Addr) int { return a.Compare(b) })
 	var held []netip.Addr
@@ -399,7 +406,7 @@ func (c *Cilium) lockIPs(ctx context.Context, ips []netip.Addr) (unlock func(), 
 // (kfunc bpf_map_sum_elem_count): O(CPUs), microseconds. Older kernels fall
 // back to a counting walk of the map in the kernel (O(entries), about 0.3 s
 // per million), skipped while a sweep runs.
-func (c *Cilium) Count(k ctmap.Kind) (int64, error) {
+func (c *Backend) Count(k ctmap.Kind) (int64, error) {
 	if k < 0 || k >= ctmap.NumKinds || c.sweeper.progs[k] == nil {
 		return 0, fmt.Errorf("count %s: map not present", k.Name())
 	}
@@ -416,11 +423,11 @@ func (c *Cilium) Count(k ctmap.Kind) (int64, error) {
 
 // CountError says why Count falls back to a walk (nil when it does not), for
 // the daemon's startup log.
-func (c *Cilium) CountError() error { return c.countErr }
+func (c *Backend) CountError() error { return c.countErr }
 
 // CountIsCheap reports whether Count uses the kernel's element counter
 // rather than a walk.
-func (c *Cilium) CountIsCheap() bool {
+func (c *Backend) CountIsCheap() bool {
 	for _, p := range c.sweeper.progs {
 		if p != nil && p.count == nil {
 			return false
