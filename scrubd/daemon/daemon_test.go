@@ -606,14 +606,28 @@ func TestQueueFullTryAgain(t *testing.T) {
 	cfg := testConfig(t, root)
 	cfg.MaxInFlight, cfg.QueueLimit = 1, 1
 	td := startDaemon(t, cfg)
-	held := holdSlot(t, td, root, 1_500_000)
+	// The test takes the only run slot itself, so the first request stays
+	// admitted and queued for as long as the test wants (a slow sweep as
+	// the holder raced the second request on a loaded machine).
+	td.slots <- struct{}{}
+	held := make(chan error, 1)
+	go func() {
+		_, err := td.c.Scrub(context.Background(), api.ScrubRequest{IPs: []netip.Addr{mustAddr("10.244.200.1")}, Reason: scrub.ReasonDel})
+		held <- err
+	}()
+	waitFor(t, "the first request to be admitted and queued", func() bool { return td.admitted.Load() == 1 })
 	start := time.Now()
-	_, err := td.c.Scrub(context.Background(), api.ScrubRequest{IPs: []netip.Addr{mustAddr("10.244.9.9")}, Reason: scrub.ReasonAdd})
+	// Bounded: a daemon that queued this request instead of refusing it
+	// would otherwise hang the test.
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	_, err := td.c.Scrub(ctx, api.ScrubRequest{IPs: []netip.Addr{mustAddr("10.244.9.9")}, Reason: scrub.ReasonAdd})
 	refusedAfter := time.Since(start)
 	e, ok := client.APIError(err)
 	if !ok || e.Code != api.CodeTryAgain {
 		t.Fatalf("request past the queue bound: %v, want %s", err, api.CodeTryAgain)
 	}
+	<-td.slots
 	if err := <-held; err != nil {
 		t.Fatalf("holder: %v", err)
 	}
