@@ -6,6 +6,7 @@ package nsexec
 import (
 	"errors"
 	"fmt"
+	"path/filepath"
 	"runtime"
 
 	"github.com/vishvananda/netns"
@@ -40,4 +41,29 @@ func Do(path string, fn func() error) error {
 	}
 	runtime.UnlockOSThread()
 	return ferr
+}
+
+// Create makes a named network namespace (bound under /var/run/netns, as
+// `ip netns add` does) without leaving the calling goroutine in it, and
+// returns its path.
+func Create(name string) (string, error) {
+	runtime.LockOSThread()
+	orig, err := netns.Get()
+	if err != nil {
+		runtime.UnlockOSThread()
+		return "", fmt.Errorf("get current netns: %w", err)
+	}
+	defer orig.Close()
+	ns, err := netns.NewNamed(name) // moves this thread into the new namespace
+	if serr := netns.Set(orig); serr != nil {
+		// The thread is in the wrong namespace: it stays locked, so Go
+		// discards it with the goroutine.
+		return "", errors.Join(err, fmt.Errorf("return from new netns %s: %w", name, serr))
+	}
+	runtime.UnlockOSThread()
+	if err != nil {
+		return "", fmt.Errorf("create netns %s: %w", name, err)
+	}
+	ns.Close()
+	return filepath.Join("/var/run/netns", name), nil
 }

@@ -333,26 +333,12 @@ func (s *Scrubd) Metric(t *testing.T, name string, labels map[string]string) flo
 // deletes it when the test ends. It returns its path, a CNI_NETNS.
 func NewNetns(t *testing.T, name string) string {
 	t.Helper()
-	runtime.LockOSThread()
-	defer runtime.UnlockOSThread()
-	orig, err := netns.Get()
+	path, err := nsexec.Create(name)
 	if err != nil {
-		t.Fatalf("get current netns: %v", err)
+		t.Fatal(err)
 	}
-	defer orig.Close()
-	ns, err := netns.NewNamed(name)
-	if serr := netns.Set(orig); serr != nil {
-		// This thread is in the wrong namespace: keep it locked so Go
-		// discards it with the goroutine.
-		runtime.LockOSThread()
-		t.Fatalf("return to the original netns: %v", serr)
-	}
-	if err != nil {
-		t.Fatalf("create netns %s: %v", name, err)
-	}
-	ns.Close()
 	t.Cleanup(func() { netns.DeleteNamed(name) })
-	return filepath.Join("/var/run/netns", name)
+	return path
 }
 
 // Do runs fn on a locked OS thread inside the network namespace at path.

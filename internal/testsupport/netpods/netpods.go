@@ -20,8 +20,6 @@ import (
 	"fmt"
 	"net/netip"
 	"os"
-	"path/filepath"
-	"runtime"
 	"sync"
 	"testing"
 
@@ -266,29 +264,16 @@ func (n *Node) veth(name string, peer *Host, master string) error {
 // newHost creates a named network namespace, removed when the test ends.
 func newHost(t testing.TB, name string) *Host {
 	t.Helper()
-	runtime.LockOSThread()
-	defer runtime.UnlockOSThread()
-	orig, err := netns.Get()
+	path, err := nsexec.Create(name)
 	if err != nil {
-		t.Fatalf("netpods: get current netns: %v", err)
+		t.Fatalf("netpods: %v", err)
 	}
-	defer orig.Close()
-	ns, err := netns.NewNamed(name)
-	if serr := netns.Set(orig); serr != nil {
-		// The thread is in the wrong namespace: do not hand it back.
-		runtime.LockOSThread()
-		t.Fatalf("netpods: return to the original netns: %v", serr)
-	}
-	if err != nil {
-		t.Fatalf("netpods: create netns %s: %v", name, err)
-	}
-	ns.Close()
 	t.Cleanup(func() {
 		if err := netns.DeleteNamed(name); err != nil && !errors.Is(err, os.ErrNotExist) {
 			t.Logf("netpods: delete netns %s: %v", name, err)
 		}
 	})
-	return &Host{Name: name, Path: filepath.Join("/var/run/netns", name), t: t}
+	return &Host{Name: name, Path: path, t: t}
 }
 
 // Do runs fn on a locked OS thread inside the host's network namespace.
