@@ -411,21 +411,18 @@ func TestResyncAfterLoss(t *testing.T) {
 	if n.Lost() == 0 {
 		t.Skip("no events lost in this run: nothing to resync")
 	}
-	// The socket may report more overruns after the first re-seed (the burst's
-	// events drain through a 1-byte buffer); each marks every IP incomplete
-	// again. Wait until the loss count has stopped moving and the re-seed
-	// after the last loss is done.
+	// The socket can count more drops after the loss the event loop first
+	// noticed (the burst drains through a 1-byte buffer); a scrub notices
+	// them in catchUp and rightly sweeps. Wait until every drop has been
+	// noticed (catchUp, as a scrub does) and the re-seed after the last one
+	// is done.
 	deadline := time.Now().Add(10 * time.Second)
-	lost, stableSince := n.Lost(), time.Now()
 	for time.Now().Before(deadline) {
-		time.Sleep(20 * time.Millisecond)
-		if l := n.Lost(); l != lost {
-			lost, stableSince = l, time.Now()
-			continue
-		}
-		if n.Complete(target) && time.Since(stableSince) > 200*time.Millisecond {
+		n.catchUp(context.Background())
+		if n.lossSeen.Load() == n.ev.drops() && n.Complete(target) {
 			break
 		}
+		time.Sleep(20 * time.Millisecond)
 	}
 	if !n.Complete(target) {
 		t.Fatal("index never became complete again after the loss")
@@ -436,7 +433,7 @@ func TestResyncAfterLoss(t *testing.T) {
 		t.Fatal(err)
 	}
 	if res.Method != scrub.MethodIndex {
-		t.Errorf("after the re-seed the scrub should use the index, got %s", res.Method)
+		t.Errorf("after the re-seed the scrub should use the index, got %s (drops %d, noticed %d)", res.Method, n.ev.drops(), n.lossSeen.Load())
 	}
 	checkScrubbed(t, tab, before, target)
 }
