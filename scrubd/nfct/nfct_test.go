@@ -19,6 +19,20 @@ import (
 
 // Every test works on the conntrack table of a network namespace of its own:
 // conntrack tables are per namespace, so the host's is never touched.
+
+// newTable gives the test a private network namespace and its conntrack table,
+// closed when the test ends.
+func newTable(t *testing.T) (string, *Table) {
+	t.Helper()
+	ns := privateNetns(t)
+	tab, err := OpenTable(ns)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { tab.Close() })
+	return ns, tab
+}
+
 func privateNetns(t *testing.T) string {
 	t.Helper()
 	if os.Geteuid() != 0 {
@@ -124,12 +138,7 @@ func population(target string, k int) (mine, others []Entry) {
 }
 
 func TestScrubByIndex(t *testing.T) {
-	ns := privateNetns(t)
-	tab, err := OpenTable(ns)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer tab.Close()
+	ns, tab := newTable(t)
 	target := netip.MustParseAddr("10.244.1.5")
 	mine, others := population(target.String(), 300)
 	// Half before the backend starts (found by the seed dump), half after
@@ -204,12 +213,7 @@ func tcp(src, dst string, sport, dport uint16) Entry {
 // delete rebuilds each tuple from the index key, so a wrong attribute would
 // leave the entry behind.
 func TestScrubProtocolsAndFamilies(t *testing.T) {
-	ns := privateNetns(t)
-	tab, err := OpenTable(ns)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer tab.Close()
+	ns, tab := newTable(t)
 	v6net := netip.MustParsePrefix("fd00:244::/64")
 	n, err := New(Config{PodCIDRs: []netip.Prefix{podNet, v6net}, Netns: ns})
 	if err != nil {
@@ -239,12 +243,7 @@ func TestScrubProtocolsAndFamilies(t *testing.T) {
 // filter (inverted on this kernel, see TestKernelIPv6FilterMatch): with it,
 // every OTHER entry would go. Auto mode takes the dump path for v6.
 func TestIPv6FallbackKeepsOthers(t *testing.T) {
-	ns := privateNetns(t)
-	tab, err := OpenTable(ns)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer tab.Close()
+	ns, tab := newTable(t)
 	n, err := New(Config{Netns: ns})
 	if err != nil {
 		t.Fatal(err)
@@ -266,12 +265,7 @@ func TestIPv6FallbackKeepsOthers(t *testing.T) {
 }
 
 func TestDryRunDeletesNothing(t *testing.T) {
-	ns := privateNetns(t)
-	tab, err := OpenTable(ns)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer tab.Close()
+	ns, tab := newTable(t)
 	target := netip.MustParseAddr("10.244.1.5")
 	mine, others := population(target.String(), 30)
 	fill(t, tab, append(mine, others...))
@@ -295,12 +289,7 @@ func TestDryRunDeletesNothing(t *testing.T) {
 // The ID guard: a delete for an old flow must not remove a newer flow that
 // reuses its tuple.
 func TestDeleteHonoursFlowID(t *testing.T) {
-	ns := privateNetns(t)
-	tab, err := OpenTable(ns)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer tab.Close()
+	ns, tab := newTable(t)
 	n, err := New(Config{PodCIDRs: []netip.Prefix{podNet}, Netns: ns})
 	if err != nil {
 		t.Fatal(err)
@@ -343,12 +332,7 @@ func TestLostEventsFallBack(t *testing.T) {
 			if fb == FallbackFlush && !kernelAtLeast(6, 12) {
 				t.Skip("filtered flush needs Linux 6.12+")
 			}
-			ns := privateNetns(t)
-			tab, err := OpenTable(ns)
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer tab.Close()
+			ns, tab := newTable(t)
 			n, err := New(Config{PodCIDRs: []netip.Prefix{podNet}, Netns: ns, EventBufferBytes: 1, Fallback: fb, ResyncAfterLoss: -1})
 			if err != nil {
 				t.Fatal(err)
@@ -394,12 +378,7 @@ func TestLostEventsFallBack(t *testing.T) {
 
 // After losses, the re-seeding dump restores completeness for every IP.
 func TestResyncAfterLoss(t *testing.T) {
-	ns := privateNetns(t)
-	tab, err := OpenTable(ns)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer tab.Close()
+	ns, tab := newTable(t)
 	n, err := New(Config{PodCIDRs: []netip.Prefix{podNet}, Netns: ns, EventBufferBytes: 1, ResyncAfterLoss: 10 * time.Millisecond})
 	if err != nil {
 		t.Fatal(err)
@@ -441,12 +420,7 @@ func TestResyncAfterLoss(t *testing.T) {
 // Zones: the same tuple in two zones is two flows; a backend limited to a
 // zone scrubs only that zone's.
 func TestZones(t *testing.T) {
-	ns := privateNetns(t)
-	tab, err := OpenTable(ns)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer tab.Close()
+	ns, tab := newTable(t)
 	target := netip.MustParseAddr("10.244.1.5")
 	a := udp("10.244.1.5", "10.244.9.9", 1111, 53)
 	b := a
@@ -491,12 +465,7 @@ func TestZones(t *testing.T) {
 }
 
 func TestCancelledScrub(t *testing.T) {
-	ns := privateNetns(t)
-	tab, err := OpenTable(ns)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer tab.Close()
+	ns, tab := newTable(t)
 	n, err := New(Config{PodCIDRs: []netip.Prefix{podNet}, Netns: ns})
 	if err != nil {
 		t.Fatal(err)
@@ -525,12 +494,7 @@ func TestKernelIPv6FilterMatch(t *testing.T) {
 	if !kernelAtLeast(6, 12) {
 		t.Skip("filtered flush needs Linux 6.12+")
 	}
-	ns := privateNetns(t)
-	tab, err := OpenTable(ns)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer tab.Close()
+	ns, tab := newTable(t)
 	n, err := New(Config{Netns: ns, Fallback: FallbackFlush})
 	if err != nil {
 		t.Fatal(err)
@@ -632,12 +596,7 @@ func TestStaleSeededKeysArePruned(t *testing.T) {
 // Scrubs keep the index path while other pods' flows keep arriving: the
 // catch-up before a scrub must not wait for a quiet table.
 func TestScrubWhileFlowsArrive(t *testing.T) {
-	ns := privateNetns(t)
-	tab, err := OpenTable(ns)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer tab.Close()
+	ns, tab := newTable(t)
 	churn, err := OpenTable(ns)
 	if err != nil {
 		t.Fatal(err)
@@ -690,12 +649,7 @@ func TestScrubWhileFlowsArrive(t *testing.T) {
 // A fallback for several IPs at once (one walk for the set) removes exactly
 // their entries.
 func TestSweepOfSeveralIPs(t *testing.T) {
-	ns := privateNetns(t)
-	tab, err := OpenTable(ns)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer tab.Close()
+	ns, tab := newTable(t)
 	n, err := New(Config{PodCIDRs: []netip.Prefix{podNet}, Netns: ns})
 	if err != nil {
 		t.Fatal(err)
@@ -739,12 +693,7 @@ func TestZonedSweep(t *testing.T) {
 			if fb == FallbackFlush && !kernelAtLeast(6, 12) {
 				t.Skip("filtered flush needs Linux 6.12+")
 			}
-			ns := privateNetns(t)
-			tab, err := OpenTable(ns)
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer tab.Close()
+			ns, tab := newTable(t)
 			n, err := New(Config{PodCIDRs: []netip.Prefix{podNet}, Netns: ns, Zones: []uint16{7}, Fallback: fb})
 			if err != nil {
 				t.Fatal(err)
