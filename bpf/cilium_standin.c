@@ -58,23 +58,7 @@ struct {
 	__uint(max_entries, 1);
 } cilium_ct_any6_global SEC(".maps");
 
-/* Service maps in Cilium's layout; replaced at load with the stand-in's
- * pinned copies. */
-struct {
-	__uint(type, BPF_MAP_TYPE_HASH);
-	__type(key, struct lb4_key);
-	__type(value, struct lb_service);
-	__uint(max_entries, 1);
-	__uint(map_flags, BPF_F_NO_PREALLOC);
-} cilium_lb4_services_v2 SEC(".maps");
-
-struct {
-	__uint(type, BPF_MAP_TYPE_HASH);
-	__type(key, struct lb6_key);
-	__type(value, struct lb_service);
-	__uint(max_entries, 1);
-	__uint(map_flags, BPF_F_NO_PREALLOC);
-} cilium_lb6_services_v2 SEC(".maps");
+/* cilium_lb4_services_v2 / cilium_lb6_services_v2: ctscrub_flow.h. */
 
 struct {
 	__uint(type, BPF_MAP_TYPE_HASH);

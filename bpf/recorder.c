@@ -88,23 +88,7 @@ struct {
 	__uint(max_entries, 1);
 } rec_lost_total SEC(".maps");
 
-/* Cilium's service maps, replaced by scrubd with the pinned ones; without
- * Cilium they stay empty placeholders and VIP detection is off. */
-struct {
-	__uint(type, BPF_MAP_TYPE_HASH);
-	__type(key, struct lb4_key);
-	__type(value, struct lb_service);
-	__uint(max_entries, 1);
-	__uint(map_flags, BPF_F_NO_PREALLOC);
-} cilium_lb4_services_v2 SEC(".maps");
-
-struct {
-	__uint(type, BPF_MAP_TYPE_HASH);
-	__type(key, struct lb6_key);
-	__type(value, struct lb_service);
-	__uint(max_entries, 1);
-	__uint(map_flags, BPF_F_NO_PREALLOC);
-} cilium_lb6_services_v2 SEC(".maps");
+/* cilium_lb4_services_v2 / cilium_lb6_services_v2: ctscrub_flow.h. */
 
 static __always_inline void count_lost(const __u32 *ip)
 {

@@ -308,6 +308,25 @@ struct lb_service {
 	__u8 pad[2];
 };
 
+/* Cilium's service maps, as placeholders: user space replaces them at load
+ * with the pinned maps (Cilium's for the recorder, the test stand-in's copies
+ * for the stand-in). Empty, they find no VIP. */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__type(key, struct lb4_key);
+	__type(value, struct lb_service);
+	__uint(max_entries, 1);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+} cilium_lb4_services_v2 SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__type(key, struct lb6_key);
+	__type(value, struct lb_service);
+	__uint(max_entries, 1);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+} cilium_lb6_services_v2 SEC(".maps");
+
 struct lb4_backend {
 	__be32 address;
 	__be16 port;
