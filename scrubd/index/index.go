@@ -54,6 +54,8 @@ type Index struct {
 	incomplete atomic.Int64 // IPs marked incomplete
 
 	hooks atomic.Pointer[Hooks]
+
+	gens atomic.Uint64 // source of IPEntry.gen values: never repeats
 }
 
 // Hooks let the recorder follow keys out of the index. The recorder's
@@ -88,6 +90,7 @@ type IPEntry struct {
 	tracked    bool   // swept (or created fresh) since the index started
 	incomplete string // first reason it cannot prove completeness; "" when complete
 	pruneAt    int    // size at which the set is checked for stale keys
+	gen        uint64 // changes on every Take and Track (see State.Gen)
 }
 
 // New returns an empty index.
@@ -133,7 +136,7 @@ func (ix *Index) entry(ip netip.Addr, create bool) *IPEntry {
 	sh.mu.Lock()
 	defer sh.mu.Unlock()
 	if e = sh.ips[ip]; e == nil {
-		e = &IPEntry{ip: ip, pruneAt: 1024}
+		e = &IPEntry{ip: ip, pruneAt: 1024, gen: ix.gens.Add(1)}
 		sh.ips[ip] = e
 	}
 	return e
@@ -227,6 +230,7 @@ func (ix *Index) track(ip netip.Addr) {
 	e := ix.entry(ip, true)
 	e.mu.Lock()
 	e.tracked = true
+	e.gen = ix.gens.Add(1)
 	if e.incomplete != "" {
 		e.incomplete = ""
 		ix.incomplete.Add(-1)
@@ -240,6 +244,20 @@ type State struct {
 	Keys       int
 	Complete   bool
 	Incomplete string // reason when !Complete
+}
+
+// Gen is ip's generation: it changes whenever a scrub takes the IP's keys,
+// the IP is declared complete, or its slot is created (0: no slot). An audit
+// that reads the same Gen before its kernel read and after knows that no
+// scrub moved keys out of the index in between.
+func (ix *Index) Gen(ip netip.Addr) uint64 {
+	e := ix.entry(ip, false)
+	if e == nil {
+		return 0
+	}
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	return e.gen
 }
 
 // State returns ip's state. An IP the index has never seen is incomplete.
@@ -284,6 +302,7 @@ func (ix *Index) Take(ip netip.Addr) (k4 []ctmap.CTKey4, k6 []ctmap.CTKey6, st S
 	}
 	ix.keys.Add(-int64(len(k4) + len(k6)))
 	e.keys4, e.keys6 = nil, nil
+	e.gen = ix.gens.Add(1)
 	e.mu.Unlock()
 	if h := ix.hooks.Load(); h != nil && h.Taken != nil && len(k4)+len(k6) > 0 {
 		h.Taken(ip, k4, k6)
