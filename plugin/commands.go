@@ -71,12 +71,26 @@ func prevResultAddrs(conf *Config, ifname string) ([]netip.Addr, string, error) 
 	if conf.PrevResult == nil {
 		return nil, ifname, nil
 	}
-	res, err := current.NewResultFromResult(conf.PrevResult)
+	res, err := convertResult(func() (types.Result, error) { return current.NewResultFromResult(conf.PrevResult) })
 	if err != nil {
 		return nil, "", configError("prevResult cannot be read as a CNI %s result: %v", current.ImplementedSpecVersion, err)
 	}
-	ips, name := podAddrs(res, ifname)
+	ips, name := podAddrs(res.(*current.Result), ifname)
 	return ips, name, nil
+}
+
+// convertResult runs a conversion of prevResult by the CNI library, which
+// dereferences every element of "interfaces" and "ips" without checking: a
+// prevResult with a null element (e.g. "interfaces":[null] at 0.4.0) made it
+// panic, and the plugin died without the error JSON the runtime expects
+// (found by FuzzPrevResult). A panic there is a malformed prevResult.
+func convertResult(conv func() (types.Result, error)) (res types.Result, err error) {
+	defer func() {
+		if p := recover(); p != nil {
+			res, err = nil, fmt.Errorf("malformed (a null or incomplete entry in \"interfaces\", \"ips\", \"routes\" or \"dns\": %v)", p)
+		}
+	}()
+	return conv()
 }
 
 func withTimeout(conf *Config) (context.Context, context.CancelFunc) {
@@ -147,7 +161,7 @@ func add(ctx context.Context, cl *client.Client, conf *Config, args *skel.CmdArg
 }
 
 func printPrevResult(conf *Config) error {
-	r, err := conf.PrevResult.GetAsVersion(conf.CNIVersion)
+	r, err := convertResult(func() (types.Result, error) { return conf.PrevResult.GetAsVersion(conf.CNIVersion) })
 	if err != nil {
 		return configError("prevResult cannot be converted to cniVersion %s: %v", conf.CNIVersion, err)
 	}
