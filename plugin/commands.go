@@ -153,6 +153,7 @@ func add(ctx context.Context, cl *client.Client, conf *Config, args *skel.CmdArg
 		Attachment: api.Attachment{ContainerID: args.ContainerID, IfName: ifname},
 		Netns:      args.Netns,
 		IPs:        ips,
+		Network:    conf.Name,
 	})
 	if err != nil {
 		return &stepError{fmt.Sprintf("start indexing %s in %s (container %s)", ifname, args.Netns, args.ContainerID), err}
@@ -367,13 +368,21 @@ func cmdGC(args *skel.CmdArgs) error {
 	if valid == nil {
 		return configError("GC without cni.dev/valid-attachments: refusing to drop every attachment scrubd indexes")
 	}
+	if len(valid) == 0 {
+		// scrubd refuses a GC that names no attachment (it would drop every
+		// pod of the network). A runtime sends an empty list only for a
+		// network without a pod on the node: nothing runs whose state could
+		// leak for long, and each pod's DEL stopped its attachment anyway.
+		fmt.Fprintf(stderr, "ctscrub: GC of network %q: no valid attachment listed; nothing to do (scrubd never drops every pod of a network)\n", conf.Name)
+		return nil
+	}
 	atts := make([]api.Attachment, 0, len(valid))
 	for _, a := range valid {
 		atts = append(atts, api.Attachment{ContainerID: a.ContainerID, IfName: a.IfName})
 	}
 	ctx, cancel := withTimeout(conf)
 	defer cancel()
-	resp, err := client.New(conf.Socket).GC(ctx, atts)
+	resp, err := client.New(conf.Socket).GC(ctx, conf.Name, atts)
 	if err != nil {
 		return failure(conf, "GC", fmt.Sprintf("(%d valid attachments)", len(atts)), "drop attachments that are gone", err)
 	}
