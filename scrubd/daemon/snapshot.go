@@ -134,9 +134,11 @@ func (d *Daemon) mapIDs() (map[string]ebpf.MapID, error) {
 	return ids, nil
 }
 
-// writeSnapshot writes the index atomically. Call it only after the API and
-// the recorder's reader have stopped.
-func (d *Daemon) writeSnapshot() error {
+// writeSnapshotMarking writes the index atomically, with the IPs in
+// incomplete marked incomplete (their scrubs had not returned; see
+// snapshotAtStop). Call it only after the API and the recorder's reader have
+// stopped.
+func (d *Daemon) writeSnapshotMarking(incomplete []netip.Addr) error {
 	path := d.snapshotPath()
 	if path == "" {
 		return nil
@@ -150,7 +152,9 @@ func (d *Daemon) writeSnapshot() error {
 		return fmt.Errorf("index snapshot: %w", err)
 	}
 	defer os.Remove(tmp.Name())
-	err = gob.NewEncoder(tmp).Encode(snapshotFile{Version: snapshotVersion, MapIDs: ids, IPs: encodeIndex(d.ix.Snapshot())})
+	snap := d.ix.Snapshot()
+	markIncomplete(&snap, incomplete, reasonStillRunning)
+	err = gob.NewEncoder(tmp).Encode(snapshotFile{Version: snapshotVersion, MapIDs: ids, IPs: encodeIndex(snap)})
 	if err == nil {
 		err = tmp.Sync()
 	}

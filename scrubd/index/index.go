@@ -55,6 +55,8 @@ type Index struct {
 	incomplete atomic.Int64 // IPs marked incomplete
 
 	hooks atomic.Pointer[Hooks]
+
+	gens atomic.Uint64 // source of IPEntry.gen values: never repeats
 }
 
 // Hooks let the recorder follow keys out of the index. The recorder's
@@ -91,6 +93,7 @@ type IPEntry struct {
 	tracked    bool     // swept (or created fresh) since the index started
 	incomplete string   // first reason it cannot prove completeness; "" when complete
 	pruneAt    int      // size at which the set is checked for stale keys
+	gen        uint64   // changes on every Take and Track (see State.Gen)
 
 	// While a Prune of this IP runs (pruning > 0) every key added is also
 	// noted in added4/added6: Prune then keeps it even if it judged the key
@@ -195,7 +198,7 @@ func (ix *Index) entry(ip netip.Addr, create bool) *IPEntry {
 	sh.mu.Lock()
 	defer sh.mu.Unlock()
 	if e = sh.ips[ip]; e == nil {
-		e = &IPEntry{ip: ip, a16: ip.As16(), pruneAt: 1024}
+		e = &IPEntry{ip: ip, a16: ip.As16(), pruneAt: 1024, gen: ix.gens.Add(1)}
 		if ip.Is4() {
 			e.a4 = ip.As4()
 		}
@@ -280,6 +283,7 @@ func (ix *Index) track(ip netip.Addr) {
 	e := ix.entry(ip, true)
 	e.mu.Lock()
 	e.tracked = true
+	e.gen = ix.gens.Add(1)
 	if e.incomplete != "" {
 		e.incomplete = ""
 		ix.incomplete.Add(-1)
@@ -293,6 +297,20 @@ type State struct {
 	Keys       int
 	Complete   bool
 	Incomplete string // reason when !Complete
+}
+
+// Gen is ip's generation: it changes whenever a scrub takes the IP's keys,
+// the IP is declared complete, or its slot is created (0: no slot). An audit
+// that reads the same Gen before its kernel read and after knows that no
+// scrub moved keys out of the index in between.
+func (ix *Index) Gen(ip netip.Addr) uint64 {
+	e := ix.entry(ip, false)
+	if e == nil {
+		return 0
+	}
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	return e.gen
 }
 
 // State returns ip's state. An IP the index has never seen is incomplete.
@@ -332,6 +350,7 @@ func (ix *Index) Take(ip netip.Addr) (k4 []ctmap.CTKey4, k6 []ctmap.CTKey6, st S
 	k4, k6 = e.list(nil, nil)
 	ix.keys.Add(-int64(len(k4) + len(k6)))
 	e.keys4, e.keys6 = keySet{}, keySet{}
+	e.gen = ix.gens.Add(1)
 	e.mu.Unlock()
 	if h := ix.hooks.Load(); h != nil && h.Taken != nil && len(k4)+len(k6) > 0 {
 		h.Taken(ip, k4, k6)
