@@ -1,8 +1,6 @@
 package main
 
 import (
-	"encoding/binary"
-	"errors"
 	"fmt"
 	"net/netip"
 	"os"
@@ -12,6 +10,7 @@ import (
 
 	"github.com/cilium/ebpf"
 
+	"github.com/ctscrub/ctscrub/bench/internal/ctfill"
 	"github.com/ctscrub/ctscrub/scrubd/ctmap"
 	"github.com/ctscrub/ctscrub/scrubd/index"
 	"github.com/ctscrub/ctscrub/scrubd/recorder"
@@ -51,28 +50,6 @@ type node struct {
 
 	// count returns a map's entry count; the Cilium backend's Count.
 	count func(ctmap.Kind) (int64, error)
-}
-
-// flowKey returns the CT key of background or target flow i of pod: the
-// kind mix of a busy node (50% TCP out, 30% TCP in, 20% UDP out). peer is
-// unique per flow, so the related ICMP entry Cilium adds is unique too.
-func flowKey(pod, peer netip.Addr, i int) ctmap.CTKey4 {
-	eph := uint16(32768 + i%28000)
-	switch i % 10 {
-	case 0, 1, 2, 3, 4:
-		return ctmap.NewKey4(pod, peer, 443, eph, ctmap.ProtoTCP, ctmap.FlagOut)
-	case 5, 6, 7:
-		return ctmap.NewKey4(peer, pod, 8080, eph, ctmap.ProtoTCP, ctmap.FlagIn)
-	default:
-		return ctmap.NewKey4(pod, peer, 53, eph, ctmap.ProtoUDP, ctmap.FlagOut)
-	}
-}
-
-func addrAt(base netip.Addr, i int) netip.Addr {
-	b := base.As4()
-	v := binary.BigEndian.Uint32(b[:]) + uint32(i)
-	binary.BigEndian.PutUint32(b[:], v)
-	return netip.AddrFrom4(b)
 }
 
 // newNode creates the maps: TCP and any maps of n max entries each (Cilium
@@ -131,7 +108,7 @@ func (nd *node) fill() error {
 	recs := make([]recorder.Record, 0, chunk)
 	podIPs := make([]netip.Addr, nd.pods)
 	for p := range podIPs {
-		podIPs[p] = addrAt(target, 1+p) // 10.128.0.2 ...
+		podIPs[p] = ctfill.AddrAt(target, 1+p) // 10.128.0.2 ...
 	}
 
 	flush := func() error {
@@ -183,7 +160,7 @@ func (nd *node) fill() error {
 	// The target's k entries: k/2 flows, each with its related entry.
 	peerT := netip.MustParseAddr("12.0.0.0")
 	for j := 0; 2*j < nd.k; j++ {
-		k := flowKey(target, addrAt(peerT, j), j)
+		k := ctfill.FlowKey(target, ctfill.AddrAt(peerT, j), j)
 		withRel := 2*j+1 < nd.k
 		add(k, withRel)
 		nd.target4[k.Kind()] = append(nd.target4[k.Kind()], k)
@@ -195,7 +172,7 @@ func (nd *node) fill() error {
 	// The rest: pods round robin, each flow with a peer of its own.
 	peerB := netip.MustParseAddr("11.0.0.0")
 	for i := 0; i < (nd.n-nd.k)/2; i++ {
-		add(flowKey(podIPs[i%nd.pods], addrAt(peerB, i), i), true)
+		add(ctfill.FlowKey(podIPs[i%nd.pods], ctfill.AddrAt(peerB, i), i), true)
 		if len(recs) == chunk {
 			if err := flush(); err != nil {
 				return err
@@ -203,7 +180,7 @@ func (nd *node) fill() error {
 		}
 	}
 	if (nd.n-nd.k)%2 == 1 {
-		add(flowKey(podIPs[0], netip.MustParseAddr("13.0.0.1"), 0), false)
+		add(ctfill.FlowKey(podIPs[0], netip.MustParseAddr("13.0.0.1"), 0), false)
 	}
 	if err := flush(); err != nil {
 		return err
@@ -243,7 +220,7 @@ func (nd *node) entries() (int64, error) {
 		if nd.count != nil {
 			n, err = nd.count(kind)
 		} else {
-			n, err = countEntries(nd.maps.Map(kind))
+			n, err = ctfill.Count(nd.maps.Map(kind))
 		}
 		if err != nil {
 			return 0, err
@@ -251,25 +228,6 @@ func (nd *node) entries() (int64, error) {
 		total += n
 	}
 	return total, nil
-}
-
-// countEntries counts a map's entries with BPF_MAP_LOOKUP_BATCH (keys only
-// matter); used for checks outside the timed parts.
-func countEntries(m *ebpf.Map) (int64, error) {
-	keys := make([]byte, 4096*int(m.KeySize()))
-	vals := make([]byte, 4096*int(m.ValueSize()))
-	var cursor ebpf.MapBatchCursor
-	var total int64
-	for {
-		n, err := m.BatchLookup(&cursor, keys, vals, nil)
-		total += int64(n)
-		if err != nil {
-			if errors.Is(err, ebpf.ErrKeyNotExist) {
-				return total, nil
-			}
-			return total, fmt.Errorf("count entries: %w", err)
-		}
-	}
 }
 
 // refill puts the target's entries back into the maps and its records
