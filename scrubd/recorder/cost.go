@@ -4,7 +4,9 @@ import (
 	"encoding/binary"
 	"fmt"
 	"math/bits"
+	"math/rand/v2"
 	"net/netip"
+	"slices"
 
 	"github.com/cilium/ebpf"
 	"github.com/cilium/ebpf/asm"
@@ -178,4 +180,172 @@ func tcp6Frame(src, dst netip.Addr, sport, dport uint16) []byte {
 	tcp[12] = 5 << 4
 	tcp[13] = 0x10 // ACK
 	return b
+}
+
+// MixCost is the recorder's cost per packet under a realistic mix
+// (MeasureMix), in nanoseconds, as the kernel times one BPF_PROG_TEST_RUN
+// run; Empty is an empty tc program timed the same way (the floor of the
+// measurement, subtract it for the program's own cost).
+type MixCost struct {
+	Flows   int     `json:"flows"`       // concurrent flows
+	NewPerS float64 `json:"new_per_s"`   // fraction of the flows replaced per second
+	PktPerS int     `json:"pkt_per_s"`   // packets per flow per second
+	Packets int     `json:"packets"`     // packets timed
+	TCP4    float64 `json:"tcp4_est_ns"` // established IPv4 TCP packet (not a bare SYN)
+	UDP4    float64 `json:"udp4_est_ns"` // established IPv4 UDP packet
+	NewFlow float64 `json:"new_flow_ns"` // first packet of a flow (TCP SYN or UDP)
+	Empty   float64 `json:"empty_ns"`
+	Mean    float64 `json:"mean_ns"` // over every packet of the mix
+}
+
+// MeasureMix runs the recorder's programs (a private instance) on a
+// realistic mix: `flows` concurrent IPv4 flows between 100 pod IPs and
+// random peers, half TCP and half UDP, half initiated by the pod and half by
+// the peer; each flow sends pktPerS packets per second in both directions,
+// and newPerS of the flows end and are replaced by new ones every second.
+// `seconds` seconds of that mix are run in random order, one packet per
+// BPF_PROG_TEST_RUN syscall (so caches see other packets in between, as on
+// a busy node), and the kernel's time per run is averaged per kind of
+// packet. The flows are recorded before the timed seconds start.
+func MeasureMix(flows int, newPerS float64, pktPerS, seconds int) (MixCost, error) {
+	c := MixCost{Flows: flows, NewPerS: newPerS, PktPerS: pktPerS}
+	if flows < 1 || pktPerS < 1 || seconds < 1 || newPerS < 0 || newPerS > 1 {
+		return c, fmt.Errorf("measure recorder mix: bad parameters")
+	}
+	spec, err := bpf.LoadRecorder()
+	if err != nil {
+		return c, fmt.Errorf("measure recorder mix: %w", err)
+	}
+	spec.Maps["rec_events"].MaxEntries = 1 << 26 // never read here
+	var objs bpf.RecorderObjects
+	if err := spec.LoadAndAssign(&objs, nil); err != nil {
+		return c, fmt.Errorf("measure recorder mix: load: %w", err)
+	}
+	defer objs.Close()
+	empty, err := ebpf.NewProgram(&ebpf.ProgramSpec{
+		Type:         ebpf.SchedCLS,
+		Instructions: asm.Instructions{asm.Mov.Imm(asm.R0, -1), asm.Return()},
+		License:      "Dual BSD/GPL",
+	})
+	if err != nil {
+		return c, fmt.Errorf("measure recorder mix: load empty program: %w", err)
+	}
+	defer empty.Close()
+
+	rnd := rand.New(rand.NewPCG(1, 2))
+	type flow struct {
+		out, in []byte // the pod sends / receives
+		udp     bool
+		podInit bool
+	}
+	next := 0
+	newFlow := func() *flow {
+		next++
+		pod := netip.AddrFrom4([4]byte{10, 244, 0, byte(10 + next%100)})
+		peer := netip.AddrFrom4([4]byte{byte(11 + rnd.IntN(200)), byte(rnd.IntN(256)), byte(rnd.IntN(256)), byte(1 + rnd.IntN(254))})
+		pport, rport := uint16(1024+rnd.IntN(60000)), uint16(1+rnd.IntN(1024))
+		f := &flow{udp: next%2 == 0, podInit: rnd.IntN(2) == 0}
+		if !f.podInit {
+			pport, rport = rport, pport
+		}
+		f.out = tcp4Frame(pod, peer, pport, rport)
+		f.in = tcp4Frame(peer, pod, rport, pport)
+		if f.udp {
+			f.out[14+9], f.in[14+9] = 17, 17
+		}
+		return f
+	}
+	syn := func(fr []byte) []byte {
+		s := slices.Clone(fr)
+		s[14+20+13] = 0x02
+		return s
+	}
+	first := func(f *flow) (prog *ebpf.Program, frame []byte) {
+		prog, frame = objs.RecorderEgress, f.out
+		if !f.podInit {
+			prog, frame = objs.RecorderIngress, f.in
+		}
+		if !f.udp {
+			frame = syn(frame)
+		}
+		return prog, frame
+	}
+	run := func(p *ebpf.Program, frame []byte) (float64, error) {
+		_, d, err := p.Benchmark(frame, 1, nil)
+		return float64(d.Nanoseconds()), err
+	}
+	live := make([]*flow, flows)
+	for i := range live {
+		live[i] = newFlow()
+		if _, err := run(first(live[i])); err != nil {
+			return c, fmt.Errorf("measure recorder mix: test run: %w", err)
+		}
+		// The handshake's second packet, as on the wire.
+		p, fr := objs.RecorderIngress, live[i].in
+		if !live[i].podInit {
+			p, fr = objs.RecorderEgress, live[i].out
+		}
+		if _, err := run(p, fr); err != nil {
+			return c, fmt.Errorf("measure recorder mix: test run: %w", err)
+		}
+	}
+
+	var sum [3]float64
+	var n [3]int
+	var emptySum float64
+	replace := int(float64(flows) * newPerS)
+	for range seconds {
+		// One second: pktPerS packets per live flow, and `replace`
+		// flows replaced at random moments, in random order.
+		// i: a packet of flow i; -1-i: flow i ends, a new one starts.
+		evs := make([]int, 0, flows*pktPerS+replace)
+		for i := range flows {
+			for range pktPerS {
+				evs = append(evs, i)
+			}
+		}
+		for range replace {
+			evs = append(evs, -1-rnd.IntN(flows))
+		}
+		rnd.Shuffle(len(evs), func(i, j int) { evs[i], evs[j] = evs[j], evs[i] })
+		for _, e := range evs {
+			if e < 0 {
+				live[-1-e] = newFlow()
+				d, err := run(first(live[-1-e]))
+				if err != nil {
+					return c, fmt.Errorf("measure recorder mix: test run: %w", err)
+				}
+				sum[2] += d
+				n[2]++
+				continue
+			}
+			f := live[e]
+			p, fr := objs.RecorderEgress, f.out
+			if rnd.IntN(2) == 0 {
+				p, fr = objs.RecorderIngress, f.in
+			}
+			d, err := run(p, fr)
+			if err != nil {
+				return c, fmt.Errorf("measure recorder mix: test run: %w", err)
+			}
+			k := 0
+			if f.udp {
+				k = 1
+			}
+			sum[k] += d
+			n[k]++
+			if n[k]%16 == 0 { // the floor, interleaved with the mix
+				d, err := run(empty, fr)
+				if err != nil {
+					return c, fmt.Errorf("measure recorder mix: test run: %w", err)
+				}
+				emptySum += d
+			}
+		}
+	}
+	c.Packets = n[0] + n[1] + n[2]
+	c.TCP4, c.UDP4, c.NewFlow = sum[0]/float64(max(n[0], 1)), sum[1]/float64(max(n[1], 1)), sum[2]/float64(max(n[2], 1))
+	c.Mean = (sum[0] + sum[1] + sum[2]) / float64(max(c.Packets, 1))
+	c.Empty = emptySum / float64(max((n[0]/16)+(n[1]/16), 1))
+	return c, nil
 }
