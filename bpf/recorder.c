@@ -71,9 +71,11 @@ struct {
  * address's slot (a new pod got the address, the index declared it complete,
  * a scrub took its keys) and every cached flow of that address stops
  * matching: its next packet is recorded again. Two addresses sharing a slot
- * only cost extra records. An ARRAY lookup is inlined by the verifier: no
- * helper call on the fast path. Mirrored by scrubd/recorder/gen.go. */
-#define GEN_SLOTS (1 << 16)
+ * only cost extra records (IPv4 addresses that differ only in their last
+ * byte never do). 4096 slots (32 KiB) stay in the CPU's cache; an ARRAY
+ * lookup is inlined by the verifier: no helper call on the fast path.
+ * Mirrored by scrubd/recorder/forget.go (genSlot). */
+#define GEN_SLOTS (1 << 12)
 
 struct {
 	__uint(type, BPF_MAP_TYPE_ARRAY);
@@ -84,12 +86,12 @@ struct {
 
 static __always_inline __u32 gen_slot4(__be32 a)
 {
-	return ((__u32)a * 0x9e3779b1u) >> 16;
+	return ((__u32)a * 0x9e3779b1u) >> 20;
 }
 
 static __always_inline __u32 gen_slot6(const __u32 *a)
 {
-	return ((a[0] ^ a[1] ^ a[2] ^ a[3]) * 0x9e3779b1u) >> 16;
+	return ((a[0] ^ a[1] ^ a[2] ^ a[3]) * 0x9e3779b1u) >> 20;
 }
 
 static __always_inline __u32 gen_of(__u32 slot)

@@ -21,7 +21,7 @@ const ReasonForgetFailed = "recorder could not forget the IP's cached flows"
 var ErrForget = errors.New("could not forget cached flows")
 
 // genSlots is GEN_SLOTS in bpf/recorder.c.
-const genSlots = 1 << 16
+const genSlots = 1 << 12
 
 // genSlot is gen_slot4/gen_slot6 in bpf/recorder.c: the rec_gen slot of an
 // address. The program reads the address words as they lie in memory, so
@@ -29,12 +29,12 @@ const genSlots = 1 << 16
 func genSlot(ip netip.Addr) uint32 {
 	if ip.Is4() {
 		b := ip.As4()
-		return (binary.NativeEndian.Uint32(b[:]) * 0x9e3779b1) >> 16
+		return (binary.NativeEndian.Uint32(b[:]) * 0x9e3779b1) >> 20
 	}
 	b := ip.As16()
 	x := binary.NativeEndian.Uint32(b[0:4]) ^ binary.NativeEndian.Uint32(b[4:8]) ^
 		binary.NativeEndian.Uint32(b[8:12]) ^ binary.NativeEndian.Uint32(b[12:16])
-	return (x * 0x9e3779b1) >> 16
+	return (x * 0x9e3779b1) >> 20
 }
 
 // ForgetIPs makes the recorder forget every cached flow whose local or

@@ -227,3 +227,20 @@ func TestLostNeverMissed(t *testing.T) {
 	want("a's second loss", a, true)
 	want("a's second loss", b, false)
 }
+
+// Addresses of one /24 never share a generation slot, so forgetting a pod
+// IP never re-records the flows of another pod of the node's /24.
+func TestGenSlotsOfA24(t *testing.T) {
+	seen := map[uint32]netip.Addr{}
+	for d := range 256 {
+		ip := netip.AddrFrom4([4]byte{10, 244, 7, byte(d)})
+		s := genSlot(ip)
+		if s >= genSlots {
+			t.Fatalf("%s: slot %d out of range", ip, s)
+		}
+		if o, ok := seen[s]; ok {
+			t.Fatalf("%s and %s share slot %d", ip, o, s)
+		}
+		seen[s] = ip
+	}
+}

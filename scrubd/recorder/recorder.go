@@ -636,3 +636,9 @@ func (r *Recorder) Lost() uint64 {
 func (r *Recorder) Close() error {
 	return r.objs.Close()
 }
+
+// Programs returns the loaded ingress and egress programs (benchmarks read
+// their run-time statistics).
+func (r *Recorder) Programs() (ingress, egress *ebpf.Program) {
+	return r.objs.RecorderIngress, r.objs.RecorderEgress
+}
