@@ -120,7 +120,7 @@ func (e *Env) Key(daddr, saddr netip.Addr, dport, sport uint16, proto, flags uin
 type Case struct {
 	Name string
 	DSR  bool // needs bpf_host built with NodePort DSR
-	Run func(e *Env) (pods []*Pod, reasons []string)
+	Run  func(e *Env) (pods []*Pod, reasons []string)
 }
 
 func (e *Env) icmpProto() uint8 {
