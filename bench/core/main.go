@@ -156,7 +156,7 @@ type result struct {
 	NextKeyOverIndex float64 `json:"nextkey_over_index"`
 	BatchOverIndex   float64 `json:"batch_over_index"`
 	BatchOverSweep   float64 `json:"batch_over_sweep"`
-	Index16MOver1M   float64 `json:"index_over_1m,omitempty"`  // socket (end-to-end) medians
+	Index16MOver1M   float64 `json:"index_over_1m,omitempty"`   // socket (end-to-end) medians
 	Backend16MOver1M float64 `json:"backend_over_1m,omitempty"` // backend-only medians
 
 	// Targets holds each target's pass/fail at this run's size; the targets
