@@ -35,6 +35,7 @@ import (
 	"github.com/cilium/ebpf/rlimit"
 	"golang.org/x/sys/unix"
 
+	"github.com/ctscrub/ctscrub/internal/ciliumwalk"
 	"github.com/ctscrub/ctscrub/scrubd/cilium"
 	"github.com/ctscrub/ctscrub/scrubd/ctmap"
 	"github.com/ctscrub/ctscrub/scrubd/index"
@@ -266,9 +267,9 @@ func run(cfg config) (result, error) {
 
 	// (2) Cilium 1.18+'s batch-lookup walk.
 	batch, err := series("batch walk", 5, 30*time.Second, nd, func() error {
-		st, err := batchWalk(nd.maps, target, 4096)
-		if err == nil && st.deleted != nd.k {
-			err = fmt.Errorf("batch walk deleted %d, want %d", st.deleted, nd.k)
+		st, err := ciliumwalk.Batch(ciliumwalk.Of(nd.maps), ciliumwalk.HasIP(target), ciliumwalk.Options{})
+		if err == nil && st.Deleted != nd.k {
+			err = fmt.Errorf("batch walk deleted %d, want %d", st.Deleted, nd.k)
 		}
 		return err
 	})
@@ -279,9 +280,9 @@ func run(cfg config) (result, error) {
 
 	// (1) Cilium 1.16's NextKey + Lookup walk.
 	nextKey, err := series("NextKey walk", 3, 30*time.Second, nd, func() error {
-		st, err := nextKeyWalk(nd.maps, target)
-		if err == nil && st.deleted != nd.k {
-			err = fmt.Errorf("NextKey walk deleted %d, want %d", st.deleted, nd.k)
+		st, err := ciliumwalk.NextKey(ciliumwalk.Of(nd.maps), ciliumwalk.HasIP(target), ciliumwalk.Options{})
+		if err == nil && st.Deleted != nd.k {
+			err = fmt.Errorf("NextKey walk deleted %d, want %d", st.Deleted, nd.k)
 		}
 		return err
 	})
