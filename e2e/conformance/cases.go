@@ -236,4 +236,18 @@ var Cases = []Case{
 		e.N.FromNetdev(TCPFrame(AP(w, 443), AP(e.IP(a), 40001), ACK|PSH))
 		return []*Pod{a}, nil
 	}},
+	{Name: "nodeport-local-backend", Run: func(e *Env) ([]*Pod, []string) {
+		b, w := e.Pod("backend"), e.World()
+		e.N.AddService(ProtoTCP, AP(e.NodeIP(), 30080), AP(e.IP(b), 8080), SvcNodePort|SvcRoutable)
+		e.Expect("SYN to NodePort", e.N.FromNetdev(TCPFrame(AP(w, 50001), AP(e.NodeIP(), 30080), SYN)))
+		e.Expect("SYN-ACK", e.N.Send(b, TCPFrame(AP(e.IP(b), 8080), AP(w, 50001), SYN|ACK)))
+		return []*Pod{b}, nil
+	}},
+	{Name: "nodeport-dsr-backend", DSR: true, Run: func(e *Env) ([]*Pod, []string) {
+		b, w := e.Pod("backend"), e.World()
+		svc := AP(e.VIP(), 30080)
+		e.Expect("DSR SYN", e.N.FromNetdev(DSRFrame(AP(w, 50001), AP(e.IP(b), 8080), svc, SYN)))
+		e.Expect("SYN-ACK", e.N.Send(b, TCPFrame(AP(e.IP(b), 8080), AP(w, 50001), SYN|ACK)))
+		return []*Pod{b}, nil
+	}},
 }
