@@ -37,17 +37,3 @@ func TestMeasureEstablishedCosts(t *testing.T) {
 		t.Fatalf("implausible figures: %+v", c)
 	}
 }
-
-// The mix measurement runs and yields positive figures with the new flow
-// the dearest (the figures themselves: make bench-recorder).
-func TestMeasureMix(t *testing.T) {
-	requireRoot(t)
-	c, err := MeasureMix(2000, 0.01, 5, 1)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Logf("%+v", c)
-	if c.TCP4 <= 0 || c.UDP4 <= 0 || c.NewFlow <= c.TCP4 || c.Packets < 10000 {
-		t.Fatalf("implausible figures: %+v", c)
-	}
-}
