@@ -7,6 +7,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/cilium/ebpf"
 	"github.com/cilium/ebpf/ringbuf"
 
 	"github.com/ctscrub/ctscrub/scrubd/ctmap"
@@ -242,5 +243,71 @@ func TestGenSlotsOfA24(t *testing.T) {
 			t.Fatalf("%s and %s share slot %d", ip, o, s)
 		}
 		seen[s] = ip
+	}
+}
+
+// An upgrade from the recorder that kept its lost counts in an LRU pinned as
+// rec_lost: Load removes the previous layout's pins, and the old counter,
+// which the old programs keep counting into until Attach replaces them, is
+// still read: its counts found at start and its growth mark IPs incomplete.
+func TestUpgradeReadsLegacyLostCounter(t *testing.T) {
+	requireRoot(t)
+	dir, err := os.MkdirTemp("/sys/fs/bpf", "ctscrub-test-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { os.RemoveAll(dir) })
+	pins := filepath.Join(dir, "ctscrub")
+	if err := os.MkdirAll(pins, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	old, err := ebpf.NewMap(&ebpf.MapSpec{Type: ebpf.LRUHash, KeySize: 16, ValueSize: 8, MaxEntries: 16384})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer old.Close()
+	a, b := netip.MustParseAddr("10.244.0.40"), netip.MustParseAddr("10.244.0.41")
+	if err := old.Put(a.As16(), uint64(3)); err != nil {
+		t.Fatal(err)
+	}
+	if err := old.Pin(filepath.Join(pins, "rec_lost")); err != nil {
+		t.Fatal(err)
+	}
+	seen, err := ebpf.NewMap(&ebpf.MapSpec{Type: ebpf.LRUHash, KeySize: 16, ValueSize: 8, MaxEntries: 16})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer seen.Close()
+	if err := seen.Pin(filepath.Join(pins, "rec_seen4")); err != nil {
+		t.Fatal(err)
+	}
+
+	r, err := Load(Options{PinDir: pins, CTRoot: dir})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer r.Close()
+	for _, n := range []string{"rec_lost", "rec_seen4"} {
+		if _, err := os.Stat(filepath.Join(pins, n)); err == nil {
+			t.Errorf("legacy pin %s left", n)
+		}
+	}
+	ix := index.New(index.Config{})
+	ix.Track(a)
+	ix.Track(b)
+	if err := r.PollLost(ix); err != nil {
+		t.Fatal(err)
+	}
+	if st := ix.State(a); st.Incomplete != index.ReasonLost {
+		t.Errorf("%s with losses in the old counter: %+v", a, st)
+	}
+	if err := old.Put(b.As16(), uint64(1)); err != nil { // the old program loses one
+		t.Fatal(err)
+	}
+	if err := r.PollLost(ix); err != nil {
+		t.Fatal(err)
+	}
+	if st := ix.State(b); st.Incomplete != index.ReasonLost {
+		t.Errorf("%s lost in the old counter after Load: %+v", b, st)
 	}
 }

@@ -110,7 +110,10 @@ type Recorder struct {
 	lostMu   sync.Mutex
 	lostSeen map[[16]byte]uint64 // last lost count acted on, per IP
 	overflow uint64              // last overflow count acted on
-	legacy   []netip.Addr        // IPs with losses in an older recorder's rec_lost
+	// An older recorder's per-IP lost counter (LRU, pin removed): its
+	// programs count into it until Attach replaces them, so it is polled too.
+	legacy     *ebpf.Map
+	legacySeen map[[16]byte]uint64
 
 	genMu sync.Mutex // one generation bump at a time (read, add one, write)
 }
@@ -229,22 +232,15 @@ func Load(opts Options) (*Recorder, error) {
 		return nil, fmt.Errorf("recorder: load BPF programs (root, bpffs at /sys/fs/bpf?): %w", err)
 	}
 	r.legacy = removeLegacyMaps(opts.PinDir, opts.Log)
+	r.legacySeen = make(map[[16]byte]uint64)
 	return r, nil
 }
 
-// removeLegacyMaps removes an older recorder's pins and returns the IPs its
-// lost counter had counted (Run marks them incomplete, as it does its own).
-func removeLegacyMaps(dir string, log *slog.Logger) (lost []netip.Addr) {
+// removeLegacyMaps removes an older recorder's pins and returns its lost
+// counter, if there was one (PollLost reads it as it reads its own).
+func removeLegacyMaps(dir string, log *slog.Logger) (lost *ebpf.Map) {
 	if m, err := ebpf.LoadPinnedMap(filepath.Join(dir, "rec_lost"), nil); err == nil {
-		var k [16]byte
-		var v uint64
-		it := m.Iterate()
-		for it.Next(&k, &v) {
-			if v > 0 {
-				lost = append(lost, netip.AddrFrom16(k).Unmap())
-			}
-		}
-		m.Close()
+		lost = m
 	}
 	for _, n := range legacyMaps {
 		if err := os.Remove(filepath.Join(dir, n)); err == nil {
@@ -594,10 +590,6 @@ func (r *Recorder) checkServiceMaps() {
 func (r *Recorder) PollLost(ix *index.Index) error {
 	r.lostMu.Lock()
 	defer r.lostMu.Unlock()
-	for _, ip := range r.legacy {
-		ix.MarkIncomplete(ip, index.ReasonLost)
-	}
-	r.legacy = nil
 	var over uint64
 	if err := r.objs.RecLostOverflow.Lookup(uint32(0), &over); err != nil {
 		return fmt.Errorf("recorder: read lost overflow counter: %w", err)
@@ -609,13 +601,23 @@ func (r *Recorder) PollLost(ix *index.Index) error {
 		}
 		r.overflow = over
 	}
+	if r.legacy != nil {
+		if err := pollCounts(r.legacy, r.legacySeen, ix); err != nil {
+			return fmt.Errorf("recorder: read an older recorder's lost counters: %w", err)
+		}
+	}
+	return pollCounts(r.objs.RecLostIp, r.lostSeen, ix)
+}
+
+// pollCounts marks incomplete every IP whose count in m grew past seen.
+func pollCounts(m *ebpf.Map, seen map[[16]byte]uint64, ix *index.Index) error {
 	var k [16]byte
 	var v uint64
-	it := r.objs.RecLostIp.Iterate()
+	it := m.Iterate()
 	for it.Next(&k, &v) {
-		if v > r.lostSeen[k] {
+		if v > seen[k] {
 			ix.MarkIncomplete(netip.AddrFrom16(k).Unmap(), index.ReasonLost)
-			r.lostSeen[k] = v
+			seen[k] = v
 		}
 	}
 	return it.Err()
@@ -634,6 +636,9 @@ func (r *Recorder) Lost() uint64 {
 // Close releases the programs and maps. Pinned maps and the filters stay, so
 // attached interfaces keep recording until the next Load reads the ring.
 func (r *Recorder) Close() error {
+	if r.legacy != nil {
+		r.legacy.Close()
+	}
 	return r.objs.Close()
 }
 
