@@ -75,6 +75,10 @@ bench-nfct: ## nf_conntrack: conntrack -D, DeleteFilters, filtered flush, index 
 bench-expiry: ## Expiry pass vs Cilium's NextKey and batch GC
 	$(GO) run ./bench/expiry
 
+.PHONY: bench-cilium-node
+bench-cilium-node: ## Real Cilium in kind: pods start/stop on a full, mostly expired CT table, with/without ctscrub (ENTRIES, EXPIRED, PODS; images from make e2e-kind)
+	./bench/ciliumnode/run.sh
+
 .PHONY: clean
 clean: ## Remove build output
 	rm -rf $(BIN)

@@ -104,6 +104,6 @@ spec:
     - name: client
       image: %[4]s
       imagePullPolicy: Never
-      command: ["sh", "-c", "while :; do for i in 1 2 3 4 5; do wget -q -O /dev/null http://traffic-server:8080/ || true; done; nslookup traffic-server >/dev/null 2>&1 || true; sleep 1; done"]
+      command: ["sh", "-c", "while :; do for i in 1 2 3 4 5; do timeout 5 wget -q -O /dev/null http://traffic-server:8080/ || true; done; timeout 5 nslookup traffic-server >/dev/null 2>&1 || true; sleep 1; done"]
 `, ns, node, serverImage, clientImage, server)
 }
