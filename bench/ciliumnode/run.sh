@@ -50,10 +50,10 @@ newest() {
 	echo "$ref"
 }
 NODE_IMAGE=${NODE_IMAGE:-$(newest 'ctscrub-kind/node' NODE_IMAGE)}
-CILIUM_IMAGE=${CILIUM_IMAGE:-$(newest 'quay.io/cilium/cilium' CILIUM_IMAGE)}
-CILIUM_OPERATOR_IMAGE=${CILIUM_OPERATOR_IMAGE:-$(newest 'quay.io/cilium/operator-generic' CILIUM_OPERATOR_IMAGE)}
-export CTSCRUB_IMAGE=${CTSCRUB_IMAGE:-$(newest 'ctscrub-kind/ctscrub|ctscrub' CTSCRUB_IMAGE)}
-export CLIENT_IMAGE=${CLIENT_IMAGE:-$(newest 'ctscrub-kind/busybox|busybox' CLIENT_IMAGE)}
+CILIUM_IMAGE=${CILIUM_IMAGE:-$(newest 'ctscrub-kind/cilium' CILIUM_IMAGE)}
+CILIUM_OPERATOR_IMAGE=${CILIUM_OPERATOR_IMAGE:-$(newest 'ctscrub-kind/cilium-operator-generic' CILIUM_OPERATOR_IMAGE)}
+export CTSCRUB_IMAGE=${CTSCRUB_IMAGE:-$(newest 'ctscrub-kind/ctscrub' CTSCRUB_IMAGE)}
+export CLIENT_IMAGE=${CLIENT_IMAGE:-$(newest 'ctscrub-kind/busybox' CLIENT_IMAGE)}
 export SERVER_IMAGE=${SERVER_IMAGE:-$CLIENT_IMAGE}
 if [[ -z ${CILIUM_CHART:-} ]]; then
 	dir=$(cd "$ROOT" && go mod download -json "github.com/cilium/cilium@v${CILIUM_VERSION#v}" | jq -r .Dir)
@@ -97,7 +97,7 @@ done
 split() { local r=${1%:*}; echo "$r" "${1##*:}"; }
 read -r cil_repo cil_tag < <(split "$CILIUM_IMAGE")
 read -r op_repo op_tag < <(split "$CILIUM_OPERATOR_IMAGE")
-op_repo=${op_repo%-generic} # the chart appends -generic
+op_repo=${op_repo%-generic} # the chart appends -generic (ipam's operator flavour)
 log "installing Cilium $CILIUM_VERSION (CT maps $CT_MAX entries each, GC interval $CT_GC_INTERVAL, debug logs)"
 helm install cilium "$CILIUM_CHART" --namespace kube-system --wait=false \
 	--set image.repository="$cil_repo" --set image.tag="$cil_tag" --set image.useDigest=false --set image.pullPolicy=IfNotPresent \
