@@ -154,6 +154,7 @@ const (
 	CodeCancelled  = "cancelled"   // caller's deadline passed or it went away
 	CodeInternal   = "internal"    // backend failure
 	CodeNotFound   = "not_found"   // unknown attachment
+	CodeForbidden  = "forbidden"   // caller is not root (SO_PEERCRED)
 )
 
 // Error is every non-2xx answer's body.

@@ -230,8 +230,9 @@ func (d *Daemon) Run(ctx context.Context) error {
 		return err
 	}
 	apiSrv := &http.Server{
-		Handler:           d.apiHandler(),
+		Handler:           d.rootOnly(d.apiHandler()),
 		BaseContext:       func(net.Listener) context.Context { return d.workCtx },
+		ConnContext:       peerCredContext,
 		ReadHeaderTimeout: 10 * time.Second,
 	}
 
