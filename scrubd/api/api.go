@@ -78,8 +78,8 @@ type IndexedPod struct {
 	Ifindex int          `json:"ifindex"`
 	// Network is the CNI network the attachment belongs to ("" when it was
 	// started by a client older than GC scoping: no GC drops it).
-	Network string `json:"network,omitempty"`
-	Since   time.Time    `json:"since"`
+	Network string    `json:"network,omitempty"`
+	Since   time.Time `json:"since"`
 	// Stopped is when indexing stopped; zero while it runs. Stopped
 	// attachments are remembered for a while so that a DEL without
 	// prevResult can still learn the pod's IPs (GET PathIndexPod).
