@@ -68,6 +68,10 @@ demo: build ## Demo node: netns pods through the real CNI chain, CT maps, scrubs
 bench: ## Index scrub vs NextKey walk vs batch walk vs sweep (ENTRIES, PER_IP)
 	$(GO) run ./bench/core
 
+.PHONY: bench-cni
+bench-cni: build ## ctscrub plugin ADD/DEL as a runtime runs it vs bare exec and bridge (ENTRIES, default 16M; PAIRS, default 1000)
+	$(GO) run ./bench/cni
+
 .PHONY: bench-incident
 bench-incident: ## 50 concurrent pod scrubs through scrubd vs Cilium 1.16's serial walks
 	$(GO) run ./bench/incident
