@@ -28,15 +28,15 @@ build: ## Build scrubd and the ctscrub CNI plugin into bin/
 	CGO_ENABLED=0 $(GO) build -o $(BIN)/ctscrub ./plugin
 
 .PHONY: generate
-generate: ## Regenerate bpf/*_bpfel.{go,o} with the pinned clang ($(BPF_CLANG))
-	cd bpf && $(GO) generate ./...
+generate: ## Regenerate bpf/*_bpfel.{go,o} and the stand-in's (internal/testsupport/standin) with the pinned clang ($(BPF_CLANG))
+	$(GO) generate ./bpf/ ./internal/testsupport/standin/
 
 .PHONY: check-generate
 check-generate: ## Fail if the committed BPF objects are stale (needs $(BPF_CLANG))
 	@if ! command -v $(BPF_CLANG) >/dev/null; then echo "check-generate: $(BPF_CLANG) not installed, skipped"; exit 0; fi; \
 	$(MAKE) --no-print-directory generate >/dev/null && \
-	if ! git diff --quiet -- bpf/; then git diff --stat -- bpf/; echo "bpf/: generated files are stale; run 'make generate' and commit"; exit 1; fi; \
-	echo "check-generate: bpf/ generated files are current"
+	if ! git diff --quiet -- bpf/ internal/testsupport/standin/ || [ -n "$$(git ls-files --others --exclude-standard -- bpf/ internal/testsupport/standin/)" ]; then git status --short -- bpf/ internal/testsupport/standin/; echo "generated BPF files are stale or uncommitted; run 'make generate' and commit"; exit 1; fi; \
+	echo "check-generate: generated BPF files (bpf/, internal/testsupport/standin/) are current"
 
 .PHONY: setup
 setup: ## Install what the tests and demo need (apt packages, bpffs); root
