@@ -230,8 +230,9 @@ func (d *Daemon) Run(ctx context.Context) error {
 		return err
 	}
 	apiSrv := &http.Server{
-		Handler:           d.apiHandler(),
+		Handler:           d.rootOnly(d.apiHandler()),
 		BaseContext:       func(net.Listener) context.Context { return d.workCtx },
+		ConnContext:       peerCredContext,
 		ReadHeaderTimeout: 10 * time.Second,
 	}
 
@@ -302,17 +303,7 @@ func (d *Daemon) Run(ctx context.Context) error {
 	}
 	stopBG()
 	bg.Wait()
-	// The snapshot is sound only when nothing can change the index any more:
-	// no scrub holds keys it took, and the recorder's reader has returned.
-	if d.flights.running() == 0 && d.admitted.Load() == 0 {
-		if err := d.writeSnapshot(); err != nil {
-			d.log.Warn("no index snapshot written: attached IPs will sweep after the restart", "err", err)
-		} else if p := d.snapshotPath(); p != "" {
-			d.log.Info("index snapshot written", "path", p, "keys", d.ix.Keys(), "incomplete_ips", d.ix.IncompleteIPs())
-		}
-	} else {
-		d.log.Warn("scrubs still running at the stop: no index snapshot, attached IPs will sweep after the restart")
-	}
+	d.snapshotAtStop()
 	return runErr
 }
 
