@@ -271,6 +271,10 @@ func (d *Daemon) Run(ctx context.Context) error {
 
 	serveErr := make(chan error, 1)
 	go func() { serveErr <- apiSrv.Serve(apiLn) }()
+	// Stopped before the API's shutdown, which removes the socket.
+	watchCtx, stopWatch := context.WithCancel(context.Background())
+	watchDone := make(chan struct{})
+	go func() { d.watchSocket(watchCtx, apiSrv); close(watchDone) }()
 	d.ready.Store(true)
 	d.log.Info("scrubd serving", "socket", d.cfg.Socket, "metrics", d.cfg.MetricsAddr, "backends", d.backendNames(),
 		"pod_cidrs", d.cidrs, "recorder", d.rec != nil, "indexed_pods", d.pods.activeCount(), "version", d.version)
@@ -282,6 +286,8 @@ func (d *Daemon) Run(ctx context.Context) error {
 		runErr = fmt.Errorf("serve API: %w", runErr)
 	}
 	d.ready.Store(false)
+	stopWatch()
+	<-watchDone
 
 	// Stop accepting; in-flight scrubs get ShutdownGrace, then are cancelled
 	// (they stop within the backend's bound and answer "cancelled").

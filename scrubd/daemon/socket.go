@@ -2,9 +2,12 @@ package daemon
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"net"
 	"net/http"
+	"os"
+	"time"
 
 	"golang.org/x/sys/unix"
 
@@ -63,4 +66,39 @@ func (d *Daemon) rootOnly(next http.Handler) http.Handler {
 		d.m.refused.WithLabelValues(api.CodeForbidden).Inc()
 		writeError(w, &api.Error{Code: api.CodeForbidden, Message: msg})
 	})
+}
+
+// socketCheckEvery is how often the daemon checks that its socket file is
+// still there.
+const socketCheckEvery = time.Second
+
+// watchSocket listens again when the socket's file disappears (removed by
+// hand, by a cleanup script, by a tmpfs remount): the old listener still
+// serves the clients that connected before, but no new client can reach it,
+// and every CNI ADD on the node would fail. A new listener on the same path
+// is served by the same server (Shutdown stops both).
+func (d *Daemon) watchSocket(ctx context.Context, srv *http.Server) {
+	t := time.NewTicker(socketCheckEvery)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+		if _, err := os.Lstat(d.cfg.Socket); !errors.Is(err, os.ErrNotExist) {
+			continue
+		}
+		ln, err := listenUnix(d.cfg.Socket)
+		if err != nil {
+			d.log.Error("API socket removed; listening again failed (retrying)", "socket", d.cfg.Socket, "err", err)
+			continue
+		}
+		d.log.Warn("API socket removed under the daemon: listening again", "socket", d.cfg.Socket)
+		go func() {
+			if err := srv.Serve(ln); err != nil && !errors.Is(err, http.ErrServerClosed) {
+				d.log.Error("serve API on the re-created socket", "err", err)
+			}
+		}()
+	}
 }

@@ -112,3 +112,26 @@ func TestSocketRefusesNonRoot(t *testing.T) {
 		t.Errorf("root's status after the refusals: %+v, %v", st, err)
 	}
 }
+
+// A socket file removed under the daemon is created again: CNI calls fail
+// only until the next check (socketCheckEvery), not until a restart.
+func TestRemovedSocketIsRecreated(t *testing.T) {
+	root := newCTRoot(t, 1024)
+	td := startDaemon(t, testConfig(t, root))
+	if err := os.Remove(td.cfg.Socket); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := td.c.Status(context.Background()); err == nil {
+		t.Fatal("status answered on a removed socket")
+	}
+	waitFor(t, "the daemon to listen again", func() bool {
+		st, err := td.c.Status(context.Background())
+		return err == nil && st.Ready
+	})
+	if fi, err := os.Stat(td.cfg.Socket); err != nil || fi.Mode().Perm() != 0o600 {
+		t.Errorf("re-created socket: %v, %v; want mode 0600", fi, err)
+	}
+	if !strings.Contains(td.logs.buf.String(), "API socket removed under the daemon") {
+		t.Error("re-creation not logged")
+	}
+}
