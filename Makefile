@@ -50,6 +50,11 @@ setup: ## Install what the tests and demo need (apt packages, bpffs); root
 test: setup ## Set up (scripts/setup.sh) and run every test (root: real BPF, namespaces, containerd)
 	$(GO) vet ./...
 	$(GO) test -count=1 -p 1 -timeout 25m ./...
+	cd e2e/conformance && $(GO) vet ./... && CONFORMANCE_VERSIONS=default $(GO) test -count=1 -timeout 20m ./...
+
+.PHONY: conformance
+conformance: ## Cilium's real datapath (every version in e2e/conformance Versions) against the recorder and index; root, clang-19
+	cd e2e/conformance && $(GO) vet ./... && CONFORMANCE_VERSIONS=all $(GO) test -count=1 -v -run TestConformance -timeout 30m ./...
 
 .PHONY: fuzz
 fuzz: ## Short fuzz runs of the parsers
@@ -62,6 +67,10 @@ demo: build ## Demo node: netns pods through the real CNI chain, CT maps, scrubs
 .PHONY: bench
 bench: ## Index scrub vs NextKey walk vs batch walk vs sweep (ENTRIES, PER_IP)
 	$(GO) run ./bench/core
+
+.PHONY: bench-cni
+bench-cni: build ## ctscrub plugin ADD/DEL as a runtime runs it vs bare exec and bridge (ENTRIES, default 16M; PAIRS, default 1000)
+	$(GO) run ./bench/cni
 
 .PHONY: bench-incident
 bench-incident: ## 50 concurrent pod scrubs through scrubd vs Cilium 1.16's serial walks

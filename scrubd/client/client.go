@@ -148,9 +148,9 @@ func (c *Client) Status(ctx context.Context) (*api.Status, error) {
 }
 
 // GC drops state for every attachment not in valid.
-func (c *Client) GC(ctx context.Context, valid []api.Attachment) (*api.GCResponse, error) {
+func (c *Client) GC(ctx context.Context, network string, valid []api.Attachment) (*api.GCResponse, error) {
 	out := &api.GCResponse{}
-	return out, c.do(ctx, http.MethodPost, api.PathGC, api.GCRequest{ValidAttachments: valid}, out)
+	return out, c.do(ctx, http.MethodPost, api.PathGC, api.GCRequest{Network: network, ValidAttachments: valid}, out)
 }
 
 // CTStats returns entries and capacity per CT map.

@@ -315,17 +315,7 @@ func (d *Daemon) Run(ctx context.Context) error {
 	}
 	stopBG()
 	bg.Wait()
-	// The snapshot is sound only when nothing can change the index any more:
-	// no scrub holds keys it took, and the recorder's reader has returned.
-	if d.flights.running() == 0 && d.admitted.Load() == 0 {
-		if err := d.writeSnapshot(); err != nil {
-			d.log.Warn("no index snapshot written: attached IPs will sweep after the restart", "err", err)
-		} else if p := d.snapshotPath(); p != "" {
-			d.log.Info("index snapshot written", "path", p, "keys", d.ix.Keys(), "incomplete_ips", d.ix.IncompleteIPs())
-		}
-	} else {
-		d.log.Warn("scrubs still running at the stop: no index snapshot, attached IPs will sweep after the restart")
-	}
+	d.snapshotAtStop()
 	return runErr
 }
 

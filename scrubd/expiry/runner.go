@@ -69,7 +69,15 @@ type Report struct {
 	Swept    bool     // deletes were allowed in the pass reported
 	Stopped  bool
 	Evidence Evidence
+
+	now [numClocks]uint32 // the clocks' readings at the last map's pass
 }
+
+// NowIn is the reading of clock c (ktime or jiffies; auto reads as ktime)
+// taken by the pass, in the units ct_entry.lifetime is kept in: what an entry
+// written now with a timeout of t expires at is NowIn(c) plus t in those
+// units. 0 when no map was walked.
+func (r Report) NowIn(c Clock) uint32 { return r.now[clockIndex(c)] }
 
 // Total sums the maps.
 func (r Report) Total() MapReport {
@@ -291,6 +299,7 @@ func (r *Runner) walk(ctx context.Context, sweep bool, clock Clock) (Report, err
 			r.log.Error("audit: read the keys found", "err", aerr)
 		}
 		rep.Maps = append(rep.Maps, MapReport{Map: p.kind.Name(), Duration: took, raw: out, kind: p.kind, audit: found})
+		rep.now = out.Now
 		rep.Evidence.add(out)
 		if out.Stopped != 0 {
 			rep.Stopped = true

@@ -26,6 +26,14 @@ func (ix *Index) ScrubKeys(ip netip.Addr) (k4 []ctmap.CTKey4, k6 []ctmap.CTKey6,
 // record it again. Deleting that key costs one failed delete when it is
 // absent. A RELATED key adds its other-initiator form; a SERVICE key (its
 // daddr is a VIP) is only itself.
+//
+// An IN flow key (a peer initiated towards the pod) adds the same tuple
+// flagged OUT: when the connection came in as NodePort to a local backend,
+// or with DSR to a backend on this node, Cilium's bpf_host creates that
+// OUT entry beside the IN one the pod's ingress policy creates, and nothing
+// in the packets the pod sees tells such a connection from a direct one
+// (found by e2e/conformance at v1.16.5, v1.18.8 and v1.20.2). One failed
+// delete per inbound flow when absent.
 func Covered(k4 []ctmap.CTKey4, k6 []ctmap.CTKey6) ([]ctmap.CTKey4, []ctmap.CTKey6) {
 	var out4 []ctmap.CTKey4
 	if len(k4) > 0 {
@@ -46,6 +54,9 @@ func Covered(k4 []ctmap.CTKey4, k6 []ctmap.CTKey6) ([]ctmap.CTKey4, []ctmap.CTKe
 			if k.Flags()&ctmap.FlagRelated == 0 {
 				add(k.Related())
 				add(m.Related())
+			}
+			if k.Flags() == ctmap.FlagIn {
+				add(k.WithFlags(ctmap.FlagOut))
 			}
 		}
 	}
@@ -68,6 +79,9 @@ func Covered(k4 []ctmap.CTKey4, k6 []ctmap.CTKey6) ([]ctmap.CTKey4, []ctmap.CTKe
 			if k.Flags()&ctmap.FlagRelated == 0 {
 				add(k.Related())
 				add(m.Related())
+			}
+			if k.Flags() == ctmap.FlagIn {
+				add(k.WithFlags(ctmap.FlagOut))
 			}
 		}
 	}
