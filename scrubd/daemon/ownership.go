@@ -94,10 +94,8 @@ func (d *Daemon) beforeScrub(req api.ScrubRequest, ips []netip.Addr) {
 		if req.ContainerID == "" {
 			return // an operator's scrub: no attachment to judge
 		}
-		a := api.Attachment{ContainerID: req.ContainerID, IfName: req.IfName}
-		pod, known := d.pods.get(a)
 		for _, ip := range ips {
-			if known && slices.Contains(pod.IPs, ip) {
+			if d.pods.held(req.ContainerID, req.IfName, ip) {
 				continue
 			}
 			// A pod scrubd never indexed had this IP: its flows are not
@@ -232,4 +230,16 @@ func b2f(b bool) float64 {
 		return 1
 	}
 	return 0
+}
+
+// held reports whether an attachment of containerID (with ifname, when
+// given) holds ip, active or stopped within the TTL.
+func (p *pods) held(containerID, ifname string, ip netip.Addr) bool {
+	active, stopped := p.list()
+	for _, pod := range append(active, stopped...) {
+		if pod.ContainerID == containerID && (ifname == "" || pod.IfName == ifname) && slices.Contains(pod.IPs, ip) {
+			return true
+		}
+	}
+	return false
 }
