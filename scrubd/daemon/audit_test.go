@@ -74,3 +74,34 @@ func TestAuditAPI(t *testing.T) {
 		t.Fatalf("audit of an incomplete IP: %v, %+v", err, resp)
 	}
 }
+
+// The continuous audit runs in the daemon's expiry pass: an entry of a
+// complete IP the recorder never saw is counted and the IP turns incomplete
+// within a pass (and the confirm wait), and `scrubd audit` lists the miss.
+func TestContinuousAuditInDaemon(t *testing.T) {
+	root := newCTRoot(t, 1<<14)
+	cfg := testConfig(t, root)
+	cfg.Expiry.Mode = "report"
+	cfg.Expiry.Interval = Duration{time.Second}
+	td := startDaemon(t, cfg)
+	ip := mustAddr("10.244.0.9")
+	flows := podFlows(ip, 10)
+	root.put4(t, flows)
+	indexFlows(td.Daemon, ip, flows)
+	miss := ctmap.NewKey4(mustAddr("203.0.113.9"), ip, 8080, 5556, ctmap.ProtoTCP, ctmap.FlagIn)
+	root.put4(t, []ctmap.CTKey4{miss})
+	deadline := time.Now().Add(60 * time.Second)
+	for counterValue(t, td, "ctscrub_audit_missing_keys_total", map[string]string{"direction": "in", "protocol": "tcp"}) != 1 {
+		if time.Now().After(deadline) {
+			t.Fatal("the audit did not count the unrecorded entry within 60 s")
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	if st := td.Index().State(ip); st.Complete || st.Incomplete != index.ReasonAuditMiss {
+		t.Errorf("%s after the audit: %+v", ip, st)
+	}
+	resp, err := td.c.Audit(context.Background(), nil)
+	if err != nil || len(resp.Recent) != 1 || resp.Recent[0].Key != miss.String() || resp.Recent[0].IP != ip {
+		t.Errorf("recent misses: %+v, %v", resp, err)
+	}
+}

@@ -200,6 +200,7 @@ func (r *Runner) Pass(ctx context.Context) (Report, error) {
 	}
 	r.mu.Lock()
 	defer r.mu.Unlock()
+	parent := ctx // the audit's confirm wait is not part of the walk's deadline
 	ctx, cancel := context.WithTimeout(ctx, r.cfg.PassTimeout)
 	defer cancel()
 
@@ -224,7 +225,7 @@ func (r *Runner) Pass(ctx context.Context) (Report, error) {
 	if r.m != nil {
 		r.m.setDecision(r.decision, r.cfg.Mode)
 	}
-	r.checkAudit(ctx, smp, rep, err == nil && !rep.Stopped, now)
+	r.checkAudit(parent, smp, rep, err == nil && !rep.Stopped, now)
 	return rep, err
 }
 
