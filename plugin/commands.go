@@ -41,7 +41,9 @@ func podAddrs(res *current.Result, ifname string) ([]netip.Addr, string) {
 		}
 	}
 	name := ifname
-	if chosen >= 0 {
+	if chosen >= 0 && res.Interfaces[chosen].Name != "" {
+		// A sandbox interface without a name (found by FuzzPrevResult) is
+		// CNI_IFNAME's: the spec names the container's interface so.
 		name = res.Interfaces[chosen].Name
 	}
 	var ips []netip.Addr

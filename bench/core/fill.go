@@ -1,11 +1,13 @@
 package main
 
 import (
+	"errors"
 	"fmt"
 	"net/netip"
 	"os"
 	"path/filepath"
 	"runtime"
+	"slices"
 	"time"
 
 	"github.com/cilium/ebpf"
@@ -44,12 +46,15 @@ type node struct {
 	// The target pool: each target's k entries, by map; next is the first
 	// target not scrubbed yet, deleted the entries scrubbed so far.
 	targets []netip.Addr
-	target4 []map[ctmap.Kind][]ctmap.CTKey4
+	target4 [][]ctmap.CTKey4 // allocated before the fill: not counted as index memory
 	next    int
 	deleted int
 
 	// The scrubd the socket figures go through (see daemon.go).
 	scrubd *scrubd
+
+	// extra is added to a series run's time (an extrapolated partial walk).
+	extra time.Duration
 
 	fillTime      time.Duration
 	applyTime     time.Duration
@@ -70,9 +75,10 @@ func newNode(n, k, pods, targets int) (*node, error) {
 		return nil, fmt.Errorf("create a private bpffs dir under /sys/fs/bpf: %w (is bpffs mounted? run scripts/setup.sh)", err)
 	}
 	nd := &node{dir: dir, n: n, k: k, pods: pods}
+	all := make([]ctmap.CTKey4, targets*k)
 	for i := range targets {
 		nd.targets = append(nd.targets, ctfill.AddrAt(targetBase, i))
-		nd.target4 = append(nd.target4, map[ctmap.Kind][]ctmap.CTKey4{})
+		nd.target4 = append(nd.target4, all[i*k:i*k:(i+1)*k])
 	}
 	for _, kind := range ctmap.Kinds {
 		max := uint32(n)
@@ -183,9 +189,9 @@ func (nd *node) fill() error {
 			k := ctfill.FlowKey(ip, ctfill.AddrAt(peerT, t*nd.k+j), j)
 			withRel := 2*j+1 < nd.k
 			add(k, withRel)
-			nd.target4[t][k.Kind()] = append(nd.target4[t][k.Kind()], k)
+			nd.target4[t] = append(nd.target4[t], k)
 			if withRel {
-				nd.target4[t][ctmap.Any4] = append(nd.target4[t][ctmap.Any4], k.Related())
+				nd.target4[t] = append(nd.target4[t], k.Related())
 			}
 			if len(recs) == chunk {
 				if err := flush(); err != nil {
@@ -256,6 +262,21 @@ func (nd *node) entries() (int64, error) {
 	return total, nil
 }
 
+// deleteTarget deletes the target's entries by key (after a partial walk),
+// untimed.
+func (nd *node) deleteTarget(target netip.Addr) error {
+	i := slices.Index(nd.targets, target)
+	if i < 0 {
+		return fmt.Errorf("%s is not a target", target)
+	}
+	for _, k := range nd.target4[i] {
+		if err := nd.maps.Map(k.Kind()).Delete(k); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
+			return err
+		}
+	}
+	return nil
+}
+
 // podIPs are the node's other pods.
 func (nd *node) podIPs() []netip.Addr {
 	ips := make([]netip.Addr, nd.pods)
@@ -269,11 +290,9 @@ func (nd *node) podIPs() []netip.Addr {
 func (nd *node) targetLeft(t int) int {
 	var val ctmap.Entry
 	left := 0
-	for kind, keys := range nd.target4[t] {
-		for _, k := range keys {
-			if nd.maps.Map(kind).Lookup(k, &val) == nil {
-				left++
-			}
+	for _, k := range nd.target4[t] {
+		if nd.maps.Map(k.Kind()).Lookup(k, &val) == nil {
+			left++
 		}
 	}
 	return left

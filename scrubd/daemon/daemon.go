@@ -243,8 +243,9 @@ func (d *Daemon) Run(ctx context.Context) error {
 		return err
 	}
 	apiSrv := &http.Server{
-		Handler:           d.apiHandler(),
+		Handler:           d.rootOnly(d.apiHandler()),
 		BaseContext:       func(net.Listener) context.Context { return d.workCtx },
+		ConnContext:       peerCredContext,
 		ReadHeaderTimeout: 10 * time.Second,
 	}
 
@@ -283,6 +284,10 @@ func (d *Daemon) Run(ctx context.Context) error {
 
 	serveErr := make(chan error, 1)
 	go func() { serveErr <- apiSrv.Serve(apiLn) }()
+	// Stopped before the API's shutdown, which removes the socket.
+	watchCtx, stopWatch := context.WithCancel(context.Background())
+	watchDone := make(chan struct{})
+	go func() { d.watchSocket(watchCtx, apiSrv); close(watchDone) }()
 	d.ready.Store(true)
 	d.log.Info("scrubd serving", "socket", d.cfg.Socket, "metrics", d.cfg.MetricsAddr, "backends", d.backendNames(),
 		"pod_cidrs", d.cidrs, "recorder", d.rec != nil, "indexed_pods", d.pods.activeCount(), "version", d.version)
@@ -294,6 +299,8 @@ func (d *Daemon) Run(ctx context.Context) error {
 		runErr = fmt.Errorf("serve API: %w", runErr)
 	}
 	d.ready.Store(false)
+	stopWatch()
+	<-watchDone
 
 	// Stop accepting; in-flight scrubs get ShutdownGrace, then are cancelled
 	// (they stop within the backend's bound and answer "cancelled").

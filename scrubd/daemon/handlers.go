@@ -102,6 +102,8 @@ func writeError(w http.ResponseWriter, e *api.Error) {
 		status = http.StatusGatewayTimeout
 	case api.CodeNotFound:
 		status = http.StatusNotFound
+	case api.CodeForbidden:
+		status = http.StatusForbidden
 	}
 	writeJSON(w, status, e)
 }
