@@ -182,6 +182,12 @@ type result struct {
 	CtscrubSteadyCPUShareAt60s float64 `json:"ctscrub_steady_cpu_share_at_60s"`
 	TargetSpeedupVsBatch2      bool    `json:"target_2x_vs_batch_met"`
 	TargetCPUShare10pct        bool    `json:"target_cpu_share_le_10pct_met"`
+	AuditExtraS                float64 `json:"audit_extra_s"`      // what the audit adds to a pass (audit.go)
+	AuditExtraCPUS             float64 `json:"audit_extra_cpu_s"`  // the same in the process's CPU time
+	AuditPassS                 float64 `json:"audit_pass_s"`       // a report pass with the audit
+	AuditIPs                   int     `json:"audit_ips"`          // IPs audited in that pass
+	AuditKeys                  int     `json:"audit_keys"`         // their keys, all copied out and checked
+	AuditWithinBound           bool    `json:"audit_within_bound"` // the pass with the audit stays under interval / 2
 }
 
 func main() {
@@ -274,6 +280,9 @@ func main() {
 		log.Fatalf("report pass: live %d expired %d decision %+v; want %d, %d, ktime confirmed", tot.Live, tot.Expired, r.Decision, n-nExpired, nExpired)
 	}
 	fmt.Printf("ctscrub report pass: %.3fs (thread CPU %.3fs), clock %s confirmed\n", res.CtscrubReportS, res.CtscrubReportCPUS, r.Decision.Clock)
+	extra, extraCPU, with, aips, akeys := auditCost(ctx, maps, n)
+	res.AuditExtraS, res.AuditExtraCPUS, res.AuditPassS, res.AuditIPs, res.AuditKeys = round(extra.Seconds()), round(extraCPU.Seconds()), round(with.Seconds()), aips, akeys
+	res.AuditWithinBound = with < expiry.DefaultInterval/2
 
 	// ctscrub, sweep mode. The clock is configured so the measured pass is
 	// the sweep alone (in auto mode the first pass counts, confirms, then
