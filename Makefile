@@ -75,6 +75,10 @@ fuzz: ## Fuzz every parser briefly (FUZZTIME each, default 20s)
 demo: build ## Demo node: netns pods through the real CNI chain, CT maps, scrubs (ENTRIES, default 1M)
 	./scripts/demo.sh
 
+.PHONY: soak
+soak: build ## Churn and real faults on the demo's node (CYCLES, default 500; ENTRIES, default 4M; STARVE_S, default 60)
+	$(GO) run ./e2e/soak
+
 .PHONY: bench
 bench: ## Index scrub vs NextKey walk vs batch walk vs sweep (ENTRIES, PER_IP)
 	$(GO) run ./bench/core
