@@ -592,3 +592,10 @@ func tail(b []byte) []byte {
 	}
 	return b
 }
+
+func envOr(name, def string) string {
+	if v := os.Getenv(name); v != "" {
+		return v
+	}
+	return def
+}
