@@ -38,7 +38,7 @@ install -m 0644 "$kind_src"/etc/crictl.yaml "$r/etc/"
 install -m 0644 "$kind_src"/etc/containerd/* "$r/etc/containerd/"
 install -m 0644 "$kind_src"/etc/default/* "$r/etc/default/"
 install -m 0644 "$kind_src"/etc/sysctl.d/* "$r/etc/sysctl.d/"
-install -m 0644 "$kind_src"/etc/systemd/system/*.* "$r/etc/systemd/system/"
+find "$kind_src/etc/systemd/system" -maxdepth 1 -type f -exec install -m 0644 {} "$r/etc/systemd/system/" \;
 install -m 0644 "$kind_src"/etc/systemd/system/kubelet.service.d/* "$r/etc/systemd/system/kubelet.service.d/"
 find "$r/lib/systemd/system/sysinit.target.wants/" -name systemd-tmpfiles-setup.service -delete
 rm -f "$r"/lib/systemd/system/multi-user.target.wants/* "$r"/etc/systemd/system/*.wants/* \
