@@ -41,7 +41,9 @@ func podAddrs(res *current.Result, ifname string) ([]netip.Addr, string) {
 		}
 	}
 	name := ifname
-	if chosen >= 0 {
+	if chosen >= 0 && res.Interfaces[chosen].Name != "" {
+		// A sandbox interface without a name (found by FuzzPrevResult) is
+		// CNI_IFNAME's: the spec names the container's interface so.
 		name = res.Interfaces[chosen].Name
 	}
 	var ips []netip.Addr
@@ -71,12 +73,26 @@ func prevResultAddrs(conf *Config, ifname string) ([]netip.Addr, string, error) 
 	if conf.PrevResult == nil {
 		return nil, ifname, nil
 	}
-	res, err := current.NewResultFromResult(conf.PrevResult)
+	res, err := convertResult(func() (types.Result, error) { return current.NewResultFromResult(conf.PrevResult) })
 	if err != nil {
 		return nil, "", configError("prevResult cannot be read as a CNI %s result: %v", current.ImplementedSpecVersion, err)
 	}
-	ips, name := podAddrs(res, ifname)
+	ips, name := podAddrs(res.(*current.Result), ifname)
 	return ips, name, nil
+}
+
+// convertResult runs a conversion of prevResult by the CNI library, which
+// dereferences every element of "interfaces" and "ips" without checking: a
+// prevResult with a null element (e.g. "interfaces":[null] at 0.4.0) made it
+// panic, and the plugin died without the error JSON the runtime expects
+// (found by FuzzPrevResult). A panic there is a malformed prevResult.
+func convertResult(conv func() (types.Result, error)) (res types.Result, err error) {
+	defer func() {
+		if p := recover(); p != nil {
+			res, err = nil, fmt.Errorf("malformed (a null or incomplete entry in \"interfaces\", \"ips\", \"routes\" or \"dns\": %v)", p)
+		}
+	}()
+	return conv()
 }
 
 func withTimeout(conf *Config) (context.Context, context.CancelFunc) {
@@ -139,6 +155,7 @@ func add(ctx context.Context, cl *client.Client, conf *Config, args *skel.CmdArg
 		Attachment: api.Attachment{ContainerID: args.ContainerID, IfName: ifname},
 		Netns:      args.Netns,
 		IPs:        ips,
+		Network:    conf.Name,
 	})
 	if err != nil {
 		return &stepError{fmt.Sprintf("start indexing %s in %s (container %s)", ifname, args.Netns, args.ContainerID), err}
@@ -147,7 +164,7 @@ func add(ctx context.Context, cl *client.Client, conf *Config, args *skel.CmdArg
 }
 
 func printPrevResult(conf *Config) error {
-	r, err := conf.PrevResult.GetAsVersion(conf.CNIVersion)
+	r, err := convertResult(func() (types.Result, error) { return conf.PrevResult.GetAsVersion(conf.CNIVersion) })
 	if err != nil {
 		return configError("prevResult cannot be converted to cniVersion %s: %v", conf.CNIVersion, err)
 	}
@@ -245,15 +262,22 @@ func del(ctx context.Context, cl *client.Client, conf *Config, args *skel.CmdArg
 			return &stepError{fmt.Sprintf("scrub %v of container %s", ips, args.ContainerID), err}
 		}
 	}
-	if rec != nil {
-		// After the scrub, so that the index covers every flow up to it.
-		err := cl.IndexStop(ctx, api.IndexStopRequest{Attachment: me, Netns: args.Netns})
-		if e, ok := client.APIError(err); ok && e.Code == api.CodeNotFound {
-			err = nil // a concurrent DEL stopped it first
+	if rec == nil {
+		// A pod scrubd never indexed: tell scrubd, whose released IPs can
+		// no longer be trusted (that pod's flows are in no index). Best
+		// effort: the DEL's outcome does not depend on it.
+		if err := cl.IndexStop(ctx, api.IndexStopRequest{Attachment: me, Netns: args.Netns}); err != nil {
+			fmt.Fprintf(stderr, "ctscrub: DEL %s: report an attachment scrubd never indexed: %v\n", attachmentID(args), err)
 		}
-		if err != nil {
-			return &stepError{fmt.Sprintf("stop indexing %s of container %s", args.IfName, args.ContainerID), err}
-		}
+		return nil
+	}
+	// After the scrub, so that the index covers every flow up to it.
+	err = cl.IndexStop(ctx, api.IndexStopRequest{Attachment: me, Netns: args.Netns})
+	if e, ok := client.APIError(err); ok && e.Code == api.CodeNotFound {
+		err = nil // a concurrent DEL stopped it first
+	}
+	if err != nil {
+		return &stepError{fmt.Sprintf("stop indexing %s of container %s", args.IfName, args.ContainerID), err}
 	}
 	return nil
 }
@@ -353,13 +377,21 @@ func cmdGC(args *skel.CmdArgs) error {
 	if valid == nil {
 		return configError("GC without cni.dev/valid-attachments: refusing to drop every attachment scrubd indexes")
 	}
+	if len(valid) == 0 {
+		// scrubd refuses a GC that names no attachment (it would drop every
+		// pod of the network). A runtime sends an empty list only for a
+		// network without a pod on the node: nothing runs whose state could
+		// leak for long, and each pod's DEL stopped its attachment anyway.
+		fmt.Fprintf(stderr, "ctscrub: GC of network %q: no valid attachment listed; nothing to do (scrubd never drops every pod of a network)\n", conf.Name)
+		return nil
+	}
 	atts := make([]api.Attachment, 0, len(valid))
 	for _, a := range valid {
 		atts = append(atts, api.Attachment{ContainerID: a.ContainerID, IfName: a.IfName})
 	}
 	ctx, cancel := withTimeout(conf)
 	defer cancel()
-	resp, err := client.New(conf.Socket).GC(ctx, atts)
+	resp, err := client.New(conf.Socket).GC(ctx, conf.Name, atts)
 	if err != nil {
 		return failure(conf, "GC", fmt.Sprintf("(%d valid attachments)", len(atts)), "drop attachments that are gone", err)
 	}

@@ -184,7 +184,7 @@ func TestDaemonSocketMissing(t *testing.T) {
 			if _, _, err := run(t, cmdStatus, cmdArgs(stdin(t, ver, ignore, nil))); err != nil {
 				t.Errorf("STATUS ignore: %v", err)
 			}
-			gc := map[string]any{"socket": sock, "cni.dev/valid-attachments": []any{}}
+			gc := map[string]any{"socket": sock, "cni.dev/valid-attachments": []any{map[string]any{"containerID": "a", "ifname": "eth0"}}}
 			_, _, err = run(t, cmdGC, cmdArgs(stdin(t, ver, gc, nil)))
 			mustCNIError(t, err, types.ErrPluginNotAvailable)
 		}
@@ -336,6 +336,20 @@ func TestGCWithoutValidAttachments(t *testing.T) {
 	e := mustCNIError(t, err, types.ErrInvalidNetworkConfig)
 	if !strings.Contains(e.Msg, "cni.dev/valid-attachments") {
 		t.Fatalf("message %q", e.Msg)
+	}
+}
+
+// An empty valid list is not sent: scrubd refuses a GC that would drop every
+// pod of the network, and the runtime sends one only when the network has no
+// pod on the node. The plugin succeeds without asking scrubd (its socket
+// here does not even exist) and says so.
+func TestGCWithEmptyValidAttachments(t *testing.T) {
+	_, errOut, err := run(t, cmdGC, cmdArgs(stdin(t, "1.1.0", map[string]any{"socket": missingSocket(t), "cni.dev/valid-attachments": []any{}}, nil)))
+	if err != nil {
+		t.Fatalf("GC with an empty list: %v", err)
+	}
+	if !strings.Contains(errOut, "no valid attachment listed") {
+		t.Errorf("stderr %q does not say why nothing was done", errOut)
 	}
 }
 

@@ -31,6 +31,7 @@ import (
 	"log"
 	"os"
 	"runtime"
+	"slices"
 	"strconv"
 	"time"
 
@@ -38,6 +39,7 @@ import (
 	"github.com/cilium/ebpf/rlimit"
 	"golang.org/x/sys/unix"
 
+	"github.com/ctscrub/ctscrub/internal/ciliumwalk"
 	"github.com/ctscrub/ctscrub/scrubd/ctmap"
 	"github.com/ctscrub/ctscrub/scrubd/expiry"
 )
@@ -77,18 +79,6 @@ func lifetime(i int, now uint32) uint32 {
 }
 
 func expired(lt, now uint32) bool { return lt < now }
-
-// liveExpiredBy counts the entries filled live (lifetime(i, fillNow) for even
-// i) whose lifetime has passed at t.
-func liveExpiredBy(n int, fillNow, t uint32) int {
-	c := 0
-	for i := 0; i < n; i += 2 {
-		if expired(lifetime(i, fillNow), t) {
-			c++
-		}
-	}
-	return c
-}
 
 // monoNow is Cilium's ktime clock: CLOCK_MONOTONIC seconds, what
 // bpf_ktime_get_ns() / 1e9 reads.
@@ -163,82 +153,6 @@ func threadCPU() time.Duration {
 	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
 }
 
-// nextKeyGC is Cilium 1.16's way: walk with NextKey + Lookup from user space,
-// fetching the next key before deleting the current one (so the walk does not
-// restart), deleting entries whose lifetime is before now. It stops after
-// maxVisits entries when maxVisits > 0.
-func nextKeyGC(m *ebpf.Map, now uint32, maxVisits int) (visited, deleted int, partial bool, err error) {
-	var cur, next ctmap.CTKey4
-	var v ctmap.Entry
-	if err := m.NextKey(nil, &cur); err != nil {
-		if errors.Is(err, ebpf.ErrKeyNotExist) {
-			return 0, 0, false, nil
-		}
-		return 0, 0, false, err
-	}
-	for {
-		nextErr := m.NextKey(&cur, &next)
-		if err := m.Lookup(&cur, &v); err == nil {
-			visited++
-			if expired(v.Lifetime(), now) {
-				if err := m.Delete(&cur); err == nil {
-					deleted++
-				} else if !errors.Is(err, ebpf.ErrKeyNotExist) {
-					return visited, deleted, false, err
-				}
-			}
-		}
-		if errors.Is(nextErr, ebpf.ErrKeyNotExist) {
-			return visited, deleted, false, nil
-		}
-		if nextErr != nil {
-			return visited, deleted, false, nextErr
-		}
-		if maxVisits > 0 && visited >= maxVisits {
-			return visited, deleted, true, nil
-		}
-		cur = next
-	}
-}
-
-// batchGC is Cilium 1.18+'s way: BPF_MAP_LOOKUP_BATCH over the whole map
-// collecting expired keys, then one delete per key.
-func batchGC(m *ebpf.Map, now uint32) (visited, deleted int, err error) {
-	size := 1 << 12
-	keys := make([]ctmap.CTKey4, size)
-	vals := make([]ctmap.Entry, size)
-	var doomed []ctmap.CTKey4
-	var cur ebpf.MapBatchCursor
-	for {
-		n, err := m.BatchLookup(&cur, keys, vals, nil)
-		if errors.Is(err, unix.ENOSPC) { // a bucket larger than the buffer
-			size *= 2
-			keys, vals = make([]ctmap.CTKey4, size), make([]ctmap.Entry, size)
-			continue
-		}
-		for i := range n {
-			visited++
-			if expired(vals[i].Lifetime(), now) {
-				doomed = append(doomed, keys[i])
-			}
-		}
-		if errors.Is(err, ebpf.ErrKeyNotExist) {
-			break
-		}
-		if err != nil {
-			return visited, deleted, err
-		}
-	}
-	for i := range doomed {
-		if err := m.Delete(&doomed[i]); err == nil {
-			deleted++
-		} else if !errors.Is(err, ebpf.ErrKeyNotExist) {
-			return visited, deleted, err
-		}
-	}
-	return visited, deleted, nil
-}
-
 type result struct {
 	Date                       string  `json:"date"`
 	Kernel                     string  `json:"kernel"`
@@ -268,6 +182,12 @@ type result struct {
 	CtscrubSteadyCPUShareAt60s float64 `json:"ctscrub_steady_cpu_share_at_60s"`
 	TargetSpeedupVsBatch2      bool    `json:"target_2x_vs_batch_met"`
 	TargetCPUShare10pct        bool    `json:"target_cpu_share_le_10pct_met"`
+	AuditExtraS                float64 `json:"audit_extra_s"`      // what the audit adds to a pass (audit.go)
+	AuditExtraCPUS             float64 `json:"audit_extra_cpu_s"`  // the same in the process's CPU time
+	AuditPassS                 float64 `json:"audit_pass_s"`       // a report pass with the audit
+	AuditIPs                   int     `json:"audit_ips"`          // IPs audited in that pass
+	AuditKeys                  int     `json:"audit_keys"`         // their keys, all copied out and checked
+	AuditWithinBound           bool    `json:"audit_within_bound"` // the pass with the audit stays under interval / 2
 }
 
 func main() {
@@ -360,6 +280,9 @@ func main() {
 		log.Fatalf("report pass: live %d expired %d decision %+v; want %d, %d, ktime confirmed", tot.Live, tot.Expired, r.Decision, n-nExpired, nExpired)
 	}
 	fmt.Printf("ctscrub report pass: %.3fs (thread CPU %.3fs), clock %s confirmed\n", res.CtscrubReportS, res.CtscrubReportCPUS, r.Decision.Clock)
+	extra, extraCPU, with, aips, akeys := auditCost(ctx, maps, n)
+	res.AuditExtraS, res.AuditExtraCPUS, res.AuditPassS, res.AuditIPs, res.AuditKeys = round(extra.Seconds()), round(extraCPU.Seconds()), round(with.Seconds()), aips, akeys
+	res.AuditWithinBound = with < expiry.DefaultInterval/2
 
 	// ctscrub, sweep mode. The clock is configured so the measured pass is
 	// the sweep alone (in auto mode the first pass counts, confirms, then
@@ -387,7 +310,8 @@ func main() {
 	// Cilium 1.16: NextKey + Lookup walk.
 	c0 = threadCPU()
 	start := time.Now()
-	visited, deleted, partial, err := nextKeyGC(m, now, maxVisits)
+	st, err := ciliumwalk.NextKeyMap(m, ctmap.TCP4, ciliumwalk.ExpiredAt(now), ciliumwalk.Options{MaxVisits: maxVisits})
+	visited, deleted, partial := st.Visited, st.Deleted, st.Partial
 	took := time.Since(start)
 	res.NextkeyCPUS = (threadCPU() - c0).Seconds()
 	if err != nil {
@@ -411,7 +335,8 @@ func main() {
 	// Cilium 1.18+: batch lookup, then deletes.
 	c0 = threadCPU()
 	start = time.Now()
-	visited, deleted, err = batchGC(m, now)
+	st, err = ciliumwalk.BatchMap(m, ctmap.TCP4, ciliumwalk.ExpiredAt(now), ciliumwalk.Options{})
+	visited, deleted = st.Visited, st.Deleted
 	res.BatchGCS = time.Since(start).Seconds()
 	res.BatchCPUS = (threadCPU() - c0).Seconds()
 	if err != nil {
@@ -448,23 +373,24 @@ func main() {
 	}
 	// The live half was filled with lifetimes from now+60 s on; a 16 M run
 	// takes minutes to get here, so some of it has expired since, and more
-	// expires while the pass runs: the pass must delete those too.
-	lo := liveExpiredBy(n, now, monoNow())
+	// may expire before the pass reads its clock: the pass must delete those
+	// too. How many is not known in advance (it depends on how long the
+	// machine took, hence its load), so the check is exact against what the
+	// map held: the lifetimes before the pass (nothing else writes the map),
+	// and the clock the pass froze at its start, whose in-kernel count of
+	// expired entries comes back in the same pass.
+	before := lifetimes(m)
 	r, err = sw.Pass(ctx)
-	hi := liveExpiredBy(n, now, monoNow()+1)
 	sw.Close()
 	if err != nil {
 		log.Fatal(err)
 	}
 	tot = r.Total()
-	res.SteadyExpired = nSteady + lo
+	res.SteadyExpired = int(tot.Expired)
 	res.CtscrubSteadySweepS = round(tot.Duration.Seconds())
 	res.CtscrubSteadyCPUShareAt60s = round(tot.Duration.Seconds() / 60)
-	// Refills at full size let the LRU evict a few entries (printed above);
-	// any of them may have been one of the live entries counted in lo.
-	evicted := max(0, n-int(tot.Entries))
-	if tot.Deleted < uint64(max(0, nSteady+lo-evicted)) || tot.Deleted > uint64(nSteady+hi) {
-		log.Fatalf("steady-state sweep deleted %d, want %d written expired plus %d..%d live ones that expired since the fill", tot.Deleted, nSteady, lo, hi)
+	if err := checkSteadySweep(before, lifetimes(m), tot, nSteady); err != nil {
+		log.Fatalf("steady-state sweep: %v", err)
 	}
 	fmt.Printf("ctscrub steady-state sweep (%d expired of %d): %.3fs\n", nSteady, tot.Entries, tot.Duration.Seconds())
 
@@ -484,6 +410,54 @@ func main() {
 		res.SpeedupVsBatch, res.SpeedupVsBatchCPU, res.SpeedupVsNextkey, 100*res.CtscrubCPUShareAt60s, 100*res.CtscrubSteadyCPUShareAt60s, steady)
 	out, _ := json.Marshal(res)
 	fmt.Println(string(out))
+}
+
+// lifetimes returns the lifetime of every entry of m, sorted (not timed).
+func lifetimes(m *ebpf.Map) []uint32 {
+	keys := make([]ctmap.CTKey4, chunk)
+	vals := make([]ctmap.Entry, chunk)
+	var out []uint32
+	var cur ebpf.MapBatchCursor
+	for {
+		n, err := m.BatchLookup(&cur, keys, vals, nil)
+		for i := range n {
+			out = append(out, vals[i].Lifetime())
+		}
+		if errors.Is(err, ebpf.ErrKeyNotExist) {
+			slices.Sort(out)
+			return out
+		}
+		if err != nil {
+			log.Fatalf("census: %v", err)
+		}
+	}
+}
+
+// checkSteadySweep checks a sweep exactly, whatever the machine's load: it
+// deleted every entry its own clock found expired and nothing else (the map
+// had no other writer, so nothing was refreshed or guarded), including every
+// entry written expired; and what it deleted is exactly the entries below
+// one lifetime threshold: the before and after censuses differ by the
+// lowest Deleted lifetimes, every one of them below every lifetime left.
+func checkSteadySweep(before, after []uint32, tot expiry.MapReport, writtenExpired int) error {
+	del := int(tot.Deleted)
+	switch {
+	case tot.Stopped:
+		return errors.New("the pass was stopped")
+	case int(tot.Entries) != len(before):
+		return fmt.Errorf("visited %d entries, the map held %d", tot.Entries, len(before))
+	case tot.Deleted != tot.Expired || tot.Refreshed != 0 || tot.Guarded != 0:
+		return fmt.Errorf("deleted %d of the %d its clock found expired (refreshed %d, guarded %d); with no other writer it must delete all of them", tot.Deleted, tot.Expired, tot.Refreshed, tot.Guarded)
+	case del < writtenExpired:
+		return fmt.Errorf("deleted %d, fewer than the %d written expired", del, writtenExpired)
+	case len(after) != len(before)-del:
+		return fmt.Errorf("%d entries left, want %d - %d deleted", len(after), len(before), del)
+	case del > 0 && len(after) > 0 && before[del-1] >= after[0]:
+		return fmt.Errorf("deleted an entry with lifetime %d or more while one of lifetime %d is left: not the expired ones", after[0], before[del-1])
+	case !slices.Equal(before[del:], after):
+		return errors.New("the entries left are not the ones above the pass's clock")
+	}
+	return nil
 }
 
 func round(v float64) float64 { return float64(int64(v*10000+0.5)) / 10000 }

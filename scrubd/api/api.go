@@ -58,6 +58,9 @@ type IndexStartRequest struct {
 	Attachment
 	Netns string       `json:"netns"`
 	IPs   []netip.Addr `json:"ips"`
+	// Network is the CNI network name (the conflist's "name"): a GC for a
+	// network drops only that network's attachments.
+	Network string `json:"network,omitempty"`
 }
 
 // IndexStopRequest detaches the recorder. Netns may be gone or empty (the
@@ -73,7 +76,10 @@ type IndexedPod struct {
 	Netns   string       `json:"netns"`
 	IPs     []netip.Addr `json:"ips"`
 	Ifindex int          `json:"ifindex"`
-	Since   time.Time    `json:"since"`
+	// Network is the CNI network the attachment belongs to ("" when it was
+	// started by a client older than GC scoping: no GC drops it).
+	Network string    `json:"network,omitempty"`
+	Since   time.Time `json:"since"`
 	// Stopped is when indexing stopped; zero while it runs. Stopped
 	// attachments are remembered for a while so that a DEL without
 	// prevResult can still learn the pod's IPs (GET PathIndexPod).
@@ -95,9 +101,12 @@ type IPState struct {
 	Owner      *Attachment `json:"owner,omitempty"`
 }
 
-// GCRequest carries cni.dev/valid-attachments: scrubd drops state for every
-// attachment not listed.
+// GCRequest carries CNI GC's cni.dev/valid-attachments for one network:
+// scrubd drops every attachment of that network not listed. Both fields are
+// required: a missing network or an empty list is refused (bad_request),
+// because it would drop (and scrub) every pod of the node.
 type GCRequest struct {
+	Network          string       `json:"network"`
 	ValidAttachments []Attachment `json:"valid_attachments"`
 }
 
@@ -145,6 +154,7 @@ const (
 	CodeCancelled  = "cancelled"   // caller's deadline passed or it went away
 	CodeInternal   = "internal"    // backend failure
 	CodeNotFound   = "not_found"   // unknown attachment
+	CodeForbidden  = "forbidden"   // caller is not root (SO_PEERCRED)
 )
 
 // Error is every non-2xx answer's body.

@@ -148,13 +148,19 @@ func (c *Client) Status(ctx context.Context) (*api.Status, error) {
 }
 
 // GC drops state for every attachment not in valid.
-func (c *Client) GC(ctx context.Context, valid []api.Attachment) (*api.GCResponse, error) {
+func (c *Client) GC(ctx context.Context, network string, valid []api.Attachment) (*api.GCResponse, error) {
 	out := &api.GCResponse{}
-	return out, c.do(ctx, http.MethodPost, api.PathGC, api.GCRequest{ValidAttachments: valid}, out)
+	return out, c.do(ctx, http.MethodPost, api.PathGC, api.GCRequest{Network: network, ValidAttachments: valid}, out)
 }
 
 // CTStats returns entries and capacity per CT map.
 func (c *Client) CTStats(ctx context.Context) (*api.CTStats, error) {
 	out := &api.CTStats{}
 	return out, c.do(ctx, http.MethodGet, api.PathCTStats, nil, out)
+}
+
+// Audit runs an on-demand audit of ips (see api.AuditRequest).
+func (c *Client) Audit(ctx context.Context, ips []netip.Addr) (*api.AuditResponse, error) {
+	var out api.AuditResponse
+	return &out, c.do(ctx, http.MethodPost, api.PathAudit, api.AuditRequest{IPs: ips}, &out)
 }

@@ -42,6 +42,10 @@ type flightKey struct {
 type flights struct {
 	mu sync.Mutex
 	m  map[flightKey]*flight
+	// live holds every flight whose work has not returned, including the
+	// abandoned ones (gone from m, no caller left, still stopping): they may
+	// hold keys they took from the index. Nil until the first flight.
+	live map[*flight]struct{}
 }
 
 // join returns ip's running flight, or starts one with run. shared reports
@@ -56,6 +60,10 @@ func (g *flights) join(root context.Context, key flightKey, reason scrub.Reason,
 	ctx, cancel := context.WithCancel(root)
 	f = &flight{key: key, reason: reason, ctx: ctx, cancel: cancel, done: make(chan struct{}), waiters: 1}
 	g.m[key] = f
+	if g.live == nil {
+		g.live = make(map[*flight]struct{})
+	}
+	g.live[f] = struct{}{}
 	go func() {
 		defer cancel()
 		run(f)
@@ -63,6 +71,7 @@ func (g *flights) join(root context.Context, key flightKey, reason scrub.Reason,
 		if g.m[key] == f {
 			delete(g.m, key)
 		}
+		delete(g.live, f)
 		g.mu.Unlock()
 		close(f.done)
 	}()
@@ -115,9 +124,21 @@ func (g *flights) leave(f *flight) (last bool) {
 	return true
 }
 
-// running is the number of flights in the group.
+// running is the number of flights whose work has not returned, abandoned
+// ones included.
 func (g *flights) running() int {
 	g.mu.Lock()
 	defer g.mu.Unlock()
-	return len(g.m)
+	return len(g.live)
+}
+
+// liveIPs are the IPs of the flights whose work has not returned.
+func (g *flights) liveIPs() []netip.Addr {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	var out []netip.Addr
+	for f := range g.live {
+		out = append(out, f.key.ip)
+	}
+	return out
 }

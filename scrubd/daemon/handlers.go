@@ -36,6 +36,7 @@ func (d *Daemon) apiHandler() http.Handler {
 	mux.HandleFunc("GET "+api.PathStatus, d.handleStatus)
 	mux.HandleFunc("POST "+api.PathGC, d.handleGC)
 	mux.HandleFunc("GET "+api.PathCTStats, d.handleCTStats)
+	mux.HandleFunc("POST "+api.PathAudit, d.handleAudit)
 	// Health on the socket too, for probes that exec the CLI.
 	mux.HandleFunc("GET /healthz", d.handleHealthz)
 	mux.HandleFunc("GET /readyz", d.handleReadyz)
@@ -101,6 +102,8 @@ func writeError(w http.ResponseWriter, e *api.Error) {
 		status = http.StatusGatewayTimeout
 	case api.CodeNotFound:
 		status = http.StatusNotFound
+	case api.CodeForbidden:
+		status = http.StatusForbidden
 	}
 	writeJSON(w, status, e)
 }
@@ -234,7 +237,11 @@ func (d *Daemon) handleScrub(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	defer release()
+	d.beforeScrub(req, ips) // ownership.go
 	results := d.scrub(r.Context(), ips, req.Reason, req.DryRun, req.ContainerID)
+	if !req.DryRun {
+		d.afterScrub(req.Reason, req.ContainerID, ips, results)
+	}
 	d.answerScrub(w, r.Context(), results)
 }
 
@@ -418,7 +425,7 @@ func (d *Daemon) handleIndexStart(w http.ResponseWriter, r *http.Request) {
 		writeError(w, e)
 		return
 	}
-	pod := api.IndexedPod{Attachment: req.Attachment, Netns: req.Netns, IPs: ips, Since: time.Now().UTC()}
+	pod := api.IndexedPod{Attachment: req.Attachment, Netns: req.Netns, IPs: ips, Since: time.Now().UTC(), Network: req.Network}
 	if d.rec != nil {
 		ifindex, err := d.rec.Attach(req.Netns, req.IfName)
 		if err != nil {
@@ -427,6 +434,9 @@ func (d *Daemon) handleIndexStart(w http.ResponseWriter, r *http.Request) {
 			return
 		}
 		pod.Ifindex = ifindex
+	}
+	for _, ip := range ips {
+		d.own.forget(ip) // owned now: no longer released
 	}
 	displaced, err := d.pods.start(pod)
 	if err != nil {
@@ -460,6 +470,9 @@ func (d *Daemon) handleIndexStop(w http.ResponseWriter, r *http.Request) {
 	if err != nil {
 		writeError(w, &api.Error{Code: api.CodeInternal, Message: err.Error()})
 		return
+	}
+	if !known {
+		d.unseenOwner("DEL of an attachment scrubd never indexed", "container_id", req.ContainerID, "ifname", req.IfName)
 	}
 	netns := req.Netns
 	if netns == "" {
@@ -550,79 +563,4 @@ func (d *Daemon) handleReadyz(w http.ResponseWriter, r *http.Request) {
 
 func (d *Daemon) handleCTStats(w http.ResponseWriter, r *http.Request) {
 	writeJSON(w, http.StatusOK, api.CTStats{Maps: d.refreshStats(r.Context())})
-}
-
-// handleGC drops every attachment not in the valid list (CNI GC's
-// cni.dev/valid-attachments): it detaches the recorder and scrubs the dropped
-// pods' IPs with reason gc, except IPs a valid attachment holds now (the IP
-// was reused; its new pod's flows must stay).
-func (d *Daemon) handleGC(w http.ResponseWriter, r *http.Request) {
-	var req api.GCRequest
-	if e := decode(r, "gc", &req); e != nil {
-		writeError(w, e)
-		return
-	}
-	valid := make(map[api.Attachment]bool, len(req.ValidAttachments))
-	for _, a := range req.ValidAttachments {
-		valid[a] = true
-	}
-	active, stopped := d.pods.list()
-	keep := make(map[netip.Addr]bool)
-	for _, pod := range active {
-		if valid[pod.Attachment] {
-			for _, ip := range pod.IPs {
-				keep[ip] = true
-			}
-		}
-	}
-	resp := api.GCResponse{Dropped: []api.Attachment{}}
-	var scrubIPs []netip.Addr
-	for _, pod := range active {
-		if valid[pod.Attachment] {
-			continue
-		}
-		if d.rec != nil {
-			if err := d.rec.Detach(pod.Netns, pod.IfName); err != nil {
-				d.log.Error("gc: detach recorder", "container_id", pod.ContainerID, "ifname", pod.IfName, "err", err)
-				writeError(w, &api.Error{Code: api.CodeInternal, Message: fmt.Sprintf("gc: detach recorder from %s in %s: %v", pod.IfName, pod.Netns, err)})
-				return
-			}
-		}
-		if err := d.pods.forget(pod.Attachment); err != nil {
-			writeError(w, &api.Error{Code: api.CodeInternal, Message: err.Error()})
-			return
-		}
-		resp.Dropped = append(resp.Dropped, pod.Attachment)
-		for _, ip := range pod.IPs {
-			if !keep[ip] && d.checkPodIP(ip) == nil {
-				scrubIPs = append(scrubIPs, ip)
-			}
-		}
-	}
-	for _, pod := range stopped {
-		if !valid[pod.Attachment] {
-			if err := d.pods.forget(pod.Attachment); err != nil {
-				writeError(w, &api.Error{Code: api.CodeInternal, Message: err.Error()})
-				return
-			}
-			resp.Dropped = append(resp.Dropped, pod.Attachment)
-		}
-	}
-	d.log.Info("gc", "valid", len(req.ValidAttachments), "dropped", len(resp.Dropped), "scrub_ips", scrubIPs)
-	if len(scrubIPs) > 0 {
-		release, e := d.admit()
-		if e != nil {
-			writeError(w, e)
-			return
-		}
-		defer release()
-		resp.Results = d.scrub(r.Context(), scrubIPs, scrub.ReasonGC, false, "")
-		for _, res := range resp.Results {
-			if res.Outcome != scrub.Complete {
-				d.answerScrub(w, r.Context(), resp.Results)
-				return
-			}
-		}
-	}
-	writeJSON(w, http.StatusOK, resp)
 }

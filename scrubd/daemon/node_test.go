@@ -107,7 +107,7 @@ func TestIndexedPodEndToEnd(t *testing.T) {
 	a := api.Attachment{ContainerID: "c0ffee", IfName: "eth0"}
 	ips := []netip.Addr{pod.Addr4, pod.Addr6}
 
-	if err := td.c.IndexStart(ctx, api.IndexStartRequest{Attachment: a, Netns: pod.Path, IPs: ips}); err != nil {
+	if err := td.c.IndexStart(ctx, api.IndexStartRequest{Attachment: a, Netns: pod.Path, IPs: ips, Network: "pods"}); err != nil {
 		t.Fatalf("index start: %v", err)
 	}
 	if err := td.c.IndexStart(ctx, api.IndexStartRequest{Attachment: api.Attachment{ContainerID: "x", IfName: "eth0"}, Netns: pod.Path, IPs: []netip.Addr{netip.MustParseAddr("192.0.2.2")}}); err == nil {
@@ -179,7 +179,7 @@ func TestIndexedPodEndToEnd(t *testing.T) {
 	if err != nil || !strings.Contains(string(data), "c0ffee") {
 		t.Errorf("state file: %q, %v", data, err)
 	}
-	gc, err := td.c.GC(ctx, nil)
+	gc, err := td.c.GC(ctx, "pods", []api.Attachment{{ContainerID: "still-running", IfName: "eth0"}})
 	if err != nil || len(gc.Dropped) != 1 {
 		t.Errorf("gc: %+v, %v", gc, err)
 	}
