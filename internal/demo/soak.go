@@ -34,9 +34,9 @@ import (
 
 	"github.com/ctscrub/ctscrub/scrubd/api"
 	"github.com/ctscrub/ctscrub/scrubd/cilium"
-	"github.com/ctscrub/ctscrub/scrubd/index"
 	"github.com/ctscrub/ctscrub/scrubd/client"
 	"github.com/ctscrub/ctscrub/scrubd/ctmap"
+	"github.com/ctscrub/ctscrub/scrubd/index"
 	"github.com/ctscrub/ctscrub/scrubd/scrub"
 )
 
@@ -56,7 +56,7 @@ type FaultResult struct {
 	Outcome string  `json:"outcome"`
 	OK      bool    `json:"ok"`
 	Skipped bool    `json:"skipped,omitempty"` // not caused in this run (the outcome says why)
-	WindowS float64 `json:"window_s"` // how long CNI calls could fail because of it
+	WindowS float64 `json:"window_s"`          // how long CNI calls could fail because of it
 }
 
 // SoakResult is the last line.
