@@ -28,15 +28,15 @@ build: ## Build scrubd and the ctscrub CNI plugin into bin/
 	CGO_ENABLED=0 $(GO) build -o $(BIN)/ctscrub ./plugin
 
 .PHONY: generate
-generate: ## Regenerate bpf/*_bpfel.{go,o} with the pinned clang ($(BPF_CLANG))
-	cd bpf && $(GO) generate ./...
+generate: ## Regenerate bpf/*_bpfel.{go,o} and the stand-in's (internal/testsupport/standin) with the pinned clang ($(BPF_CLANG))
+	$(GO) generate ./bpf/ ./internal/testsupport/standin/
 
 .PHONY: check-generate
 check-generate: ## Fail if the committed BPF objects are stale (needs $(BPF_CLANG))
 	@if ! command -v $(BPF_CLANG) >/dev/null; then echo "check-generate: $(BPF_CLANG) not installed, skipped"; exit 0; fi; \
 	$(MAKE) --no-print-directory generate >/dev/null && \
-	if ! git diff --quiet -- bpf/; then git diff --stat -- bpf/; echo "bpf/: generated files are stale; run 'make generate' and commit"; exit 1; fi; \
-	echo "check-generate: bpf/ generated files are current"
+	if ! git diff --quiet -- bpf/ internal/testsupport/standin/ || [ -n "$$(git ls-files --others --exclude-standard -- bpf/ internal/testsupport/standin/)" ]; then git status --short -- bpf/ internal/testsupport/standin/; echo "generated BPF files are stale or uncommitted; run 'make generate' and commit"; exit 1; fi; \
+	echo "check-generate: generated BPF files (bpf/, internal/testsupport/standin/) are current"
 
 .PHONY: setup
 setup: ## Install what the tests and demo need (apt packages, bpffs); root
@@ -50,6 +50,11 @@ setup: ## Install what the tests and demo need (apt packages, bpffs); root
 test: setup ## Set up (scripts/setup.sh) and run every test (root: real BPF, namespaces, containerd)
 	$(GO) vet ./...
 	$(GO) test -count=1 -p 1 -timeout 25m ./...
+	cd e2e/conformance && $(GO) vet ./... && CONFORMANCE_VERSIONS=default $(GO) test -count=1 -timeout 20m ./...
+
+.PHONY: conformance
+conformance: ## Cilium's real datapath (every version in e2e/conformance Versions) against the recorder and index; root, clang-19
+	cd e2e/conformance && $(GO) vet ./... && CONFORMANCE_VERSIONS=all $(GO) test -count=1 -v -run TestConformance -timeout 30m ./...
 
 # Every fuzz target, as package:Target. Seed corpora (and inputs that once
 # failed) are committed under each package's testdata/fuzz and run by
@@ -78,6 +83,10 @@ soak: build ## Churn and real faults on the demo's node (CYCLES, default 500; EN
 bench: ## Index scrub vs NextKey walk vs batch walk vs sweep (ENTRIES, PER_IP)
 	$(GO) run ./bench/core
 
+.PHONY: bench-cni
+bench-cni: build ## ctscrub plugin ADD/DEL as a runtime runs it vs bare exec and bridge (ENTRIES, default 16M; PAIRS, default 1000)
+	$(GO) run ./bench/cni
+
 .PHONY: bench-incident
 bench-incident: ## 50 concurrent pod scrubs through scrubd vs Cilium 1.16's serial walks
 	$(GO) run ./bench/incident
@@ -89,6 +98,10 @@ bench-nfct: ## nf_conntrack: conntrack -D, DeleteFilters, filtered flush, index 
 .PHONY: bench-expiry
 bench-expiry: ## Expiry pass vs Cilium's NextKey and batch GC
 	$(GO) run ./bench/expiry
+
+.PHONY: bench-cilium-node
+bench-cilium-node: ## Real Cilium in kind: pods start/stop on a full, mostly expired CT table, with/without ctscrub (ENTRIES, EXPIRED, PODS; images from make e2e-kind)
+	./bench/ciliumnode/run.sh
 
 .PHONY: clean
 clean: ## Remove build output

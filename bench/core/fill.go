@@ -1,27 +1,32 @@
 package main
 
 import (
-	"encoding/binary"
 	"errors"
 	"fmt"
 	"net/netip"
 	"os"
 	"path/filepath"
 	"runtime"
+	"slices"
 	"time"
 
 	"github.com/cilium/ebpf"
 
+	"github.com/ctscrub/ctscrub/bench/internal/ctfill"
 	"github.com/ctscrub/ctscrub/scrubd/ctmap"
 	"github.com/ctscrub/ctscrub/scrubd/index"
 	"github.com/ctscrub/ctscrub/scrubd/recorder"
 )
 
 // The simulated node: every entry belongs to a local pod (pod CIDR
-// 10.128.0.0/10) talking to a remote peer outside it.
+// 10.128.0.0/10) talking to a remote peer outside it. The scrubbed IPs
+// ("targets") are a pool of their own, from 10.129.0.0: each timed scrub
+// takes a fresh one, whose keys were indexed during the fill and not touched
+// since (no re-insert before a scrub, so no warm cache).
 var (
-	podCIDR = netip.MustParsePrefix("10.128.0.0/10")
-	target  = netip.MustParseAddr("10.128.0.1")
+	podCIDR    = netip.MustParsePrefix("10.128.0.0/10")
+	podBase    = netip.MustParseAddr("10.128.0.1")
+	targetBase = netip.MustParseAddr("10.129.0.0")
 )
 
 // v6MapEntries sizes the IPv6 maps: present (Cilium walks them too) but
@@ -33,14 +38,23 @@ const v6MapEntries = 65536
 type node struct {
 	dir  string
 	maps *ctmap.Maps
-	ix   *index.Index
+	ix   *index.Index // the running scrubd's index
 	n    int
 	k    int
 	pods int
 
-	// The target's flows, to refill its entries between repetitions.
-	targetRecs []recorder.Record
-	target4    map[ctmap.Kind][]ctmap.CTKey4
+	// The target pool: each target's k entries, by map; next is the first
+	// target not scrubbed yet, deleted the entries scrubbed so far.
+	targets []netip.Addr
+	target4 [][]ctmap.CTKey4 // allocated before the fill: not counted as index memory
+	next    int
+	deleted int
+
+	// The scrubd the socket figures go through (see daemon.go).
+	scrubd *scrubd
+
+	// extra is added to a series run's time (an extrapolated partial walk).
+	extra time.Duration
 
 	fillTime      time.Duration
 	applyTime     time.Duration
@@ -53,36 +67,19 @@ type node struct {
 	count func(ctmap.Kind) (int64, error)
 }
 
-// flowKey returns the CT key of background or target flow i of pod: the
-// kind mix of a busy node (50% TCP out, 30% TCP in, 20% UDP out). peer is
-// unique per flow, so the related ICMP entry Cilium adds is unique too.
-func flowKey(pod, peer netip.Addr, i int) ctmap.CTKey4 {
-	eph := uint16(32768 + i%28000)
-	switch i % 10 {
-	case 0, 1, 2, 3, 4:
-		return ctmap.NewKey4(pod, peer, 443, eph, ctmap.ProtoTCP, ctmap.FlagOut)
-	case 5, 6, 7:
-		return ctmap.NewKey4(peer, pod, 8080, eph, ctmap.ProtoTCP, ctmap.FlagIn)
-	default:
-		return ctmap.NewKey4(pod, peer, 53, eph, ctmap.ProtoUDP, ctmap.FlagOut)
-	}
-}
-
-func addrAt(base netip.Addr, i int) netip.Addr {
-	b := base.As4()
-	v := binary.BigEndian.Uint32(b[:]) + uint32(i)
-	binary.BigEndian.PutUint32(b[:], v)
-	return netip.AddrFrom4(b)
-}
-
 // newNode creates the maps: TCP and any maps of n max entries each (Cilium
 // sizes the map; the walks visit every bucket), IPv6 maps small and empty.
-func newNode(n, k, pods int) (*node, error) {
+func newNode(n, k, pods, targets int) (*node, error) {
 	dir, err := os.MkdirTemp("/sys/fs/bpf", "ctscrub-bench-")
 	if err != nil {
 		return nil, fmt.Errorf("create a private bpffs dir under /sys/fs/bpf: %w (is bpffs mounted? run scripts/setup.sh)", err)
 	}
-	nd := &node{dir: dir, n: n, k: k, pods: pods, target4: map[ctmap.Kind][]ctmap.CTKey4{}}
+	nd := &node{dir: dir, n: n, k: k, pods: pods}
+	all := make([]ctmap.CTKey4, targets*k)
+	for i := range targets {
+		nd.targets = append(nd.targets, ctfill.AddrAt(targetBase, i))
+		nd.target4 = append(nd.target4, all[i*k:i*k:(i+1)*k])
+	}
 	for _, kind := range ctmap.Kinds {
 		max := uint32(n)
 		if kind.IPv6() {
@@ -104,19 +101,33 @@ func newNode(n, k, pods int) (*node, error) {
 		nd.close()
 		return nil, err
 	}
-	nd.ix = index.New(index.Config{PodCIDRs: []netip.Prefix{podCIDR}})
 	return nd, nil
 }
 
+// take returns the next fresh target.
+func (nd *node) take() (netip.Addr, int, error) {
+	if nd.next == len(nd.targets) {
+		return netip.Addr{}, 0, fmt.Errorf("target pool of %d IPs used up", len(nd.targets))
+	}
+	nd.next++
+	return nd.targets[nd.next-1], nd.next - 1, nil
+}
+
 func (nd *node) close() {
+	if nd.scrubd != nil {
+		nd.scrubd.close()
+	}
 	if nd.maps != nil {
 		nd.maps.Close()
 	}
 	os.RemoveAll(nd.dir)
 }
 
-// fill writes n entries (the target's k among them) with BatchUpdate and
-// indexes every one of them through recorder.Apply, the recorder's path. It
+// fill writes n entries (each target's k among them) with BatchUpdate and
+// indexes every one of them through recorder.Apply, the path every record
+// of the recorder's ring buffer takes into scrubd's index. The IPs were
+// made complete before by scrubd itself (complete, in main.go: a sweep
+// through the socket, as for a pod whose index is not known complete). It
 // measures the index's heap per key: runtime.GC before both readings, and
 // nothing but the index allocated in between except fixed buffers.
 func (nd *node) fill() error {
@@ -129,10 +140,7 @@ func (nd *node) fill() error {
 		vals[i] = val
 	}
 	recs := make([]recorder.Record, 0, chunk)
-	podIPs := make([]netip.Addr, nd.pods)
-	for p := range podIPs {
-		podIPs[p] = addrAt(target, 1+p) // 10.128.0.2 ...
-	}
+	podIPs := nd.podIPs()
 
 	flush := func() error {
 		for _, b := range []struct {
@@ -174,36 +182,37 @@ func (nd *node) fill() error {
 	runtime.ReadMemStats(&before)
 	start := time.Now()
 
-	// Every pod IP has been on the node since the index started.
-	nd.ix.Track(target)
-	for _, p := range podIPs {
-		nd.ix.Track(p)
-	}
-
-	// The target's k entries: k/2 flows, each with its related entry.
+	// Each target's k entries: k/2 flows, each with its related entry.
 	peerT := netip.MustParseAddr("12.0.0.0")
-	for j := 0; 2*j < nd.k; j++ {
-		k := flowKey(target, addrAt(peerT, j), j)
-		withRel := 2*j+1 < nd.k
-		add(k, withRel)
-		nd.target4[k.Kind()] = append(nd.target4[k.Kind()], k)
-		if withRel {
-			nd.target4[ctmap.Any4] = append(nd.target4[ctmap.Any4], k.Related())
+	for t, ip := range nd.targets {
+		for j := 0; 2*j < nd.k; j++ {
+			k := ctfill.FlowKey(ip, ctfill.AddrAt(peerT, t*nd.k+j), j)
+			withRel := 2*j+1 < nd.k
+			add(k, withRel)
+			nd.target4[t] = append(nd.target4[t], k)
+			if withRel {
+				nd.target4[t] = append(nd.target4[t], k.Related())
+			}
+			if len(recs) == chunk {
+				if err := flush(); err != nil {
+					return err
+				}
+			}
 		}
-		nd.targetRecs = append(nd.targetRecs, recs[len(recs)-1])
 	}
 	// The rest: pods round robin, each flow with a peer of its own.
 	peerB := netip.MustParseAddr("11.0.0.0")
-	for i := 0; i < (nd.n-nd.k)/2; i++ {
-		add(flowKey(podIPs[i%nd.pods], addrAt(peerB, i), i), true)
+	rest := nd.n - len(nd.targets)*nd.k
+	for i := 0; i < rest/2; i++ {
+		add(ctfill.FlowKey(podIPs[i%nd.pods], ctfill.AddrAt(peerB, i), i), true)
 		if len(recs) == chunk {
 			if err := flush(); err != nil {
 				return err
 			}
 		}
 	}
-	if (nd.n-nd.k)%2 == 1 {
-		add(flowKey(podIPs[0], netip.MustParseAddr("13.0.0.1"), 0), false)
+	if rest%2 == 1 {
+		add(ctfill.FlowKey(podIPs[0], netip.MustParseAddr("13.0.0.1"), 0), false)
 	}
 	if err := flush(); err != nil {
 		return err
@@ -243,7 +252,7 @@ func (nd *node) entries() (int64, error) {
 		if nd.count != nil {
 			n, err = nd.count(kind)
 		} else {
-			n, err = countEntries(nd.maps.Map(kind))
+			n, err = ctfill.Count(nd.maps.Map(kind))
 		}
 		if err != nil {
 			return 0, err
@@ -253,69 +262,57 @@ func (nd *node) entries() (int64, error) {
 	return total, nil
 }
 
-// countEntries counts a map's entries with BPF_MAP_LOOKUP_BATCH (keys only
-// matter); used for checks outside the timed parts.
-func countEntries(m *ebpf.Map) (int64, error) {
-	keys := make([]byte, 4096*int(m.KeySize()))
-	vals := make([]byte, 4096*int(m.ValueSize()))
-	var cursor ebpf.MapBatchCursor
-	var total int64
-	for {
-		n, err := m.BatchLookup(&cursor, keys, vals, nil)
-		total += int64(n)
-		if err != nil {
-			if errors.Is(err, ebpf.ErrKeyNotExist) {
-				return total, nil
-			}
-			return total, fmt.Errorf("count entries: %w", err)
-		}
+// deleteTarget deletes the target's entries by key (after a partial walk),
+// untimed.
+func (nd *node) deleteTarget(target netip.Addr) error {
+	i := slices.Index(nd.targets, target)
+	if i < 0 {
+		return fmt.Errorf("%s is not a target", target)
 	}
-}
-
-// refill puts the target's entries back into the maps and its records
-// through recorder.Apply, as new traffic would.
-func (nd *node) refill() error {
-	val := ctmap.EncodeEntry(ctmap.EntryFields{Lifetime: 1 << 30, Packets: 10, Bytes: 1500})
-	for kind, keys := range nd.target4 {
-		vals := make([]ctmap.Entry, len(keys))
-		for i := range vals {
-			vals[i] = val
+	for _, k := range nd.target4[i] {
+		if err := nd.maps.Map(k.Kind()).Delete(k); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
+			return err
 		}
-		if _, err := nd.maps.Map(kind).BatchUpdate(keys, vals, nil); err != nil {
-			return fmt.Errorf("refill %s: %w", kind.Name(), err)
-		}
-	}
-	for i := range nd.targetRecs {
-		recorder.Apply(nd.ix, &nd.targetRecs[i])
 	}
 	return nil
 }
 
-// targetLeft counts the target's entries still in the maps.
-func (nd *node) targetLeft() int {
+// podIPs are the node's other pods.
+func (nd *node) podIPs() []netip.Addr {
+	ips := make([]netip.Addr, nd.pods)
+	for p := range ips {
+		ips[p] = ctfill.AddrAt(podBase, 1+p) // 10.128.0.2 ...
+	}
+	return ips
+}
+
+// targetLeft counts target t's entries still in the maps.
+func (nd *node) targetLeft(t int) int {
 	var val ctmap.Entry
 	left := 0
-	for kind, keys := range nd.target4 {
-		for _, k := range keys {
-			if nd.maps.Map(kind).Lookup(k, &val) == nil {
-				left++
-			}
+	for _, k := range nd.target4[t] {
+		if nd.maps.Map(k.Kind()).Lookup(k, &val) == nil {
+			left++
 		}
 	}
 	return left
 }
 
-// check verifies a scrub: none of the target's entries left, every other
-// entry still there.
-func (nd *node) check(method string) error {
-	if left := nd.targetLeft(); left != 0 {
-		return fmt.Errorf("%s left %d of the target's %d entries", method, left, nd.k)
+// scrubbed records that target t was scrubbed and checks it: none of its
+// entries left. full also checks that every other entry is still there.
+func (nd *node) scrubbed(method string, t int, full bool) error {
+	if left := nd.targetLeft(t); left != 0 {
+		return fmt.Errorf("%s left %d of %s's %d entries", method, left, nd.targets[t], nd.k)
+	}
+	nd.deleted += nd.k
+	if !full {
+		return nil
 	}
 	got, err := nd.entries()
 	if err != nil {
 		return err
 	}
-	if want := int64(nd.n - nd.k); got != want {
+	if want := int64(nd.n - nd.deleted); got != want {
 		return fmt.Errorf("%s: the maps hold %d entries, want %d (wrong deletions)", method, got, want)
 	}
 	return nil

@@ -39,6 +39,7 @@ import (
 	"github.com/cilium/ebpf/rlimit"
 	"golang.org/x/sys/unix"
 
+	"github.com/ctscrub/ctscrub/internal/ciliumwalk"
 	"github.com/ctscrub/ctscrub/scrubd/ctmap"
 	"github.com/ctscrub/ctscrub/scrubd/expiry"
 )
@@ -152,82 +153,6 @@ func threadCPU() time.Duration {
 	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
 }
 
-// nextKeyGC is Cilium 1.16's way: walk with NextKey + Lookup from user space,
-// fetching the next key before deleting the current one (so the walk does not
-// restart), deleting entries whose lifetime is before now. It stops after
-// maxVisits entries when maxVisits > 0.
-func nextKeyGC(m *ebpf.Map, now uint32, maxVisits int) (visited, deleted int, partial bool, err error) {
-	var cur, next ctmap.CTKey4
-	var v ctmap.Entry
-	if err := m.NextKey(nil, &cur); err != nil {
-		if errors.Is(err, ebpf.ErrKeyNotExist) {
-			return 0, 0, false, nil
-		}
-		return 0, 0, false, err
-	}
-	for {
-		nextErr := m.NextKey(&cur, &next)
-		if err := m.Lookup(&cur, &v); err == nil {
-			visited++
-			if expired(v.Lifetime(), now) {
-				if err := m.Delete(&cur); err == nil {
-					deleted++
-				} else if !errors.Is(err, ebpf.ErrKeyNotExist) {
-					return visited, deleted, false, err
-				}
-			}
-		}
-		if errors.Is(nextErr, ebpf.ErrKeyNotExist) {
-			return visited, deleted, false, nil
-		}
-		if nextErr != nil {
-			return visited, deleted, false, nextErr
-		}
-		if maxVisits > 0 && visited >= maxVisits {
-			return visited, deleted, true, nil
-		}
-		cur = next
-	}
-}
-
-// batchGC is Cilium 1.18+'s way: BPF_MAP_LOOKUP_BATCH over the whole map
-// collecting expired keys, then one delete per key.
-func batchGC(m *ebpf.Map, now uint32) (visited, deleted int, err error) {
-	size := 1 << 12
-	keys := make([]ctmap.CTKey4, size)
-	vals := make([]ctmap.Entry, size)
-	var doomed []ctmap.CTKey4
-	var cur ebpf.MapBatchCursor
-	for {
-		n, err := m.BatchLookup(&cur, keys, vals, nil)
-		if errors.Is(err, unix.ENOSPC) { // a bucket larger than the buffer
-			size *= 2
-			keys, vals = make([]ctmap.CTKey4, size), make([]ctmap.Entry, size)
-			continue
-		}
-		for i := range n {
-			visited++
-			if expired(vals[i].Lifetime(), now) {
-				doomed = append(doomed, keys[i])
-			}
-		}
-		if errors.Is(err, ebpf.ErrKeyNotExist) {
-			break
-		}
-		if err != nil {
-			return visited, deleted, err
-		}
-	}
-	for i := range doomed {
-		if err := m.Delete(&doomed[i]); err == nil {
-			deleted++
-		} else if !errors.Is(err, ebpf.ErrKeyNotExist) {
-			return visited, deleted, err
-		}
-	}
-	return visited, deleted, nil
-}
-
 type result struct {
 	Date                       string  `json:"date"`
 	Kernel                     string  `json:"kernel"`
@@ -257,6 +182,12 @@ type result struct {
 	CtscrubSteadyCPUShareAt60s float64 `json:"ctscrub_steady_cpu_share_at_60s"`
 	TargetSpeedupVsBatch2      bool    `json:"target_2x_vs_batch_met"`
 	TargetCPUShare10pct        bool    `json:"target_cpu_share_le_10pct_met"`
+	AuditExtraS                float64 `json:"audit_extra_s"`      // what the audit adds to a pass (audit.go)
+	AuditExtraCPUS             float64 `json:"audit_extra_cpu_s"`  // the same in the process's CPU time
+	AuditPassS                 float64 `json:"audit_pass_s"`       // a report pass with the audit
+	AuditIPs                   int     `json:"audit_ips"`          // IPs audited in that pass
+	AuditKeys                  int     `json:"audit_keys"`         // their keys, all copied out and checked
+	AuditWithinBound           bool    `json:"audit_within_bound"` // the pass with the audit stays under interval / 2
 }
 
 func main() {
@@ -349,6 +280,9 @@ func main() {
 		log.Fatalf("report pass: live %d expired %d decision %+v; want %d, %d, ktime confirmed", tot.Live, tot.Expired, r.Decision, n-nExpired, nExpired)
 	}
 	fmt.Printf("ctscrub report pass: %.3fs (thread CPU %.3fs), clock %s confirmed\n", res.CtscrubReportS, res.CtscrubReportCPUS, r.Decision.Clock)
+	extra, extraCPU, with, aips, akeys := auditCost(ctx, maps, n)
+	res.AuditExtraS, res.AuditExtraCPUS, res.AuditPassS, res.AuditIPs, res.AuditKeys = round(extra.Seconds()), round(extraCPU.Seconds()), round(with.Seconds()), aips, akeys
+	res.AuditWithinBound = with < expiry.DefaultInterval/2
 
 	// ctscrub, sweep mode. The clock is configured so the measured pass is
 	// the sweep alone (in auto mode the first pass counts, confirms, then
@@ -376,7 +310,8 @@ func main() {
 	// Cilium 1.16: NextKey + Lookup walk.
 	c0 = threadCPU()
 	start := time.Now()
-	visited, deleted, partial, err := nextKeyGC(m, now, maxVisits)
+	st, err := ciliumwalk.NextKeyMap(m, ctmap.TCP4, ciliumwalk.ExpiredAt(now), ciliumwalk.Options{MaxVisits: maxVisits})
+	visited, deleted, partial := st.Visited, st.Deleted, st.Partial
 	took := time.Since(start)
 	res.NextkeyCPUS = (threadCPU() - c0).Seconds()
 	if err != nil {
@@ -400,7 +335,8 @@ func main() {
 	// Cilium 1.18+: batch lookup, then deletes.
 	c0 = threadCPU()
 	start = time.Now()
-	visited, deleted, err = batchGC(m, now)
+	st, err = ciliumwalk.BatchMap(m, ctmap.TCP4, ciliumwalk.ExpiredAt(now), ciliumwalk.Options{})
+	visited, deleted = st.Visited, st.Deleted
 	res.BatchGCS = time.Since(start).Seconds()
 	res.BatchCPUS = (threadCPU() - c0).Seconds()
 	if err != nil {

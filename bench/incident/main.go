@@ -41,6 +41,7 @@ import (
 	"github.com/cilium/ebpf/rlimit"
 	"golang.org/x/sys/unix"
 
+	"github.com/ctscrub/ctscrub/internal/ciliumwalk"
 	"github.com/ctscrub/ctscrub/scrubd/api"
 	"github.com/ctscrub/ctscrub/scrubd/cilium"
 	"github.com/ctscrub/ctscrub/scrubd/client"
@@ -268,41 +269,6 @@ func burst(c *client.Client, pods int, maps [ctmap.NumKinds]*ebpf.Map, keys [][]
 	return r, firstErr
 }
 
-// serialWalk is Cilium 1.16's scrub of one IP: a full NextKey+Lookup walk of
-// each global map (here the two IPv4 maps), matching either address, then a
-// delete of each match. The walk's cost is the two syscalls per entry.
-func serialWalk(maps [ctmap.NumKinds]*ebpf.Map, ip netip.Addr) (visited, deleted int, err error) {
-	for _, kind := range []ctmap.Kind{ctmap.TCP4, ctmap.Any4} {
-		m := maps[kind]
-		var cur, next ctmap.CTKey4
-		var v ctmap.Entry
-		var match []ctmap.CTKey4
-		var prev any // nil: start of the map
-		for {
-			if err := m.NextKey(prev, &next); err != nil {
-				if errors.Is(err, ebpf.ErrKeyNotExist) {
-					break
-				}
-				return visited, deleted, fmt.Errorf("walk %s: %w", kind.Name(), err)
-			}
-			if err := m.Lookup(next, &v); err == nil {
-				visited++
-				if next.Has(ip) {
-					match = append(match, next)
-				}
-			}
-			cur = next
-			prev = cur
-		}
-		for _, k := range match {
-			if m.Delete(k) == nil {
-				deleted++
-			}
-		}
-	}
-	return visited, deleted, nil
-}
-
 func bench(cfg config, dir string) error {
 	fmt.Printf("bench-incident: ENTRIES=%d PODS=%d PER_IP=%d (maps in %s)\n", cfg.entries, cfg.pods, cfg.perIP, dir)
 	// Cilium's TCP map holds the bulk; the any map the pods' related
@@ -459,7 +425,8 @@ func bench(cfg config, dir string) error {
 	visited := 0
 	for i := range walks {
 		t := time.Now()
-		v, del, err := serialWalk(maps, podIP(i))
+		st, err := ciliumwalk.NextKey(maps, ciliumwalk.HasIP(podIP(i)), ciliumwalk.Options{})
+		v, del := st.Visited, st.Deleted
 		walkTotal += time.Since(t)
 		if err != nil {
 			return err

@@ -12,6 +12,7 @@ import (
 	"github.com/cilium/ebpf"
 	"golang.org/x/sys/unix"
 
+	"github.com/ctscrub/ctscrub/internal/ciliumwalk"
 	"github.com/ctscrub/ctscrub/scrubd/ctmap"
 )
 
@@ -92,12 +93,12 @@ func (m *ctMaps) Close() error {
 // Count returns the number of entries in each map and their sum.
 func (m *ctMaps) Count() (per [ctmap.NumKinds]int, total int, err error) {
 	for _, k := range ctmap.Kinds {
-		n, _, err := batchWalk(m.maps[k], nil)
+		st, err := ciliumwalk.BatchMap(m.maps[k], k, func(ctmap.Kind, []byte, *ctmap.Entry) bool { return false }, ciliumwalk.Options{CountOnly: true})
 		if err != nil {
 			return per, 0, err
 		}
-		per[k] = n
-		total += n
+		per[k] = st.Visited
+		total += st.Visited
 	}
 	return per, total, nil
 }

@@ -165,27 +165,33 @@ func (c *Backend) Scrub(ctx context.Context, req scrub.Request) (scrub.Result, e
 			sweepIPs = append(sweepIPs, ip)
 			continue
 		}
-		k4, k6, st := c.ix.Take(ip)
 		if req.DryRun {
-			c.ix.Return(ip, k4, k6)
-		}
-		if !st.Complete {
-			// Marked incomplete after State: the sweep handles it, and the
-			// keys taken now are covered by it.
-			sweepIPs = append(sweepIPs, ip)
-			if !req.DryRun {
-				taken = append(taken, held{ip, k4, k6})
+			// A dry run reads the index and the maps and changes nothing:
+			// Take would make the recorder forget the IP's cached flows.
+			k4, k6, st := c.ix.ScrubKeys(ip)
+			if !st.Complete {
+				sweepIPs = append(sweepIPs, ip)
+				continue
 			}
-			continue
-		}
-		res.PerIP[ip.String()] = scrub.MethodIndex
-		if req.DryRun {
+			res.PerIP[ip.String()] = scrub.MethodIndex
 			if err := c.countKeys(ctx, k4, k6, res.Deleted); err != nil {
 				return finish(err)
 			}
 			continue
 		}
-		left4, left6, err := c.deleteKeys(ctx, k4, k6, res.Deleted)
+		k4, k6, st := c.ix.Take(ip)
+		if !st.Complete {
+			// Marked incomplete after State: the sweep handles it, and the
+			// keys taken now are covered by it.
+			sweepIPs = append(sweepIPs, ip)
+			taken = append(taken, held{ip, k4, k6})
+			continue
+		}
+		res.PerIP[ip.String()] = scrub.MethodIndex
+		// Every key the index holds, plus the forms Cilium may re-create
+		// them in (index.Covered): the one definition the audit checks.
+		x4, x6 := index.Covered(k4, k6)
+		left4, left6, err := c.deleteKeys(ctx, x4, x6, res.Deleted)
 		c.ix.Return(ip, left4, left6)
 		if err != nil {
 			return finish(err)

@@ -27,6 +27,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/ctscrub/ctscrub/scrubd/api"
+	"github.com/ctscrub/ctscrub/scrubd/expiry"
 	"github.com/ctscrub/ctscrub/scrubd/index"
 	"github.com/ctscrub/ctscrub/scrubd/scrub"
 )
@@ -89,6 +90,9 @@ type Options struct {
 	// EntriesSplit names the backends whose entries the expiry pass splits
 	// into live/expired: the daemon does not write state="all" for them.
 	EntriesSplit []string
+	// Expiry is the Cilium backend's expiry pass: the continuous audit runs
+	// in it and the on-demand audit reads through it (audit.go).
+	Expiry *expiry.Runner
 }
 
 // Daemon is scrubd.
@@ -112,6 +116,9 @@ type Daemon struct {
 	slots        chan struct{} // MaxInFlight running flights
 	admitted     atomic.Int64  // requests admitted, running or queued
 	ready        atomic.Bool
+	exp          *expiry.Runner // nil without the Cilium backend
+	own          ownership      // which IPs a clean DEL released (ownership.go)
+	chained      prometheus.Gauge
 	started      time.Time
 	metricsLn    atomic.Pointer[net.Addr] // where /metrics listens (port 0 resolved)
 
@@ -175,6 +182,12 @@ func New(opts Options) (*Daemon, error) {
 	}
 	d.workCtx, d.cancelWork = context.WithCancel(context.Background())
 	d.m = newMetrics(d, opts.Registry)
+	if err := d.enableAudit(opts.Expiry); err != nil {
+		return nil, err
+	}
+	if err := d.enableConflistWatch(); err != nil {
+		return nil, err
+	}
 	return d, nil
 }
 

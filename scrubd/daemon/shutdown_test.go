@@ -12,7 +12,6 @@ import (
 
 	"github.com/ctscrub/ctscrub/scrubd/api"
 	"github.com/ctscrub/ctscrub/scrubd/client"
-	"github.com/ctscrub/ctscrub/scrubd/ctmap"
 	"github.com/ctscrub/ctscrub/scrubd/index"
 	"github.com/ctscrub/ctscrub/scrubd/scrub"
 )
@@ -124,15 +123,15 @@ func TestSnapshotWaitsForAbandonedScrubs(t *testing.T) {
 			snap := readSnapshot(t, d.snapshotPath())
 			got := snap[ip]
 			if tc.releaseAfter > 0 {
-				if got.Incomplete != "" || len(got.Keys4)/ctmap.KeySize4 != want {
+				if got.Incomplete != "" || len(got.Recs4)/index.RecSize4 != want {
 					t.Errorf("snapshot of %s: incomplete %q, %d keys; want complete with its %d keys (the scrub gave them back before the snapshot)",
-						ip, got.Incomplete, len(got.Keys4)/ctmap.KeySize4, want)
+						ip, got.Incomplete, len(got.Recs4)/index.RecSize4, want)
 				}
 				return
 			}
 			if got.Incomplete != reasonStillRunning {
 				t.Errorf("snapshot of %s: incomplete %q, %d keys; want incomplete %q (its scrub still held the keys)",
-					ip, got.Incomplete, len(got.Keys4)/ctmap.KeySize4, reasonStillRunning)
+					ip, got.Incomplete, len(got.Recs4)/index.RecSize4, reasonStillRunning)
 			}
 		})
 	}

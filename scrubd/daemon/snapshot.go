@@ -28,7 +28,12 @@ import (
 //     lost records or lost entries, and the snapshot is dropped;
 //   - it is consumed: removed as soon as it is read, so that a later crash
 //     (SIGKILL, no snapshot written) never restarts from a stale one.
-const snapshotVersion = 1
+//
+// Version 2 stores each IP's keys as the index's own records (11 bytes per
+// IPv4 key, 23 per IPv6 key, relative to the IP; index.RecSize4/6). Version 1
+// stored whole keys (14 and 38 bytes); it is still read, so an upgrade keeps
+// the index. Any other version is dropped with a warning naming it.
+const snapshotVersion = 2
 
 type snapshotFile struct {
 	Version int
@@ -42,38 +47,41 @@ type snapshotIP struct {
 	IP         netip.Addr
 	Tracked    bool
 	Incomplete string
-	Keys4      []byte // ctmap.KeySize4 bytes per key
-	Keys6      []byte // ctmap.KeySize6 bytes per key
+	Recs4      []byte // version 2: index.RecSize4 bytes per key
+	Recs6      []byte // version 2: index.RecSize6 bytes per key
+	Keys4      []byte // version 1: ctmap.KeySize4 bytes per key
+	Keys6      []byte // version 1: ctmap.KeySize6 bytes per key
 }
 
 func encodeIndex(s index.Snapshot) []snapshotIP {
 	out := make([]snapshotIP, len(s.IPs))
 	for i, ip := range s.IPs {
-		o := snapshotIP{IP: ip.IP, Tracked: ip.Tracked, Incomplete: ip.Incomplete,
-			Keys4: make([]byte, 0, len(ip.Keys4)*ctmap.KeySize4), Keys6: make([]byte, 0, len(ip.Keys6)*ctmap.KeySize6)}
-		for _, k := range ip.Keys4 {
-			o.Keys4 = append(o.Keys4, k[:]...)
-		}
-		for _, k := range ip.Keys6 {
-			o.Keys6 = append(o.Keys6, k[:]...)
-		}
-		out[i] = o
+		out[i] = snapshotIP{IP: ip.IP, Tracked: ip.Tracked, Incomplete: ip.Incomplete, Recs4: ip.Recs4, Recs6: ip.Recs6}
 	}
 	return out
 }
 
-func decodeIndex(ips []snapshotIP) (index.Snapshot, error) {
+func decodeIndex(version int, ips []snapshotIP) (index.Snapshot, error) {
 	var s index.Snapshot
 	for _, o := range ips {
-		if len(o.Keys4)%ctmap.KeySize4 != 0 || len(o.Keys6)%ctmap.KeySize6 != 0 {
+		ip := index.SnapshotIP{IP: o.IP, Tracked: o.Tracked, Incomplete: o.Incomplete, Recs4: o.Recs4, Recs6: o.Recs6}
+		if version == 1 {
+			if len(o.Keys4)%ctmap.KeySize4 != 0 || len(o.Keys6)%ctmap.KeySize6 != 0 {
+				return s, fmt.Errorf("keys of %s: truncated", o.IP)
+			}
+			ip.Recs4, ip.Recs6 = nil, nil
+			var err error
+			for b := o.Keys4; len(b) > 0 && err == nil; b = b[ctmap.KeySize4:] {
+				ip.Recs4, err = index.AppendRecord4(ip.Recs4, o.IP, ctmap.CTKey4(b[:ctmap.KeySize4]))
+			}
+			for b := o.Keys6; len(b) > 0 && err == nil; b = b[ctmap.KeySize6:] {
+				ip.Recs6, err = index.AppendRecord6(ip.Recs6, o.IP, ctmap.CTKey6(b[:ctmap.KeySize6]))
+			}
+			if err != nil {
+				return s, err
+			}
+		} else if len(o.Recs4)%index.RecSize4 != 0 || len(o.Recs6)%index.RecSize6 != 0 {
 			return s, fmt.Errorf("keys of %s: truncated", o.IP)
-		}
-		ip := index.SnapshotIP{IP: o.IP, Tracked: o.Tracked, Incomplete: o.Incomplete}
-		for b := o.Keys4; len(b) > 0; b = b[ctmap.KeySize4:] {
-			ip.Keys4 = append(ip.Keys4, ctmap.CTKey4(b[:ctmap.KeySize4]))
-		}
-		for b := o.Keys6; len(b) > 0; b = b[ctmap.KeySize6:] {
-			ip.Keys6 = append(ip.Keys6, ctmap.CTKey6(b[:ctmap.KeySize6]))
 		}
 		s.IPs = append(s.IPs, ip)
 	}
@@ -183,8 +191,13 @@ func (d *Daemon) loadSnapshot() (bool, error) {
 	if err := os.Remove(path); err != nil {
 		return false, fmt.Errorf("consume index snapshot %s: %w (remove it by hand)", path, err)
 	}
-	if decErr != nil || s.Version != snapshotVersion {
-		d.log.Warn("index snapshot unreadable: dropped, attached IPs will sweep", "path", path, "err", decErr, "version", s.Version)
+	if decErr != nil {
+		d.log.Warn("index snapshot unreadable: dropped, attached IPs will sweep", "path", path, "err", decErr)
+		return false, nil
+	}
+	if s.Version != 1 && s.Version != snapshotVersion {
+		d.log.Warn("index snapshot of an unknown format version: dropped, attached IPs will sweep",
+			"path", path, "version", s.Version, "readable", []int{1, snapshotVersion})
 		return false, nil
 	}
 	ids, err := d.mapIDs()
@@ -192,13 +205,14 @@ func (d *Daemon) loadSnapshot() (bool, error) {
 		d.log.Warn("index snapshot made over other maps (recorder pins or Cilium's CT maps re-created): dropped, attached IPs will sweep", "err", err)
 		return false, nil
 	}
-	snap, err := decodeIndex(s.IPs)
+	snap, err := decodeIndex(s.Version, s.IPs)
 	if err != nil {
 		d.log.Warn("index snapshot unreadable: dropped, attached IPs will sweep", "path", path, "err", err)
 		return false, nil
 	}
 	if err := d.ix.Restore(snap); err != nil {
-		return false, err
+		d.log.Warn("index snapshot unreadable: dropped, attached IPs will sweep", "path", path, "err", err)
+		return false, nil
 	}
 	return true, nil
 }

@@ -222,6 +222,14 @@ func TestReportCountsExact(t *testing.T) {
 			if !rep.Decision.Confirmed || rep.Decision.Clock != clock {
 				t.Fatalf("decision %+v, want %s confirmed", rep.Decision, clock)
 			}
+			// NowIn is the pass's own reading of each clock, which benchmarks
+			// write lifetimes against: at or after the readings taken before
+			// the pass, and within seconds of them.
+			for c, before := range map[Clock]uint32{ClockKtime: kt, ClockJiffies: jf} {
+				if got := rep.NowIn(c); got < before || got > before+30 {
+					t.Errorf("NowIn(%s) = %d, want %d..%d", c, got, before, before+30)
+				}
+			}
 			if len(rep.Maps) != 4 {
 				t.Fatalf("%d map reports, want 4", len(rep.Maps))
 			}

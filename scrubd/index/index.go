@@ -7,9 +7,10 @@
 // under every address of the key that lies in the pod CIDRs (a same-node
 // pod-to-pod entry is found from either pod).
 //
-// Why user space: a Go set of 14-byte keys costs about 20-30 bytes per key per
-// address (see docs/design.md for the measured figure), a kernel hash keyed by
-// (pod IP, CT key) costs over 100 with its htab_elem header and buckets.
+// Why user space: a packed per-IP table of key records (keyset.go) costs
+// 12.6-16.5 bytes per key per address (see docs/design.md for the measured
+// figure), a kernel hash keyed by (pod IP, CT key) costs over 100 with its
+// htab_elem header and buckets.
 //
 // Locking: one small lock per shard of IPs and one per IP; scrubs of different
 // IPs never wait on each other.
@@ -33,6 +34,8 @@ const (
 	ReasonService   = "flow to a load-balanced service VIP"
 	ReasonCancelled = "scrub cancelled before it finished"
 	ReasonRestart   = "daemon restarted without a consistent snapshot"
+	ReasonAuditMiss = "the audit found a CT entry the index did not cover"
+	ReasonOwner     = "may have had an owner ctscrub did not see"
 )
 
 // Config bounds the index.
@@ -54,6 +57,8 @@ type Index struct {
 	incomplete atomic.Int64 // IPs marked incomplete
 
 	hooks atomic.Pointer[Hooks]
+
+	gens atomic.Uint64 // source of IPEntry.gen values: never repeats
 }
 
 // Hooks let the recorder follow keys out of the index. The recorder's
@@ -83,11 +88,73 @@ type shard struct {
 type IPEntry struct {
 	mu         sync.Mutex
 	ip         netip.Addr
-	keys4      map[ctmap.CTKey4]struct{}
-	keys6      map[ctmap.CTKey6]struct{}
-	tracked    bool   // swept (or created fresh) since the index started
-	incomplete string // first reason it cannot prove completeness; "" when complete
-	pruneAt    int    // size at which the set is checked for stale keys
+	a4         [4]byte  // ip.As4() when ip is IPv4
+	a16        [16]byte // ip.As16()
+	keys4      keySet   // IPv4 keys, records relative to a4
+	keys6      keySet   // IPv6 keys, records relative to a16
+	tracked    bool     // swept (or created fresh) since the index started
+	incomplete string   // first reason it cannot prove completeness; "" when complete
+	pruneAt    int      // size at which the set is checked for stale keys
+	gen        uint64   // changes on every Take and Track (see State.Gen)
+
+	// While a Prune of this IP runs (pruning > 0) every key added is also
+	// noted in added4/added6: Prune then keeps it even if it judged the key
+	// stale, since its entry may have been re-created and recorded since.
+	pruning        int
+	added4, added6 keySet
+}
+
+func (e *IPEntry) size() int { return e.keys4.n + e.keys6.n }
+
+// add4 inserts k (which contains e.ip) under e's lock; false when present.
+func (e *IPEntry) add4(k *ctmap.CTKey4) bool {
+	var rec [RecSize4]byte
+	if !e.ip.Is4() || !pack(rec[:], e.a4[:], k[:], 4) {
+		return false
+	}
+	if e.pruning > 0 {
+		e.added4.add(rec[:])
+	}
+	return e.keys4.add(rec[:])
+}
+
+func (e *IPEntry) add6(k *ctmap.CTKey6) bool {
+	var rec [RecSize6]byte
+	if !e.ip.Is6() || !pack(rec[:], e.a16[:], k[:], 16) {
+		return false
+	}
+	if e.pruning > 0 {
+		e.added6.add(rec[:])
+	}
+	return e.keys6.add(rec[:])
+}
+
+func (e *IPEntry) has4(k *ctmap.CTKey4) bool {
+	var rec [RecSize4]byte
+	if !e.ip.Is4() || e.keys4.n == 0 || !pack(rec[:], e.a4[:], k[:], 4) {
+		return false
+	}
+	_, ok := e.keys4.find(rec[:])
+	return ok
+}
+
+func (e *IPEntry) has6(k *ctmap.CTKey6) bool {
+	var rec [RecSize6]byte
+	if !e.ip.Is6() || e.keys6.n == 0 || !pack(rec[:], e.a16[:], k[:], 16) {
+		return false
+	}
+	_, ok := e.keys6.find(rec[:])
+	return ok
+}
+
+func (e *IPEntry) list(k4 []ctmap.CTKey4, k6 []ctmap.CTKey6) ([]ctmap.CTKey4, []ctmap.CTKey6) {
+	if e.keys4.n > 0 {
+		k4 = e.keys4.keys4(&e.a4, k4)
+	}
+	if e.keys6.n > 0 {
+		k6 = e.keys6.keys6(&e.a16, k6)
+	}
+	return k4, k6
 }
 
 // New returns an empty index.
@@ -133,7 +200,10 @@ func (ix *Index) entry(ip netip.Addr, create bool) *IPEntry {
 	sh.mu.Lock()
 	defer sh.mu.Unlock()
 	if e = sh.ips[ip]; e == nil {
-		e = &IPEntry{ip: ip, pruneAt: 1024}
+		e = &IPEntry{ip: ip, a16: ip.As16(), pruneAt: 1024, gen: ix.gens.Add(1)}
+		if ip.Is4() {
+			e.a4 = ip.As4()
+		}
 		sh.ips[ip] = e
 	}
 	return e
@@ -149,16 +219,10 @@ func (ix *Index) Add4(k ctmap.CTKey4) {
 		}
 		e := ix.entry(ip, true)
 		e.mu.Lock()
-		if e.keys4 == nil {
-			e.keys4 = make(map[ctmap.CTKey4]struct{})
-		}
-		if _, ok := e.keys4[k]; !ok {
-			if len(e.keys4)+len(e.keys6) >= ix.cfg.MaxKeysPerIP {
-				ix.markLocked(e, ReasonFull)
-			} else {
-				e.keys4[k] = struct{}{}
-				ix.keys.Add(1)
-			}
+		if e.size() >= ix.cfg.MaxKeysPerIP && !e.has4(&k) {
+			ix.markLocked(e, ReasonFull)
+		} else if e.add4(&k) {
+			ix.keys.Add(1)
 		}
 		e.mu.Unlock()
 	}
@@ -172,16 +236,10 @@ func (ix *Index) Add6(k ctmap.CTKey6) {
 		}
 		e := ix.entry(ip, true)
 		e.mu.Lock()
-		if e.keys6 == nil {
-			e.keys6 = make(map[ctmap.CTKey6]struct{})
-		}
-		if _, ok := e.keys6[k]; !ok {
-			if len(e.keys4)+len(e.keys6) >= ix.cfg.MaxKeysPerIP {
-				ix.markLocked(e, ReasonFull)
-			} else {
-				e.keys6[k] = struct{}{}
-				ix.keys.Add(1)
-			}
+		if e.size() >= ix.cfg.MaxKeysPerIP && !e.has6(&k) {
+			ix.markLocked(e, ReasonFull)
+		} else if e.add6(&k) {
+			ix.keys.Add(1)
 		}
 		e.mu.Unlock()
 	}
@@ -227,6 +285,7 @@ func (ix *Index) track(ip netip.Addr) {
 	e := ix.entry(ip, true)
 	e.mu.Lock()
 	e.tracked = true
+	e.gen = ix.gens.Add(1)
 	if e.incomplete != "" {
 		e.incomplete = ""
 		ix.incomplete.Add(-1)
@@ -242,6 +301,20 @@ type State struct {
 	Incomplete string // reason when !Complete
 }
 
+// Gen is ip's generation: it changes whenever a scrub takes the IP's keys,
+// the IP is declared complete, or its slot is created (0: no slot). An audit
+// that reads the same Gen before its kernel read and after knows that no
+// scrub moved keys out of the index in between.
+func (ix *Index) Gen(ip netip.Addr) uint64 {
+	e := ix.entry(ip, false)
+	if e == nil {
+		return 0
+	}
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	return e.gen
+}
+
 // State returns ip's state. An IP the index has never seen is incomplete.
 func (ix *Index) State(ip netip.Addr) State {
 	e := ix.entry(ip, false)
@@ -254,7 +327,7 @@ func (ix *Index) State(ip netip.Addr) State {
 }
 
 func (e *IPEntry) stateLocked() State {
-	s := State{IP: e.ip, Keys: len(e.keys4) + len(e.keys6)}
+	s := State{IP: e.ip, Keys: e.size()}
 	switch {
 	case e.incomplete != "":
 		s.Incomplete = e.incomplete
@@ -276,14 +349,10 @@ func (ix *Index) Take(ip netip.Addr) (k4 []ctmap.CTKey4, k6 []ctmap.CTKey6, st S
 	}
 	e.mu.Lock()
 	st = e.stateLocked()
-	for k := range e.keys4 {
-		k4 = append(k4, k)
-	}
-	for k := range e.keys6 {
-		k6 = append(k6, k)
-	}
+	k4, k6 = e.list(nil, nil)
 	ix.keys.Add(-int64(len(k4) + len(k6)))
-	e.keys4, e.keys6 = nil, nil
+	e.keys4, e.keys6 = keySet{}, keySet{}
+	e.gen = ix.gens.Add(1)
 	e.mu.Unlock()
 	if h := ix.hooks.Load(); h != nil && h.Taken != nil && len(k4)+len(k6) > 0 {
 		h.Taken(ip, k4, k6)
@@ -300,16 +369,12 @@ func (ix *Index) KeysOf(ip netip.Addr) (k4 []ctmap.CTKey4, k6 []ctmap.CTKey6, st
 	}
 	e.mu.Lock()
 	defer e.mu.Unlock()
-	for k := range e.keys4 {
-		k4 = append(k4, k)
-	}
-	for k := range e.keys6 {
-		k6 = append(k6, k)
-	}
+	k4, k6 = e.list(nil, nil)
 	return k4, k6, e.stateLocked()
 }
 
-// Return puts back keys a scrub took but did not delete.
+// Return puts back keys a scrub took but did not delete. Keys that do not
+// contain ip (never taken from it) are ignored.
 func (ix *Index) Return(ip netip.Addr, k4 []ctmap.CTKey4, k6 []ctmap.CTKey6) {
 	if len(k4)+len(k6) == 0 {
 		return
@@ -317,21 +382,13 @@ func (ix *Index) Return(ip netip.Addr, k4 []ctmap.CTKey4, k6 []ctmap.CTKey6) {
 	e := ix.entry(ip, true)
 	e.mu.Lock()
 	defer e.mu.Unlock()
-	if len(k4) > 0 && e.keys4 == nil {
-		e.keys4 = make(map[ctmap.CTKey4]struct{}, len(k4))
-	}
-	if len(k6) > 0 && e.keys6 == nil {
-		e.keys6 = make(map[ctmap.CTKey6]struct{}, len(k6))
-	}
-	for _, k := range k4 {
-		if _, ok := e.keys4[k]; !ok {
-			e.keys4[k] = struct{}{}
+	for i := range k4 {
+		if e.add4(&k4[i]) {
 			ix.keys.Add(1)
 		}
 	}
-	for _, k := range k6 {
-		if _, ok := e.keys6[k]; !ok {
-			e.keys6[k] = struct{}{}
+	for i := range k6 {
+		if e.add6(&k6[i]) {
 			ix.keys.Add(1)
 		}
 	}
@@ -349,7 +406,7 @@ func (ix *Index) Forget(ip netip.Addr) {
 		return
 	}
 	e.mu.Lock()
-	ix.keys.Add(-int64(len(e.keys4) + len(e.keys6)))
+	ix.keys.Add(-int64(e.size()))
 	if e.incomplete != "" {
 		ix.incomplete.Add(-1)
 	}
@@ -381,27 +438,66 @@ func (ix *Index) IPs() []netip.Addr {
 // Cilium's LRU or GC already removed). The recorder's flow cache must forget
 // such a flow too, so a re-created entry is recorded again; callers pass that
 // in gone.
+//
+// gone runs without ip's lock (it may make syscalls per key): Prune copies
+// the keys under the lock, asks gone about each copy, and removes under the
+// lock those judged gone that are still in the set and were not added again
+// meanwhile (a key re-added during the prune, e.g. because its entry was
+// re-created and recorded, stays). The ring buffer reader's Add for ip thus
+// never waits for more than a copy or a removal.
 func (ix *Index) Prune(ip netip.Addr, gone4 func(ctmap.CTKey4) bool, gone6 func(ctmap.CTKey6) bool) (dropped int) {
 	e := ix.entry(ip, false)
 	if e == nil {
 		return 0
 	}
 	e.mu.Lock()
-	defer e.mu.Unlock()
-	for k := range e.keys4 {
-		if gone4 != nil && gone4(k) {
-			delete(e.keys4, k)
-			dropped++
+	k4, k6 := e.list(nil, nil)
+	e.pruning++
+	e.mu.Unlock()
+
+	// Compact the stale ones in place.
+	var d4 []ctmap.CTKey4
+	if gone4 != nil {
+		d4 = k4[:0]
+		for _, k := range k4 {
+			if gone4(k) {
+				d4 = append(d4, k)
+			}
 		}
 	}
-	for k := range e.keys6 {
-		if gone6 != nil && gone6(k) {
-			delete(e.keys6, k)
-			dropped++
+	var d6 []ctmap.CTKey6
+	if gone6 != nil {
+		d6 = k6[:0]
+		for _, k := range k6 {
+			if gone6(k) {
+				d6 = append(d6, k)
+			}
 		}
+	}
+
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	for i := range d4 {
+		var rec [RecSize4]byte
+		if pack(rec[:], e.a4[:], d4[i][:], 4) {
+			if _, again := e.added4.find0(rec[:]); !again && e.keys4.del(rec[:]) {
+				dropped++
+			}
+		}
+	}
+	for i := range d6 {
+		var rec [RecSize6]byte
+		if pack(rec[:], e.a16[:], d6[i][:], 16) {
+			if _, again := e.added6.find0(rec[:]); !again && e.keys6.del(rec[:]) {
+				dropped++
+			}
+		}
+	}
+	if e.pruning--; e.pruning == 0 {
+		e.added4, e.added6 = keySet{}, keySet{}
 	}
 	ix.keys.Add(-int64(dropped))
-	e.pruneAt = max(1024, 2*(len(e.keys4)+len(e.keys6)))
+	e.pruneAt = max(1024, 2*e.size())
 	return dropped
 }
 
@@ -415,5 +511,5 @@ func (ix *Index) NeedsPrune(ip netip.Addr) bool {
 	}
 	e.mu.Lock()
 	defer e.mu.Unlock()
-	return len(e.keys4)+len(e.keys6) >= e.pruneAt
+	return e.size() >= e.pruneAt
 }

@@ -2,6 +2,7 @@ package index
 
 import (
 	"errors"
+	"fmt"
 	"net/netip"
 
 	"github.com/ctscrub/ctscrub/scrubd/ctmap"
@@ -15,13 +16,15 @@ type Snapshot struct {
 	IPs []SnapshotIP
 }
 
-// SnapshotIP is one IP's slot.
+// SnapshotIP is one IP's slot. Its keys are the index's own records
+// (keyset.go): RecSize4 (RecSize6) bytes per key, relative to IP, in no
+// particular order. AppendRecord4/6 make them from whole keys.
 type SnapshotIP struct {
 	IP         netip.Addr
 	Tracked    bool
 	Incomplete string
-	Keys4      []ctmap.CTKey4
-	Keys6      []ctmap.CTKey6
+	Recs4      []byte
+	Recs6      []byte
 }
 
 // Snapshot copies the index. The caller makes sure nothing changes it
@@ -34,11 +37,11 @@ func (ix *Index) Snapshot() Snapshot {
 		for _, e := range sh.ips {
 			e.mu.Lock()
 			si := SnapshotIP{IP: e.ip, Tracked: e.tracked, Incomplete: e.incomplete}
-			for k := range e.keys4 {
-				si.Keys4 = append(si.Keys4, k)
+			if e.keys4.n > 0 {
+				si.Recs4 = e.keys4.records(make([]byte, 0, e.keys4.n*RecSize4), RecSize4)
 			}
-			for k := range e.keys6 {
-				si.Keys6 = append(si.Keys6, k)
+			if e.keys6.n > 0 {
+				si.Recs6 = e.keys6.records(make([]byte, 0, e.keys6.n*RecSize6), RecSize6)
 			}
 			e.mu.Unlock()
 			s.IPs = append(s.IPs, si)
@@ -48,7 +51,27 @@ func (ix *Index) Snapshot() Snapshot {
 	return s
 }
 
-// Restore loads a snapshot into an empty index.
+// AppendRecord4 appends k's record relative to ip to dst (e.g. to read an
+// older snapshot that stored whole keys); it fails when k does not contain ip.
+func AppendRecord4(dst []byte, ip netip.Addr, k ctmap.CTKey4) ([]byte, error) {
+	var rec [RecSize4]byte
+	if a := ip.As4(); !ip.Is4() || !pack(rec[:], a[:], k[:], 4) {
+		return dst, fmt.Errorf("key %v does not contain %s", k, ip)
+	}
+	return append(dst, rec[:]...), nil
+}
+
+// AppendRecord6 is AppendRecord4 for IPv6 keys.
+func AppendRecord6(dst []byte, ip netip.Addr, k ctmap.CTKey6) ([]byte, error) {
+	var rec [RecSize6]byte
+	if a := ip.As16(); !ip.Is6() || !pack(rec[:], a[:], k[:], 16) {
+		return dst, fmt.Errorf("key %v does not contain %s", k, ip)
+	}
+	return append(dst, rec[:]...), nil
+}
+
+// Restore loads a snapshot into an empty index. A malformed snapshot is
+// refused as a whole: the index is left empty and the error names the IP.
 func (ix *Index) Restore(s Snapshot) error {
 	for i := range ix.shards {
 		ix.shards[i].mu.RLock()
@@ -59,28 +82,40 @@ func (ix *Index) Restore(s Snapshot) error {
 		}
 	}
 	for _, si := range s.IPs {
-		e := ix.entry(si.IP, true)
-		e.mu.Lock()
-		e.tracked = si.Tracked
-		if si.Incomplete != "" {
-			ix.markLocked(e, si.Incomplete)
-		}
-		if len(si.Keys4) > 0 {
-			e.keys4 = make(map[ctmap.CTKey4]struct{}, len(si.Keys4))
-			for _, k := range si.Keys4 {
-				e.keys4[k] = struct{}{}
+		if err := ix.restoreIP(si); err != nil {
+			for _, si := range s.IPs {
+				ix.Forget(si.IP)
 			}
+			return fmt.Errorf("index: restore %s: %w", si.IP, err)
 		}
-		if len(si.Keys6) > 0 {
-			e.keys6 = make(map[ctmap.CTKey6]struct{}, len(si.Keys6))
-			for _, k := range si.Keys6 {
-				e.keys6[k] = struct{}{}
-			}
-		}
-		n := len(e.keys4) + len(e.keys6)
-		e.pruneAt = max(1024, 2*n)
-		ix.keys.Add(int64(n))
-		e.mu.Unlock()
 	}
+	return nil
+}
+
+func (ix *Index) restoreIP(si SnapshotIP) error {
+	if !si.IP.IsValid() {
+		return errors.New("invalid address")
+	}
+	if (len(si.Recs4) > 0 && !si.IP.Is4()) || (len(si.Recs6) > 0 && !si.IP.Is6()) {
+		return errors.New("keys of the other address family")
+	}
+	e := ix.entry(si.IP, true)
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	e.tracked = si.Tracked
+	if si.Incomplete != "" {
+		ix.markLocked(e, si.Incomplete)
+	}
+	n4, err := e.keys4.restore(si.Recs4, RecSize4)
+	ix.keys.Add(int64(n4))
+	if err != nil {
+		return err
+	}
+	n6, err := e.keys6.restore(si.Recs6, RecSize6)
+	ix.keys.Add(int64(n6))
+	if err != nil {
+		return err
+	}
+	e.pruneAt = max(1024, 2*e.size())
 	return nil
 }

@@ -19,11 +19,13 @@ import (
 // (index.NeedsPrune) and Options.CT is set; that bounds stale keys to half
 // of a set at O(1) amortised lookups per added key.
 //
-// A key is dropped only when it is missing both before and after its flow
-// was forgotten: a packet that re-creates the entry in between either finds
-// the flow still cached (the entry then exists at the second lookup and the
-// key stays) or is recorded again (its record waits for the IP's lock and
-// re-adds the key after the prune).
+// The lookups and forgets run without ip's lock (index.Prune copies the
+// keys first), so the ring buffer reader's Apply never waits for them. A key
+// is dropped only when it is missing both before and after its flow was
+// forgotten, and was not recorded again meanwhile: a packet that re-creates
+// the entry in between either finds the flow still cached (the entry then
+// exists at the second lookup and the key stays) or is recorded again (its
+// Add during the prune makes index.Prune keep the key).
 func (r *Recorder) Prune(ix *index.Index, ct *ctmap.Maps, ip netip.Addr) (dropped int, err error) {
 	var errs []error
 	exists := func(kind ctmap.Kind, key any) bool {

@@ -1,0 +1,118 @@
+/* SPDX-License-Identifier: (GPL-2.0-only OR BSD-2-Clause) */
+/* Map setup programs of the conformance harness, included after bpf_lxc.c /
+ * bpf_host.c and Cilium's tests/lib helpers. Each is a tc program run once
+ * with BPF_PROG_TEST_RUN; its arguments are the "packet" (struct conf_args,
+ * mirrored by e2e/conformance/harness.go). */
+#ifndef CTSCRUB_CONFORMANCE_SETUP_H
+#define CTSCRUB_CONFORMANCE_SETUP_H
+
+#define CONF_ENDPOINT 1 /* local pod: endpoints map, ipcache, allow-all policy */
+#define CONF_IPCACHE 2  /* remote address: ipcache (identity, tunnel endpoint) */
+#define CONF_SERVICE 3  /* service frontend with one backend */
+
+struct conf_args {
+	__u32 op;
+	__u32 ifindex;
+	__u32 lxc_id;
+	__u32 sec_id;
+	__be32 ip4;
+	__be32 tunnel_ep;
+	__u8 ip6[16];
+	__u8 mac[8];      /* 6 bytes used; arrays 8-byte aligned for the */
+	__u8 node_mac[8]; /* helpers' word-sized copies */
+	__u8 vip6[16];
+	__be32 vip4;
+	__be16 vport;
+	__be16 bport;
+	__u32 backend_id;
+	__u16 rev_nat;
+	__u8 proto;
+	__u8 svc_flags;
+	__u8 family;
+	__u8 pad[7];
+};
+
+static __always_inline int conf_endpoint(struct conf_args *a)
+{
+#if CILIUM_MINOR >= 18
+	endpoint_v4_add_entry(a->ip4, a->ifindex, (__u16)a->lxc_id, 0, a->sec_id, 0,
+			      a->mac, a->node_mac);
+#else
+	endpoint_v4_add_entry(a->ip4, a->ifindex, (__u16)a->lxc_id, 0, a->sec_id,
+			      a->mac, a->node_mac);
+#endif
+	endpoint_v6_add_entry((union v6addr *)a->ip6, a->ifindex, (__u16)a->lxc_id, 0,
+			      a->sec_id, a->mac, a->node_mac);
+	ipcache_v4_add_entry(a->ip4, 0, a->sec_id, 0, 0);
+	ipcache_v6_add_entry((union v6addr *)a->ip6, 0, a->sec_id, 0, 0);
+	return 0;
+}
+
+static __always_inline int conf_ipcache(struct conf_args *a)
+{
+	if (a->family == 4)
+		ipcache_v4_add_entry(a->ip4, 0, a->sec_id, a->tunnel_ep, 0);
+	else
+		ipcache_v6_add_entry((union v6addr *)a->ip6, 0, a->sec_id, a->tunnel_ep, 0);
+	return 0;
+}
+
+static __always_inline int conf_service(struct conf_args *a)
+{
+	if (a->family == 4) {
+#if CILIUM_MINOR >= 18
+		lb_v4_add_service_with_flags(a->vip4, a->vport, a->proto, 1, a->rev_nat,
+					     a->svc_flags, 0);
+#else
+		lb_v4_add_service_with_flags(a->vip4, a->vport, 1, a->rev_nat,
+					     a->svc_flags, 0);
+#endif
+		lb_v4_add_backend(a->vip4, a->vport, 1, a->backend_id, a->ip4, a->bport,
+				  a->proto, 0);
+	} else {
+#if CILIUM_MINOR >= 18
+		lb_v6_add_service_with_flags((union v6addr *)a->vip6, a->vport, a->proto, 1,
+					     a->rev_nat, a->svc_flags, 0);
+#else
+		lb_v6_add_service_with_flags((union v6addr *)a->vip6, a->vport, 1,
+					     a->rev_nat, a->svc_flags, 0);
+#endif
+		lb_v6_add_backend((union v6addr *)a->vip6, a->vport, 1, a->backend_id,
+				  (union v6addr *)a->ip6, a->bport, a->proto, 0);
+	}
+	return 0;
+}
+
+__section("tc")
+int conf_setup(struct __ctx_buff *ctx)
+{
+	struct conf_args a = {};
+
+	if (ctx_load_bytes(ctx, 0, &a, sizeof(a)) < 0)
+		return 1;
+	switch (a.op) {
+	case CONF_ENDPOINT:
+		return conf_endpoint(&a);
+	case CONF_IPCACHE:
+		return conf_ipcache(&a);
+	case CONF_SERVICE:
+		return conf_service(&a);
+	}
+	return 2;
+}
+
+/* Allow-all policy for every endpoint (what the agent installs for an
+ * endpoint without policy enforcement). */
+__section("tc")
+int conf_policy(struct __ctx_buff *ctx __maybe_unused)
+{
+#if CILIUM_MINOR >= 20
+	policy_add_ingress_allow_all_entry();
+	policy_add_egress_allow_all_entry();
+#else
+	policy_add_entry(false, 0, 0, 0, false);
+	policy_add_entry(true, 0, 0, 0, false);
+#endif
+	return 0;
+}
+#endif

@@ -1,0 +1,253 @@
+package conformance
+
+import (
+	"fmt"
+	"net/netip"
+
+	"github.com/ctscrub/ctscrub/scrubd/ctmap"
+	"github.com/ctscrub/ctscrub/scrubd/index"
+)
+
+// Env is what a case gets: the node, the family, fresh addresses.
+type Env struct {
+	N  *Node
+	V6 bool
+	// Fail records a harness failure (a packet Cilium dropped where the
+	// case expects it delivered, a setup that did not take).
+	Fail func(format string, args ...any)
+	seq  *int
+}
+
+func (e *Env) next() int { *e.seq++; return *e.seq }
+
+// Pod adds a fresh local pod.
+func (e *Env) Pod(name string) *Pod {
+	i := e.next()
+	ip4 := netip.AddrFrom4([4]byte{10, 244, byte(i >> 8), byte(i)})
+	ip6 := netip.MustParseAddr(fmt.Sprintf("fd00:244::%x", i))
+	return e.N.AddPod(name, ip4, ip6)
+}
+
+// World is a fresh address outside the cluster (ipcache: world).
+func (e *Env) World() netip.Addr {
+	i := e.next()
+	if e.V6 {
+		return netip.MustParseAddr(fmt.Sprintf("2001:db8:100::%x", i))
+	}
+	return netip.AddrFrom4([4]byte{198, 51, byte(100 + i>>8), byte(i)})
+}
+
+// Remote is a fresh pod address of another node (in the ipcache with a
+// cluster identity; native routing).
+func (e *Env) Remote() netip.Addr {
+	i := e.next()
+	var a netip.Addr
+	if e.V6 {
+		a = netip.MustParseAddr(fmt.Sprintf("fd00:244:1::%x", i))
+	} else {
+		a = netip.AddrFrom4([4]byte{10, 245, byte(i >> 8), byte(i)})
+	}
+	e.N.AddRemote(a, remotePodID)
+	return a
+}
+
+// VIP is a fresh service address.
+func (e *Env) VIP() netip.Addr {
+	i := e.next()
+	if e.V6 {
+		return netip.MustParseAddr(fmt.Sprintf("fd00:96::%x", i))
+	}
+	return netip.AddrFrom4([4]byte{10, 96, byte(i >> 8), byte(i)})
+}
+
+// NodeIP is the node's address for NodePort frontends.
+func (e *Env) NodeIP() netip.Addr {
+	if e.V6 {
+		return netip.MustParseAddr("2001:db8:1::10")
+	}
+	return netip.MustParseAddr("192.0.2.10")
+}
+
+// IP is p's address of the case's family.
+func (e *Env) IP(p *Pod) netip.Addr { return p.IP(e.V6) }
+
+// AP joins an address and a port.
+func AP(a netip.Addr, port uint16) netip.AddrPort { return netip.AddrPortFrom(a, port) }
+
+// Expect fails the case unless Cilium's verdict is one of want.
+func (e *Env) Expect(what string, r Result, want ...uint32) {
+	if len(want) == 0 {
+		want = []uint32{VerdictOK, VerdictRedirect}
+	}
+	for _, w := range want {
+		if r.Verdict == w {
+			return
+		}
+	}
+	e.Fail("%s: Cilium returned %d, want one of %v", what, r.Verdict, want)
+}
+
+// Echo builds an echo of the case's family.
+func (e *Env) Echo(src, dst netip.Addr, request bool, id uint16) []byte {
+	return EchoFrame(src, dst, request, id)
+}
+
+// DeleteCT deletes a key from Cilium's CT map, as the LRU does when it
+// evicts the entry, or GC when it expired.
+func (e *Env) DeleteCT(k4 ctmap.CTKey4, k6 ctmap.CTKey6) {
+	var err error
+	if e.V6 {
+		err = e.N.CT.Map(k6.Kind()).Delete(k6)
+	} else {
+		err = e.N.CT.Map(k4.Kind()).Delete(k4)
+	}
+	if err != nil {
+		e.Fail("delete CT entry: %v", err)
+	}
+}
+
+// Key builds a CT key of the case's family.
+func (e *Env) Key(daddr, saddr netip.Addr, dport, sport uint16, proto, flags uint8) (ctmap.CTKey4, ctmap.CTKey6) {
+	if e.V6 {
+		return ctmap.CTKey4{}, ctmap.NewKey6(daddr, saddr, dport, sport, proto, flags)
+	}
+	return ctmap.NewKey4(daddr, saddr, dport, sport, proto, flags), ctmap.CTKey6{}
+}
+
+// Case is one conformance scenario. Run drives packets and returns the
+// local pods whose addresses are checked and the incomplete reasons the
+// check accepts for them.
+type Case struct {
+	Name string
+	DSR  bool // needs bpf_host built with NodePort DSR
+	Run  func(e *Env) (pods []*Pod, reasons []string)
+}
+
+func (e *Env) icmpProto() uint8 {
+	if e.V6 {
+		return ProtoICMPv6
+	}
+	return ProtoICMP
+}
+
+// Cases is the suite. Each uses fresh pods and addresses, so cases share a
+// node without seeing each other's entries.
+var Cases = []Case{
+	{Name: "pod-to-world", Run: func(e *Env) ([]*Pod, []string) {
+		a, w := e.Pod("a"), e.World()
+		e.N.AddRemote(w, worldID)
+		e.Expect("SYN", e.N.Send(a, TCPFrame(AP(e.IP(a), 40001), AP(w, 443), SYN)))
+		e.Expect("SYN-ACK", e.N.FromNetdev(TCPFrame(AP(w, 443), AP(e.IP(a), 40001), SYN|ACK)))
+		e.Expect("ACK", e.N.Send(a, TCPFrame(AP(e.IP(a), 40001), AP(w, 443), ACK)))
+		e.Expect("UDP", e.N.Send(a, UDPFrame(AP(e.IP(a), 40002), AP(w, 53))))
+		e.Expect("UDP reply", e.N.FromNetdev(UDPFrame(AP(w, 53), AP(e.IP(a), 40002))))
+		e.Expect("SCTP", e.N.Send(a, SCTPFrame(AP(e.IP(a), 40003), AP(w, 3868))))
+		return []*Pod{a}, nil
+	}},
+	{Name: "world-to-pod", Run: func(e *Env) ([]*Pod, []string) {
+		a, w := e.Pod("a"), e.World()
+		e.Expect("SYN", e.N.FromNetdev(TCPFrame(AP(w, 50001), AP(e.IP(a), 8080), SYN)))
+		e.Expect("SYN-ACK", e.N.Send(a, TCPFrame(AP(e.IP(a), 8080), AP(w, 50001), SYN|ACK)))
+		e.Expect("UDP", e.N.FromNetdev(UDPFrame(AP(w, 50002), AP(e.IP(a), 5353))))
+		e.Expect("UDP reply", e.N.Send(a, UDPFrame(AP(e.IP(a), 5353), AP(w, 50002))))
+		return []*Pod{a}, nil
+	}},
+	{Name: "pod-to-remote-pod", Run: func(e *Env) ([]*Pod, []string) {
+		a, r := e.Pod("a"), e.Remote()
+		e.Expect("SYN", e.N.Send(a, TCPFrame(AP(e.IP(a), 40001), AP(r, 8080), SYN)))
+		e.Expect("SYN-ACK", e.N.FromNetdev(TCPFrame(AP(r, 8080), AP(e.IP(a), 40001), SYN|ACK)))
+		e.Expect("remote UDP", e.N.FromNetdev(UDPFrame(AP(r, 40002), AP(e.IP(a), 53))))
+		e.Expect("UDP reply", e.N.Send(a, UDPFrame(AP(e.IP(a), 53), AP(r, 40002))))
+		return []*Pod{a}, nil
+	}},
+	{Name: "same-node-pod-to-pod", Run: func(e *Env) ([]*Pod, []string) {
+		a, b := e.Pod("a"), e.Pod("b")
+		e.Expect("SYN", e.N.Send(a, TCPFrame(AP(e.IP(a), 40001), AP(e.IP(b), 8080), SYN)))
+		e.Expect("SYN-ACK", e.N.Send(b, TCPFrame(AP(e.IP(b), 8080), AP(e.IP(a), 40001), SYN|ACK)))
+		e.Expect("UDP", e.N.Send(b, UDPFrame(AP(e.IP(b), 40002), AP(e.IP(a), 53))))
+		e.Expect("UDP reply", e.N.Send(a, UDPFrame(AP(e.IP(a), 53), AP(e.IP(b), 40002))))
+		return []*Pod{a, b}, nil
+	}},
+	{Name: "service-remote-backend", Run: func(e *Env) ([]*Pod, []string) {
+		a, r, vip := e.Pod("a"), e.Remote(), e.VIP()
+		e.N.AddService(ProtoTCP, AP(vip, 80), AP(r, 8080), 0)
+		e.Expect("SYN to VIP", e.N.Send(a, TCPFrame(AP(e.IP(a), 40001), AP(vip, 80), SYN)))
+		e.Expect("SYN-ACK from backend", e.N.FromNetdev(TCPFrame(AP(r, 8080), AP(e.IP(a), 40001), SYN|ACK)))
+		return []*Pod{a}, []string{index.ReasonService}
+	}},
+	{Name: "service-local-backend", Run: func(e *Env) ([]*Pod, []string) {
+		a, b, vip := e.Pod("client"), e.Pod("backend"), e.VIP()
+		e.N.AddService(ProtoTCP, AP(vip, 80), AP(e.IP(b), 8080), 0)
+		e.Expect("SYN to VIP", e.N.Send(a, TCPFrame(AP(e.IP(a), 40001), AP(vip, 80), SYN)))
+		e.Expect("SYN-ACK from backend", e.N.Send(b, TCPFrame(AP(e.IP(b), 8080), AP(e.IP(a), 40001), SYN|ACK)))
+		return []*Pod{a, b}, []string{index.ReasonService}
+	}},
+	{Name: "hairpin", Run: func(e *Env) ([]*Pod, []string) {
+		a, vip := e.Pod("a"), e.VIP()
+		e.N.AddService(ProtoTCP, AP(vip, 80), AP(e.IP(a), 8080), 0)
+		e.Expect("SYN to own VIP", e.N.Send(a, TCPFrame(AP(e.IP(a), 40001), AP(vip, 80), SYN)))
+		return []*Pod{a}, []string{index.ReasonService}
+	}},
+	{Name: "icmp-echo", Run: func(e *Env) ([]*Pod, []string) {
+		a, b, w := e.Pod("a"), e.Pod("b"), e.World()
+		e.Expect("echo out", e.N.Send(a, e.Echo(e.IP(a), w, true, 7)))
+		e.Expect("echo reply in", e.N.FromNetdev(e.Echo(w, e.IP(a), false, 7)))
+		e.Expect("echo in", e.N.FromNetdev(e.Echo(w, e.IP(a), true, 8)))
+		e.Expect("echo reply out", e.N.Send(a, e.Echo(e.IP(a), w, false, 8)))
+		e.Expect("echo to pod", e.N.Send(a, e.Echo(e.IP(a), e.IP(b), true, 9)))
+		e.Expect("echo reply from pod", e.N.Send(b, e.Echo(e.IP(b), e.IP(a), false, 9)))
+		return []*Pod{a, b}, nil
+	}},
+	{Name: "icmp-error-related-expired", Run: func(e *Env) ([]*Pod, []string) {
+		a, w := e.Pod("a"), e.World()
+		syn := TCPFrame(AP(e.IP(a), 40001), AP(w, 443), SYN)
+		e.Expect("SYN", e.N.Send(a, syn))
+		e.Expect("SYN-ACK", e.N.FromNetdev(TCPFrame(AP(w, 443), AP(e.IP(a), 40001), SYN|ACK)))
+		// The flow's related entry lives 60 s and TCP packets do not
+		// refresh it; GC removed it while the TCP entry lives on.
+		k4, k6 := e.Key(e.IP(a), w, 0, 0, e.icmpProto(), ctmap.FlagRelated)
+		e.DeleteCT(k4, k6)
+		e.N.FromNetdev(ErrorFrame(w, e.IP(a), IPOf(syn)))
+		return []*Pod{a}, nil
+	}},
+	{Name: "first-packet-not-initiator", Run: func(e *Env) ([]*Pod, []string) {
+		a, b, w := e.Pod("a"), e.Pod("b"), e.World()
+		ip := e.IP(a)
+		e.N.FromNetdev(TCPFrame(AP(w, 443), AP(ip, 40001), SYN|ACK)) // reply first
+		e.N.FromNetdev(TCPFrame(AP(w, 443), AP(ip, 40002), ACK))     // mid-stream ACK
+		e.N.FromNetdev(TCPFrame(AP(w, 443), AP(ip, 40003), RST))
+		e.N.FromNetdev(TCPFrame(AP(w, 443), AP(ip, 40004), FIN|ACK))
+		e.N.Send(a, TCPFrame(AP(ip, 8080), AP(w, 50001), ACK)) // the pod's reply first
+		e.N.Send(a, TCPFrame(AP(ip, 8080), AP(w, 50002), RST|ACK))
+		e.N.Send(a, TCPFrame(AP(ip, 8080), AP(w, 50003), FIN|ACK))
+		e.N.Send(a, UDPFrame(AP(ip, 53), AP(w, 50004))) // a UDP reply first
+		e.N.Send(b, TCPFrame(AP(e.IP(b), 8080), AP(ip, 40005), SYN|ACK))
+		return []*Pod{a, b}, nil
+	}},
+	{Name: "lru-evicted-other-side-recreates", Run: func(e *Env) ([]*Pod, []string) {
+		a, w := e.Pod("a"), e.World()
+		e.Expect("SYN", e.N.Send(a, TCPFrame(AP(e.IP(a), 40001), AP(w, 443), SYN)))
+		e.Expect("SYN-ACK", e.N.FromNetdev(TCPFrame(AP(w, 443), AP(e.IP(a), 40001), SYN|ACK)))
+		e.Expect("ACK", e.N.Send(a, TCPFrame(AP(e.IP(a), 40001), AP(w, 443), ACK)))
+		// The CT map is full and the LRU evicts the live flow's entry;
+		// the peer's next segment comes first and re-creates it.
+		k4, k6 := e.Key(e.IP(a), w, 443, 40001, ProtoTCP, ctmap.FlagOut)
+		e.DeleteCT(k4, k6)
+		e.N.FromNetdev(TCPFrame(AP(w, 443), AP(e.IP(a), 40001), ACK|PSH))
+		return []*Pod{a}, nil
+	}},
+	{Name: "nodeport-local-backend", Run: func(e *Env) ([]*Pod, []string) {
+		b, w := e.Pod("backend"), e.World()
+		e.N.AddService(ProtoTCP, AP(e.NodeIP(), 30080), AP(e.IP(b), 8080), SvcNodePort|SvcRoutable)
+		e.Expect("SYN to NodePort", e.N.FromNetdev(TCPFrame(AP(w, 50001), AP(e.NodeIP(), 30080), SYN)))
+		e.Expect("SYN-ACK", e.N.Send(b, TCPFrame(AP(e.IP(b), 8080), AP(w, 50001), SYN|ACK)))
+		return []*Pod{b}, nil
+	}},
+	{Name: "nodeport-dsr-backend", DSR: true, Run: func(e *Env) ([]*Pod, []string) {
+		b, w := e.Pod("backend"), e.World()
+		svc := AP(e.VIP(), 30080)
+		e.Expect("DSR SYN", e.N.FromNetdev(DSRFrame(AP(w, 50001), AP(e.IP(b), 8080), svc, SYN)))
+		e.Expect("SYN-ACK", e.N.Send(b, TCPFrame(AP(e.IP(b), 8080), AP(w, 50001), SYN|ACK)))
+		return []*Pod{b}, nil
+	}},
+}

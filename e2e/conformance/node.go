@@ -1,0 +1,515 @@
+package conformance
+
+import (
+	"bytes"
+	"encoding/binary"
+	"fmt"
+	"io"
+	"log/slog"
+	"net/netip"
+	"os"
+	"path/filepath"
+	"sync"
+	"testing"
+
+	"github.com/cilium/ebpf"
+
+	"github.com/ctscrub/ctscrub/scrubd/ctmap"
+	"github.com/ctscrub/ctscrub/scrubd/index"
+	"github.com/ctscrub/ctscrub/scrubd/recorder"
+)
+
+// tc verdicts (TC_ACT_*), as Cilium's programs return them.
+const (
+	VerdictOK       = 0
+	VerdictShot     = 2
+	VerdictRedirect = 7
+)
+
+// Identities.
+const (
+	worldID     = 2
+	remotePodID = 5001
+	nativeIf    = 2 // the node's native device (interface_ifindex of bpf_host)
+)
+
+// Node is one Cilium node in the harness: Cilium's bpf_lxc and bpf_host
+// programs of one version sharing their maps (pinned by name in a private
+// bpffs directory, as under /sys/fs/bpf/tc/globals), ctscrub's recorder
+// loaded over Cilium's service maps, and an index fed by recorder.Apply.
+type Node struct {
+	t    testing.TB
+	O    *Objects
+	Dir  string // Cilium's pins
+	LXC  *Collection
+	Host *Collection
+	// Globals holds Cilium's CT and service maps pinned again under their
+	// production names (1.16's test configuration names them test_*):
+	// what ctmap.Open and the recorder's CTRoot expect.
+	Globals string
+	CT      *ctmap.Maps
+	Rec     *recorder.Recorder
+	Ix      *index.Index
+
+	mu     sync.Mutex
+	pods   map[netip.Addr]*Pod
+	nextID uint16
+	revNAT uint16
+}
+
+// Pod is a local endpoint.
+type Pod struct {
+	Name     string
+	IP4, IP6 netip.Addr
+	ID       uint16
+	Ifindex  uint32
+}
+
+// IP is the pod's address of the family of v6.
+func (p *Pod) IP(v6 bool) netip.Addr {
+	if v6 {
+		return p.IP6
+	}
+	return p.IP4
+}
+
+// PodCIDRs of the harness's node.
+var PodCIDRs = []netip.Prefix{netip.MustParsePrefix("10.244.0.0/16"), netip.MustParsePrefix("fd00:244::/48")}
+
+// NewNode loads a node: dsr selects bpf_host built with NodePort DSR.
+func NewNode(t testing.TB, o *Objects, dsr bool) *Node {
+	t.Helper()
+	dir, err := os.MkdirTemp("/sys/fs/bpf", "ctscrub-conformance-")
+	if err != nil {
+		t.Fatalf("bpffs dir (root, bpffs at /sys/fs/bpf?): %v", err)
+	}
+	n := &Node{t: t, O: o, Dir: dir, pods: map[netip.Addr]*Pod{}, nextID: 100, revNAT: 1}
+	t.Cleanup(func() { n.close() })
+	cfg := configs{"interface_ifindex": nativeIf}
+	if n.LXC, err = loadObject(o.LXC, dir, o.Minor, cfg); err != nil {
+		t.Fatal(err)
+	}
+	host := o.Host
+	if dsr {
+		host = o.HostDSR
+	}
+	if n.Host, err = loadObject(host, dir, o.Minor, cfg); err != nil {
+		t.Fatal(err)
+	}
+	for i, m := range n.LXC.CT {
+		if m == nil {
+			t.Fatalf("cilium %s: CT map %s not found in bpf_lxc", o.Version, ctmap.Kinds[i].Name())
+		}
+	}
+	n.Globals = filepath.Join(dir, "globals")
+	if err := os.Mkdir(n.Globals, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	for i, m := range n.LXC.CT {
+		if err := pinAlso(m, filepath.Join(n.Globals, ctmap.Kinds[i].Name())); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for name, m := range n.LXC.Maps {
+		for _, want := range []string{recorder.ServiceMap4, recorder.ServiceMap6} {
+			// 1.17+: the production name; 1.16's test config: test_cilium_lb4_services.
+			if name == want || name == "test_"+want[:len(want)-3] {
+				if err := pinAlso(m, filepath.Join(n.Globals, want)); err != nil {
+					t.Fatal(err)
+				}
+			}
+		}
+	}
+	if n.CT, err = ctmap.Open(n.Globals); err != nil {
+		t.Fatal(err)
+	}
+	n.Rec, err = recorder.Load(recorder.Options{
+		PinDir: filepath.Join(dir, "recorder"), CTRoot: n.Globals,
+		RingBytes: 1 << 20, SeenEntries: 4096,
+		Log: slog.New(slog.NewTextHandler(io.Discard, nil)),
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if v4, v6 := n.Rec.VIPDetection(); !v4 || !v6 {
+		t.Fatalf("recorder did not find Cilium %s's service maps (v4 %v, v6 %v)", o.Version, v4, v6)
+	}
+	n.Ix = index.New(index.Config{PodCIDRs: PodCIDRs})
+	n.setup(confArgs{Op: 0}, "conf_policy")
+	return n
+}
+
+func pinAlso(m *ebpf.Map, path string) error {
+	c, err := m.Clone()
+	if err != nil {
+		return err
+	}
+	defer c.Close()
+	return c.Pin(path)
+}
+
+func (n *Node) close() {
+	if n.Rec != nil {
+		n.Rec.Close()
+	}
+	if n.CT != nil {
+		n.CT.Close()
+	}
+	for _, c := range []*Collection{n.LXC, n.Host} {
+		if c != nil {
+			c.Close()
+		}
+	}
+	os.RemoveAll(n.Dir)
+}
+
+// confArgs mirrors struct conf_args (bpf/setup.h).
+type confArgs struct {
+	Op, Ifindex, LXCID, SecID uint32
+	IP4, TunnelEP             [4]byte
+	IP6                       [16]byte
+	MAC, NodeMAC              [8]byte
+	VIP6                      [16]byte
+	VIP4                      [4]byte
+	VPort, BPort              [2]byte // network order
+	BackendID                 uint32
+	RevNAT                    uint16
+	Proto, SvcFlags, Family   uint8
+	_                         [7]byte
+}
+
+func (n *Node) setup(a confArgs, prog string) {
+	n.t.Helper()
+	var b bytes.Buffer
+	if err := binary.Write(&b, binary.NativeEndian, &a); err != nil {
+		n.t.Fatal(err)
+	}
+	data := b.Bytes()
+	for len(data) < 64 {
+		data = append(data, 0)
+	}
+	p := n.LXC.Programs[prog]
+	if p == nil {
+		n.t.Fatalf("program %s not in bpf_lxc", prog)
+	}
+	ret, err := p.Run(&ebpf.RunOptions{Data: data})
+	if err != nil || ret != 0 {
+		n.t.Fatalf("%s(op %d): ret %d, %v", prog, a.Op, ret, err)
+	}
+}
+
+// AddPod adds a local endpoint with the next endpoint ID: Cilium's
+// endpoints map and ipcache, its policy program in cilium_call_policy, and
+// the index tracks both its addresses from now on (a fresh pod: complete).
+func (n *Node) AddPod(name string, ip4, ip6 netip.Addr) *Pod {
+	n.t.Helper()
+	n.mu.Lock()
+	n.nextID++
+	p := &Pod{Name: name, IP4: ip4, IP6: ip6, ID: n.nextID, Ifindex: uint32(n.nextID)}
+	n.pods[ip4], n.pods[ip6] = p, p
+	n.mu.Unlock()
+	a := confArgs{Op: 1, Ifindex: p.Ifindex, LXCID: uint32(p.ID), SecID: 10000 + uint32(p.ID),
+		IP4: ip4.As4(), IP6: ip6.As16()}
+	copy(a.MAC[:], podMAC[:])
+	copy(a.NodeMAC[:], nodeMAC[:])
+	n.setup(a, "conf_setup")
+	calls := n.LXC.Maps[policyCallMapName(n.LXC)]
+	if err := calls.Put(uint32(p.ID), n.LXC.PolicyProg); err != nil {
+		n.t.Fatalf("policy program of endpoint %d: %v", p.ID, err)
+	}
+	n.Ix.TrackAll([]netip.Addr{ip4, ip6})
+	return p
+}
+
+func policyCallMapName(c *Collection) string {
+	for name, m := range c.Maps {
+		if m.Type() == ebpf.ProgramArray && (name == policyCallMap || name == "test_cilium_policy") {
+			return name
+		}
+	}
+	return policyCallMap
+}
+
+// AddRemote puts a remote address (another node's pod, identity
+// remotePodID, or world) into the ipcache.
+func (n *Node) AddRemote(ip netip.Addr, identity uint32) {
+	n.t.Helper()
+	a := confArgs{Op: 2, SecID: identity, Family: 4}
+	if ip.Is4() {
+		a.IP4 = ip.As4()
+	} else {
+		a.IP6, a.Family = ip.As16(), 6
+	}
+	n.setup(a, "conf_setup")
+}
+
+// Service flags (SVC_FLAG_*).
+const (
+	SvcExternalIP = 1 << 0
+	SvcNodePort   = 1 << 1
+	SvcRoutable   = 1 << 6
+)
+
+// AddService registers a service frontend with one backend.
+func (n *Node) AddService(proto uint8, vip, backend netip.AddrPort, flags uint8) {
+	n.t.Helper()
+	n.mu.Lock()
+	rev := n.revNAT
+	n.revNAT++
+	n.mu.Unlock()
+	a := confArgs{Op: 3, Proto: proto, SvcFlags: flags, RevNAT: rev, BackendID: uint32(rev), Family: 4}
+	binary.BigEndian.PutUint16(a.VPort[:], vip.Port())
+	binary.BigEndian.PutUint16(a.BPort[:], backend.Port())
+	if vip.Addr().Is4() {
+		a.VIP4, a.IP4 = vip.Addr().As4(), backend.Addr().As4()
+	} else {
+		a.VIP6, a.IP6, a.Family = vip.Addr().As16(), backend.Addr().As16(), 6
+	}
+	n.setup(a, "conf_setup")
+}
+
+// Result is what one datapath program did with a packet.
+type Result struct {
+	Verdict uint32
+	Out     []byte // the packet as the program left it
+}
+
+func (n *Node) run(c *Collection, prog string, frame []byte) Result {
+	n.t.Helper()
+	p := c.Programs[prog]
+	if p == nil {
+		n.t.Fatalf("program %s not loaded", prog)
+	}
+	out := make([]byte, len(frame)+512)
+	opts := &ebpf.RunOptions{Data: frame, DataOut: out}
+	ret, err := p.Run(opts)
+	if err != nil {
+		n.t.Fatalf("%s: test run: %v", prog, err)
+	}
+	return Result{Verdict: ret, Out: opts.DataOut}
+}
+
+// local returns the local pod owning the frame's destination address.
+func (n *Node) local(frame []byte) *Pod {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	return n.pods[dstOf(frame)]
+}
+
+func dstOf(frame []byte) netip.Addr {
+	if len(frame) < 14+40 {
+		if len(frame) >= 14+20 && frame[12] == 0x08 {
+			return netip.AddrFrom4([4]byte(frame[30:34]))
+		}
+		return netip.Addr{}
+	}
+	if binary.BigEndian.Uint16(frame[12:]) == 0x0800 {
+		return netip.AddrFrom4([4]byte(frame[30:34]))
+	}
+	return netip.AddrFrom16([16]byte(frame[38:54]))
+}
+
+// Send: pod p sends frame. The recorder sees it leave the pod (container
+// side, egress), then Cilium's cil_from_container handles it; when Cilium
+// delivers it to a local pod (redirect after the ingress policy tail call)
+// that pod's recorder sees Cilium's output arrive.
+func (n *Node) Send(p *Pod, frame []byte) Result {
+	n.t.Helper()
+	if err := n.Rec.RunFrame(true, frame); err != nil {
+		n.t.Fatal(err)
+	}
+	r := n.run(n.LXC, "cil_from_container", frame)
+	n.deliver(r)
+	return r
+}
+
+// FromNetdev: frame arrives on the node's native device (from the world,
+// a remote node's pod, a NodePort client, a DSR load balancer). Cilium's
+// cil_from_netdev handles it; what it delivers to a local pod reaches that
+// pod's recorder.
+func (n *Node) FromNetdev(frame []byte) Result {
+	n.t.Helper()
+	r := n.run(n.Host, "cil_from_netdev", frame)
+	n.deliver(r)
+	return r
+}
+
+// Receive: frame reaches pod p through the stack (Cilium's legacy host
+// routing): cil_to_container on the pod's veth, then the pod's recorder.
+func (n *Node) Receive(frame []byte) Result {
+	n.t.Helper()
+	r := n.run(n.LXC, "cil_to_container", frame)
+	if r.Verdict == VerdictOK || r.Verdict == VerdictRedirect {
+		if err := n.Rec.RunFrame(false, r.Out); err != nil {
+			n.t.Fatal(err)
+		}
+	}
+	return r
+}
+
+// deliver follows a packet Cilium let through: a redirect to a local pod
+// (after its ingress policy ran by tail call) reaches the pod's recorder;
+// a packet for a local pod passed to the stack (TC_ACT_OK) is routed to the
+// pod's veth, where cil_to_container runs before the pod receives it.
+func (n *Node) deliver(r Result) {
+	if n.local(r.Out) == nil {
+		return
+	}
+	switch r.Verdict {
+	case VerdictRedirect:
+		if err := n.Rec.RunFrame(false, r.Out); err != nil {
+			n.t.Fatal(err)
+		}
+	case VerdictOK:
+		n.Receive(r.Out)
+	}
+}
+
+// Miss is a Cilium CT entry holding a pod IP that the IP's index does not
+// cover while the index calls the IP complete.
+type Miss struct {
+	IP  netip.Addr
+	Key string
+	Map string
+}
+
+func (m Miss) String() string { return fmt.Sprintf("%s: %s in %s", m.IP, m.Key, m.Map) }
+
+// Check drains the recorder into the index and compares it with Cilium's
+// CT maps: every entry holding an address of one of pods must be among the
+// keys a scrub of that address deletes (index.ScrubKeys), unless the index
+// marks the address incomplete; then the reason must be one of reasons.
+// It returns the misses and the incomplete IPs with a wrong reason.
+func (n *Node) Check(pods []*Pod, reasons ...string) (misses []Miss, wrong []string, entries int) {
+	n.t.Helper()
+	if _, err := n.Rec.Drain(n.Ix); err != nil {
+		n.t.Fatal(err)
+	}
+	mine := map[netip.Addr]bool{}
+	for _, p := range pods {
+		mine[p.IP4], mine[p.IP6] = true, true
+	}
+	cover4 := map[netip.Addr]map[ctmap.CTKey4]bool{}
+	cover6 := map[netip.Addr]map[ctmap.CTKey6]bool{}
+	checked := map[netip.Addr]bool{}
+	state := func(ip netip.Addr) index.State {
+		st := n.Ix.State(ip)
+		if !st.Complete && !checked[ip] {
+			checked[ip] = true
+			ok := false
+			for _, r := range reasons {
+				ok = ok || st.Incomplete == r
+			}
+			if !ok {
+				wrong = append(wrong, fmt.Sprintf("%s: incomplete (%s)", ip, st.Incomplete))
+			}
+		}
+		return st
+	}
+	for _, kind := range ctmap.Kinds {
+		it := n.CT.Map(kind).Iterate()
+		if kind.IPv6() {
+			var k ctmap.CTKey6
+			var v ctmap.Entry
+			for it.Next(&k, &v) {
+				for _, ip := range []netip.Addr{k.DAddr(), k.SAddr()} {
+					if !mine[ip] {
+						continue
+					}
+					entries++
+					if !state(ip).Complete {
+						continue
+					}
+					if cover6[ip] == nil {
+						_, k6, _ := n.Ix.ScrubKeys(ip)
+						cover6[ip] = map[ctmap.CTKey6]bool{}
+						for _, c := range k6 {
+							cover6[ip][c] = true
+						}
+					}
+					if !cover6[ip][k] {
+						misses = append(misses, Miss{ip, k.String(), kind.Name()})
+					}
+				}
+			}
+		} else {
+			var k ctmap.CTKey4
+			var v ctmap.Entry
+			for it.Next(&k, &v) {
+				for _, ip := range []netip.Addr{k.DAddr(), k.SAddr()} {
+					if !mine[ip] {
+						continue
+					}
+					entries++
+					if !state(ip).Complete {
+						continue
+					}
+					if cover4[ip] == nil {
+						k4, _, _ := n.Ix.ScrubKeys(ip)
+						cover4[ip] = map[ctmap.CTKey4]bool{}
+						for _, c := range k4 {
+							cover4[ip][c] = true
+						}
+					}
+					if !cover4[ip][k] {
+						misses = append(misses, Miss{ip, k.String(), kind.Name()})
+					}
+				}
+			}
+		}
+		if err := it.Err(); err != nil {
+			n.t.Fatal(err)
+		}
+	}
+	return misses, wrong, entries
+}
+
+// Dump lists the CT entries holding one of the addresses (for logs).
+func (n *Node) Dump(ips ...netip.Addr) []string {
+	var out []string
+	want := map[netip.Addr]bool{}
+	for _, ip := range ips {
+		want[ip] = true
+	}
+	for _, kind := range ctmap.Kinds {
+		it := n.CT.Map(kind).Iterate()
+		if kind.IPv6() {
+			var k ctmap.CTKey6
+			var v ctmap.Entry
+			for it.Next(&k, &v) {
+				if want[k.DAddr()] || want[k.SAddr()] {
+					out = append(out, k.String())
+				}
+			}
+		} else {
+			var k ctmap.CTKey4
+			var v ctmap.Entry
+			for it.Next(&k, &v) {
+				if want[k.DAddr()] || want[k.SAddr()] {
+					out = append(out, k.String())
+				}
+			}
+		}
+	}
+	return out
+}
+
+// Drops lists Cilium's drop counters (metrics map: reason, direction) for
+// logs: why the datapath dropped a packet the case expected through.
+func (n *Node) Drops() []string {
+	var out []string
+	for name, m := range n.LXC.Maps {
+		if name != "cilium_metrics" && name != "test_cilium_metrics" {
+			continue
+		}
+		it := m.Iterate()
+		k := make([]byte, m.KeySize())
+		var v [][16]byte // per CPU: count, bytes
+		for it.Next(&k, &v) {
+			if k[0] != 0 && k[0] != 1 && k[0] != 3 { // forwarded, plain, trace reasons
+				out = append(out, fmt.Sprintf("reason %d dir %d", k[0], k[1]))
+			}
+		}
+	}
+	return out
+}

@@ -1,0 +1,308 @@
+package demo
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net/netip"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"slices"
+	"time"
+
+	current "github.com/containernetworking/cni/pkg/types/100"
+)
+
+// BenchCNIConfig is `make bench-cni`'s environment.
+type BenchCNIConfig struct {
+	Entries    int    // ENTRIES: CT entries the node's maps hold
+	Pairs      int    // PAIRS: timed ADD/DEL pairs
+	RangeSize  int    // addresses host-local hands out (IP reuse every RangeSize pairs)
+	BinDir     string // bin/scrubd and bin/ctscrub
+	RefPlugins string // Debian's reference plugins
+}
+
+// BenchCNIResult is the JSON line (seconds).
+type BenchCNIResult struct {
+	Date         string  `json:"date"`
+	Entries      int     `json:"entries"`
+	Pairs        int     `json:"pairs"`
+	WarmupPairs  int     `json:"warmup_pairs"`
+	AddP50       float64 `json:"add_p50_s"`
+	AddP99       float64 `json:"add_p99_s"`
+	DelP50       float64 `json:"del_p50_s"`
+	DelP99       float64 `json:"del_p99_s"`
+	ExecP50      float64 `json:"exec_p50_s"`
+	ExecP99      float64 `json:"exec_p99_s"`
+	BridgeAddP50 float64 `json:"bridge_add_p50_s"`
+	BridgeAddP99 float64 `json:"bridge_add_p99_s"`
+	BridgeDelP50 float64 `json:"bridge_del_p50_s"`
+	AddOverExec  float64 `json:"add_minus_exec_p50_s"`
+	DelOverExec  float64 `json:"del_minus_exec_p50_s"`
+	FlowsPerPod  float64 `json:"flows_per_pod"`
+	ChecksLeft   int     `json:"entries_left_at_checks"`
+	Checks       int     `json:"checks"`
+	Load1        string  `json:"load"`
+}
+
+// BenchCNI is `make bench-cni`: the demo's node (its CT maps filled to
+// ENTRIES, the Cilium datapath stand-in, scrubd as a process, the node
+// netns and the outside host), and Pairs pods, each a netns with a veth,
+// created and deleted one after the other as a container runtime does:
+// bridge (+ host-local) ADD, then ctscrub ADD with the bridge's result as
+// prevResult, some traffic to the outside host (so the pod has CT entries
+// and index keys), ctscrub DEL, bridge DEL. Every plugin is the real binary,
+// executed with the CNI environment and stdin a runtime gives it, from the
+// node's netns; each call is timed from fork to exit, as is a bare process
+// start of ctscrub (CNI_COMMAND=VERSION) in the same loop.
+//
+// host-local hands out RangeSize addresses, so each is reused every
+// RangeSize pairs. The first pair of each address is a warm-up, not timed:
+// scrubd has never seen the address (it held a previous owner's entries in
+// the fill) and the ADD's scrub sweeps it, once per address and node.
+func BenchCNI(ctx context.Context, cfg BenchCNIConfig, cleanup *Cleanup, w io.Writer) (BenchCNIResult, error) {
+	res := BenchCNIResult{Date: time.Now().UTC().Format(time.RFC3339), Entries: cfg.Entries, Pairs: cfg.Pairs, WarmupPairs: cfg.RangeSize}
+	p := &printer{w: w}
+	if err := removeLeftovers(w); err != nil {
+		return res, err
+	}
+	if err := os.MkdirAll(WorkDir, 0o700); err != nil {
+		return res, err
+	}
+	cleanup.Push("remove "+WorkDir, func() error { return os.RemoveAll(WorkDir) })
+	if err := os.MkdirAll(BPFDir, 0o700); err != nil {
+		return res, fmt.Errorf("create %s: %w (is bpffs mounted at /sys/fs/bpf? run scripts/setup.sh)", BPFDir, err)
+	}
+	cleanup.Push("remove "+BPFDir, func() error { return os.RemoveAll(BPFDir) })
+
+	ctRoot := filepath.Join(BPFDir, "globals")
+	maps, err := createCTMaps(ctRoot, cfg.Entries)
+	if err != nil {
+		return res, err
+	}
+	cleanup.Push("unpin CT maps in "+ctRoot, maps.Close)
+	owners4, owners6 := podRange(cfg.RangeSize)
+	nbg := min(max(64, cfg.Entries/256), 16384)
+	nbg -= nbg % 4
+	put, took, err := fill(ctx, maps, fillPlan{
+		Entries:    cfg.Entries,
+		Background: backgroundPods(bgPods4, bgPods6, nbg),
+		Owners:     append(owners4, owners6...),
+		PerOwner:   2,
+	})
+	if err != nil {
+		return res, err
+	}
+	p.f("CT maps: %s entries in %s (%s other pods)\n", num(put), dur(took), num(nbg))
+	dp, err := newDatapath(maps)
+	if err != nil {
+		return res, err
+	}
+	cleanup.Push("unload the Cilium datapath stand-in", dp.Close)
+	d, err := startDaemon(ctx, cleanup, daemonConfig{
+		Bin:      filepath.Join(cfg.BinDir, "scrubd"),
+		WorkDir:  WorkDir,
+		PinDir:   filepath.Join(BPFDir, "scrubd"),
+		CTRoot:   ctRoot,
+		PodCIDRs: []netip.Prefix{podCIDR4, podCIDR6},
+	})
+	if err != nil {
+		return res, err
+	}
+	node, err := addNode(cleanup, nodeNS)
+	if err != nil {
+		return res, err
+	}
+	if _, err := addOutside(cleanup); err != nil {
+		return res, err
+	}
+	out, err := startServer(netnsPath(outsideNS))
+	if err != nil {
+		return res, err
+	}
+	cleanup.Push("stop the outside host's servers", func() error { out.Close(); return nil })
+	ch, err := newChain(chainConfig{
+		Node: node, WorkDir: WorkDir, RefPlugins: cfg.RefPlugins,
+		Plugin: filepath.Join(cfg.BinDir, "ctscrub"), Socket: d.Socket, RangeSize: cfg.RangeSize,
+	})
+	if err != nil {
+		return res, err
+	}
+	bridgeConf, err := pluginConf(ch, 0)
+	if err != nil {
+		return res, err
+	}
+	ctscrubConf, err := pluginConf(ch, 1)
+	if err != nil {
+		return res, err
+	}
+	binDir := filepath.Join(WorkDir, "cni-bin")
+	run := func(plugin, command, containerID, netns string, conf []byte) ([]byte, time.Duration, error) {
+		cmd := exec.Command(filepath.Join(binDir, plugin))
+		cmd.Env = []string{"CNI_COMMAND=" + command, "CNI_CONTAINERID=" + containerID, "CNI_NETNS=" + netns,
+			"CNI_IFNAME=eth0", "CNI_PATH=" + binDir, "PATH=/usr/sbin:/usr/bin:/sbin:/bin"}
+		cmd.Stdin = bytes.NewReader(conf)
+		var stdout, stderr bytes.Buffer
+		cmd.Stdout, cmd.Stderr = &stdout, &stderr
+		var el time.Duration
+		err := inNetns(node, func() error {
+			start := time.Now()
+			err := cmd.Run()
+			el = time.Since(start)
+			return err
+		})
+		if err != nil {
+			return nil, el, fmt.Errorf("%s %s: %v: %s %s", plugin, command, err, bytes.TrimSpace(stdout.Bytes()), bytes.TrimSpace(stderr.Bytes()))
+		}
+		return stdout.Bytes(), el, nil
+	}
+	if err := waitDAD(ctx, bridgeName); err != nil && ctx.Err() != nil {
+		return res, err
+	}
+
+	var add, del, execs, badd, bdel []time.Duration
+	flows := 0
+	total := cfg.RangeSize + cfg.Pairs
+	p.f("%d pairs (%d warm-up, one per address host-local hands out) ...\n", total, cfg.RangeSize)
+	for i := range total {
+		if ctx.Err() != nil {
+			return res, ctx.Err()
+		}
+		timed := i >= cfg.RangeSize
+		nsName := fmt.Sprintf("%s-bc%d", namePrefix, i)
+		path, err := addNetns(nsName)
+		if err != nil {
+			return res, err
+		}
+		id := nsName
+		prev, tb, err := run("bridge", "ADD", id, path, bridgeConf)
+		if err != nil {
+			delNetns(nsName)
+			return res, err
+		}
+		r, err := current.NewResult(prev)
+		if err != nil {
+			return res, fmt.Errorf("bridge ADD result: %w", err)
+		}
+		cr, err := current.GetResult(r)
+		if err != nil {
+			return res, err
+		}
+		var v4 netip.Addr
+		hostVeth := ""
+		for _, ipc := range cr.IPs {
+			if a, ok := netip.AddrFromSlice(ipc.Address.IP); ok && a.Unmap().Is4() {
+				v4 = a.Unmap()
+			}
+		}
+		for _, ifc := range cr.Interfaces {
+			if ifc.Sandbox == "" && ifc.Name != bridgeName {
+				hostVeth = ifc.Name
+			}
+		}
+		// Cilium's datapath on the pod's interface (the stand-in makes the
+		// CT entries of its traffic); not part of any plugin's time.
+		if err := inNetns(node, func() error { return dp.Attach(hostVeth) }); err != nil {
+			return res, err
+		}
+		withPrev, err := injectPrev(ctscrubConf, prev)
+		if err != nil {
+			return res, err
+		}
+		_, ta, err := run("ctscrub", "ADD", id, path, withPrev)
+		if err != nil {
+			return res, err
+		}
+		n, err := sendTraffic(ctx, path, outsideAddr[0].Addr(), trafficCounts{TCP: 2, UDP: 3})
+		if err != nil {
+			return res, fmt.Errorf("traffic of pod %d (%s): %w", i, v4, err)
+		}
+		flows += n
+		_, td, err := run("ctscrub", "DEL", id, path, withPrev)
+		if err != nil {
+			return res, err
+		}
+		bridgeDel, err := injectPrev(bridgeConf, prev)
+		if err != nil {
+			return res, err
+		}
+		_, tbd, err := run("bridge", "DEL", id, path, bridgeDel)
+		if err != nil {
+			return res, err
+		}
+		_, tv, err := run("ctscrub", "VERSION", id, path, []byte(`{"cniVersion":"1.0.0"}`))
+		if err != nil {
+			return res, err
+		}
+		if err := delNetns(nsName); err != nil {
+			return res, err
+		}
+		// Now and then: nothing of the deleted pod is left (a full walk,
+		// too slow for every pair at 16 M entries).
+		if timed && (i-cfg.RangeSize)%max(1, cfg.Pairs/10) == 0 {
+			left, err := entriesOf(maps, v4)
+			if err != nil {
+				return res, err
+			}
+			res.Checks++
+			res.ChecksLeft += left
+		}
+		if timed {
+			add, del, execs, badd, bdel = append(add, ta), append(del, td), append(execs, tv), append(badd, tb), append(bdel, tbd)
+			if len(add)%100 == 0 {
+				p.f("  %d pairs: ctscrub ADD p50 %s, DEL p50 %s, VERSION p50 %s, bridge ADD p50 %s\n", len(add),
+					dur(q(add, 0.5)), dur(q(del, 0.5)), dur(q(execs, 0.5)), dur(q(badd, 0.5)))
+			}
+		}
+	}
+	res.AddP50, res.AddP99 = q(add, 0.5).Seconds(), q(add, 0.99).Seconds()
+	res.DelP50, res.DelP99 = q(del, 0.5).Seconds(), q(del, 0.99).Seconds()
+	res.ExecP50, res.ExecP99 = q(execs, 0.5).Seconds(), q(execs, 0.99).Seconds()
+	res.BridgeAddP50, res.BridgeAddP99 = q(badd, 0.5).Seconds(), q(badd, 0.99).Seconds()
+	res.BridgeDelP50 = q(bdel, 0.5).Seconds()
+	res.AddOverExec, res.DelOverExec = res.AddP50-res.ExecP50, res.DelP50-res.ExecP50
+	res.FlowsPerPod = float64(flows) / float64(total)
+	if b, err := os.ReadFile("/proc/loadavg"); err == nil {
+		res.Load1 = string(bytes.TrimSpace(b))
+	}
+	return res, nil
+}
+
+// q is the nearest-rank quantile.
+func q(d []time.Duration, f float64) time.Duration {
+	if len(d) == 0 {
+		return 0
+	}
+	s := slices.Clone(d)
+	slices.Sort(s)
+	i := int(f*float64(len(s))+0.999999) - 1
+	return s[max(0, min(i, len(s)-1))]
+}
+
+// pluginConf is plugin i of the chain's conflist as a runtime hands it to
+// that plugin: with the network's name and cniVersion.
+func pluginConf(ch *chain, i int) ([]byte, error) {
+	if i >= len(ch.list.Plugins) {
+		return nil, fmt.Errorf("conflist %s has no plugin %d", ch.confPath, i)
+	}
+	var m map[string]any
+	if err := json.Unmarshal(ch.list.Plugins[i].Bytes, &m); err != nil {
+		return nil, err
+	}
+	m["name"] = ch.list.Name
+	m["cniVersion"] = ch.list.CNIVersion
+	return json.Marshal(m)
+}
+
+// injectPrev adds prevResult to a plugin's configuration.
+func injectPrev(conf, prev []byte) ([]byte, error) {
+	var m map[string]any
+	if err := json.Unmarshal(conf, &m); err != nil {
+		return nil, err
+	}
+	m["prevResult"] = json.RawMessage(prev)
+	return json.Marshal(m)
+}

@@ -1,0 +1,67 @@
+package daemon
+
+import (
+	"bytes"
+	"encoding/gob"
+	"net/netip"
+	"testing"
+
+	"github.com/ctscrub/ctscrub/scrubd/ctmap"
+	"github.com/ctscrub/ctscrub/scrubd/index"
+)
+
+// A version 1 snapshot (whole keys) is still read after the upgrade to
+// version 2 (the index's records); both restore the same index.
+func TestSnapshotFormatVersions(t *testing.T) {
+	pod, peer := netip.MustParseAddr("10.0.0.1"), netip.MustParseAddr("192.0.2.9")
+	pod6 := netip.MustParseAddr("fd00::1")
+	ix := index.New(index.Config{})
+	ix.Track(pod)
+	var v1 []snapshotIP
+	o4 := snapshotIP{IP: pod, Tracked: true}
+	for i := range 100 {
+		k := ctmap.NewKey4(pod, peer, 80, uint16(1000+i), ctmap.ProtoTCP, ctmap.FlagOut)
+		ix.Add4(k)
+		o4.Keys4 = append(o4.Keys4, k[:]...)
+	}
+	k6 := ctmap.NewKey6(netip.MustParseAddr("2001:db8::1"), pod6, 53, 999, ctmap.ProtoUDP, ctmap.FlagIn)
+	ix.Add6(k6)
+	v1 = append(v1, o4, snapshotIP{IP: pod6, Keys6: k6[:]})
+
+	for version, ips := range map[int][]snapshotIP{1: v1, 2: encodeIndex(ix.Snapshot())} {
+		// Through gob, as on disk.
+		var buf bytes.Buffer
+		if err := gob.NewEncoder(&buf).Encode(snapshotFile{Version: version, IPs: ips}); err != nil {
+			t.Fatal(err)
+		}
+		var f snapshotFile
+		if err := gob.NewDecoder(&buf).Decode(&f); err != nil {
+			t.Fatal(err)
+		}
+		snap, err := decodeIndex(f.Version, f.IPs)
+		if err != nil {
+			t.Fatalf("version %d: %v", version, err)
+		}
+		back := index.New(index.Config{})
+		if err := back.Restore(snap); err != nil {
+			t.Fatalf("version %d: %v", version, err)
+		}
+		for _, ip := range []netip.Addr{pod, pod6} {
+			if got, want := back.State(ip), ix.State(ip); got != want {
+				t.Errorf("version %d, %s: %+v, want %+v", version, ip, got, want)
+			}
+		}
+		if _, got6, _ := back.KeysOf(pod6); len(got6) != 1 || got6[0] != k6 {
+			t.Errorf("version %d: IPv6 keys %v", version, got6)
+		}
+	}
+
+	// A version 1 key that does not contain its IP is refused, not indexed.
+	bad := []snapshotIP{{IP: netip.MustParseAddr("10.9.9.9"), Keys4: o4.Keys4[:ctmap.KeySize4]}}
+	if _, err := decodeIndex(1, bad); err == nil {
+		t.Error("version 1 key without its IP accepted")
+	}
+	if _, err := decodeIndex(2, []snapshotIP{{IP: pod, Recs4: make([]byte, index.RecSize4+1)}}); err == nil {
+		t.Error("truncated version 2 records accepted")
+	}
+}

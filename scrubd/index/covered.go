@@ -1,0 +1,114 @@
+package index
+
+import (
+	"net/netip"
+
+	"github.com/ctscrub/ctscrub/scrubd/ctmap"
+)
+
+// ScrubKeys lists the CT keys an index scrub of ip deletes: Covered of the
+// keys the index holds for it. It is the one definition of "covered": the
+// Cilium backend deletes exactly these, and the audit counts a kernel key of
+// a complete IP as missing when it is not among them.
+func (ix *Index) ScrubKeys(ip netip.Addr) (k4 []ctmap.CTKey4, k6 []ctmap.CTKey6, st State) {
+	k4, k6, st = ix.KeysOf(ip)
+	k4, k6 = Covered(k4, k6)
+	return k4, k6, st
+}
+
+// Covered expands an IP's indexed keys into every key a scrub deletes for
+// them, without duplicates. For each flow key (neither RELATED nor SERVICE):
+// the key, its RELATED twin, and the same flow with the other initiator
+// (addresses and ports swapped, OUT and IN flipped) with its RELATED twin.
+// Cilium's LRU may evict a live flow's entry; if the other side's packet
+// comes first, Cilium re-creates the flow with that side as the initiator,
+// and the recorder, which caches flows without their direction, does not
+// record it again. Deleting that key costs one failed delete when it is
+// absent. A RELATED key adds its other-initiator form; a SERVICE key (its
+// daddr is a VIP) is only itself.
+//
+// An IN flow key (a peer initiated towards the pod) adds the same tuple
+// flagged OUT: when the connection came in as NodePort to a local backend,
+// or with DSR to a backend on this node, Cilium's bpf_host creates that
+// OUT entry beside the IN one the pod's ingress policy creates, and nothing
+// in the packets the pod sees tells such a connection from a direct one
+// (found by e2e/conformance at v1.16.5, v1.18.8 and v1.20.2). One failed
+// delete per inbound flow when absent.
+func Covered(k4 []ctmap.CTKey4, k6 []ctmap.CTKey6) ([]ctmap.CTKey4, []ctmap.CTKey6) {
+	var out4 []ctmap.CTKey4
+	if len(k4) > 0 {
+		seen := make(map[ctmap.CTKey4]struct{}, 4*len(k4))
+		add := func(k ctmap.CTKey4) {
+			if _, ok := seen[k]; !ok {
+				seen[k] = struct{}{}
+				out4 = append(out4, k)
+			}
+		}
+		for _, k := range k4 {
+			add(k)
+			if k.Flags()&ctmap.FlagService != 0 {
+				continue
+			}
+			m := Mirror4(k)
+			add(m)
+			if k.Flags()&ctmap.FlagRelated == 0 {
+				add(k.Related())
+				add(m.Related())
+			}
+			if k.Flags() == ctmap.FlagIn {
+				add(k.WithFlags(ctmap.FlagOut))
+			}
+		}
+	}
+	var out6 []ctmap.CTKey6
+	if len(k6) > 0 {
+		seen := make(map[ctmap.CTKey6]struct{}, 4*len(k6))
+		add := func(k ctmap.CTKey6) {
+			if _, ok := seen[k]; !ok {
+				seen[k] = struct{}{}
+				out6 = append(out6, k)
+			}
+		}
+		for _, k := range k6 {
+			add(k)
+			if k.Flags()&ctmap.FlagService != 0 {
+				continue
+			}
+			m := Mirror6(k)
+			add(m)
+			if k.Flags()&ctmap.FlagRelated == 0 {
+				add(k.Related())
+				add(m.Related())
+			}
+			if k.Flags() == ctmap.FlagIn {
+				add(k.WithFlags(ctmap.FlagOut))
+			}
+		}
+	}
+	return out4, out6
+}
+
+// Mirror4 is the key of the same flow with the other side as the initiator:
+// daddr and saddr swapped, dport and sport swapped, OUT and IN flipped.
+func Mirror4(k ctmap.CTKey4) ctmap.CTKey4 {
+	var m ctmap.CTKey4
+	copy(m[0:4], k[4:8])
+	copy(m[4:8], k[0:4])
+	copy(m[8:10], k[10:12])
+	copy(m[10:12], k[8:10])
+	m[12] = k[12]
+	m[13] = k[13] ^ ctmap.FlagIn
+	return m
+}
+
+// Mirror6 is Mirror4 for IPv6 keys.
+func Mirror6(k ctmap.CTKey6) ctmap.CTKey6 {
+	var m ctmap.CTKey6
+	copy(m[0:16], k[16:32])
+	copy(m[16:32], k[0:16])
+	copy(m[32:34], k[34:36])
+	copy(m[34:36], k[32:34])
+	m[36] = k[36]
+	m[37] = k[37] ^ ctmap.FlagIn
+	return m
+}

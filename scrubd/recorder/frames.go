@@ -1,0 +1,57 @@
+package recorder
+
+import (
+	"errors"
+	"fmt"
+	"os"
+	"time"
+
+	"github.com/cilium/ebpf"
+	"github.com/cilium/ebpf/ringbuf"
+
+	"github.com/ctscrub/ctscrub/scrubd/index"
+)
+
+// RunFrame runs the loaded recorder program on one Ethernet frame with
+// BPF_PROG_TEST_RUN, as if the frame crossed a pod's interface: egress =
+// the pod sends it, ingress = the pod receives it. It is how the
+// conformance suite (e2e/conformance) feeds the recorder the same packets
+// it feeds Cilium's datapath programs; records land in the ring buffer as
+// they would from an attached program (read them with Drain, or Run).
+func (r *Recorder) RunFrame(egress bool, frame []byte) error {
+	prog := r.objs.RecorderIngress
+	if egress {
+		prog = r.objs.RecorderEgress
+	}
+	if _, err := prog.Run(&ebpf.RunOptions{Data: frame}); err != nil {
+		return fmt.Errorf("recorder: test run: %w", err)
+	}
+	return nil
+}
+
+// Drain applies every record waiting in the ring buffer to ix and returns
+// how many it applied. Not to be used while Run reads the ring.
+func (r *Recorder) Drain(ix *index.Index) (int, error) {
+	rd, err := ringbuf.NewReader(r.objs.RecEvents)
+	if err != nil {
+		return 0, fmt.Errorf("recorder: ring buffer reader: %w", err)
+	}
+	defer rd.Close()
+	rd.SetDeadline(time.Now())
+	n := 0
+	var rec ringbuf.Record
+	for {
+		if err := rd.ReadInto(&rec); err != nil {
+			if errors.Is(err, os.ErrDeadlineExceeded) {
+				return n, nil
+			}
+			return n, fmt.Errorf("recorder: read ring buffer: %w", err)
+		}
+		rc, err := ParseRecord(rec.RawSample)
+		if err != nil {
+			return n, err
+		}
+		Apply(ix, &rc)
+		n++
+	}
+}
