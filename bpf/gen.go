@@ -16,7 +16,5 @@ package bpf
 // The expiry pass: counts live and expired CT entries and deletes expired ones.
 //go:generate go tool bpf2go -target bpfel -go-package bpf Expiry expiry.c -- -I./include
 
-// TEST SUPPORT ONLY: a stand-in for Cilium's datapath that creates CT entries
-// in Cilium's layout from real packets, for tests and the demo on machines
-// without Cilium. Never attached by scrubd.
-//go:generate go tool bpf2go -target bpfel -go-package bpf CiliumStandin cilium_standin.c -- -I./include
+// The test-only stand-in for Cilium's datapath lives with its Go side in
+// internal/testsupport/standin (not shipped in this package).

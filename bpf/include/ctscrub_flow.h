@@ -1,5 +1,5 @@
 /* Packet parsing shared by the recorder (bpf/recorder.c) and the test-only
- * Cilium stand-in (bpf/cilium_standin.c): both must derive the same CT key
+ * Cilium stand-in (internal/testsupport/standin/cilium_standin.c): both must derive the same CT key
  * from the same packet, or the tests that compare them prove nothing. */
 #ifndef CTSCRUB_FLOW_H
 #define CTSCRUB_FLOW_H

@@ -1,12 +1,6 @@
 package demo
 
 import (
-	"fmt"
-	"path/filepath"
-
-	"github.com/cilium/ebpf"
-
-	"github.com/ctscrub/ctscrub/bpf"
 	"github.com/ctscrub/ctscrub/internal/testsupport/standin"
 )
 
@@ -29,22 +23,8 @@ func (s standinDatapath) Close() error                 { return s.dp.Close() }
 // The CT maps are the demo's own (sized per map for the fill), not
 // standin.CreateMaps' (one size for all).
 func newDatapath(m *ctMaps) (datapath, error) {
-	spec, err := bpf.LoadCiliumStandin()
-	if err != nil {
-		return nil, fmt.Errorf("stand-in: parse BPF object: %w", err)
-	}
-	for _, n := range []string{standin.Services4, standin.Services6, standin.Backends4, standin.Backends6} {
-		s := spec.Maps[n].Copy()
-		s.MaxEntries = standin.ServiceEntries
-		mp, err := ebpf.NewMap(s)
-		if err != nil {
-			return nil, fmt.Errorf("stand-in: create service map %s: %w", n, err)
-		}
-		err = mp.Pin(filepath.Join(m.dir, n))
-		mp.Close()
-		if err != nil {
-			return nil, fmt.Errorf("stand-in: pin service map %s in %s: %w", n, m.dir, err)
-		}
+	if err := standin.CreateServiceMaps(m.dir); err != nil {
+		return nil, err
 	}
 	dp, err := standin.Load(m.dir, nil)
 	if err != nil {

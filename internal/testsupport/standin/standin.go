@@ -3,7 +3,7 @@
 // with Cilium's key conventions, from real packets, so tests, benchmarks and
 // the demo have real entries to index and scrub. scrubd never uses it.
 //
-// The BPF side is bpf/cilium_standin.c, attached with tcx to the HOST-side
+// The BPF side is cilium_standin.c (this directory), attached with tcx to the HOST-side
 // veth of a pod: ingress (the pod sends) creates OUT entries as Cilium's
 // cil_from_container does, egress (the pod receives) creates IN entries as
 // Cilium's ingress policy path does, each with its "related" ICMP entry;
@@ -34,7 +34,6 @@ import (
 	"github.com/cilium/ebpf/link"
 	"github.com/vishvananda/netlink"
 
-	"github.com/ctscrub/ctscrub/bpf"
 	"github.com/ctscrub/ctscrub/scrubd/ctmap"
 )
 
@@ -80,7 +79,7 @@ func CreateMaps(dir string, ctEntries uint32) error {
 // Cilium's layout, pinned under dir; for callers that make CT maps of
 // their own sizes.
 func CreateServiceMaps(dir string) error {
-	cs, err := bpf.LoadCiliumStandin()
+	cs, err := loadCiliumStandin()
 	if err != nil {
 		return fmt.Errorf("standin: parse BPF object: %w", err)
 	}
@@ -117,7 +116,7 @@ type Lifetimes struct {
 // Datapath is the loaded stand-in.
 type Datapath struct {
 	dir  string
-	objs bpf.CiliumStandinObjects
+	objs ciliumStandinObjects
 
 	mu          sync.Mutex
 	links       []link.Link
@@ -128,7 +127,7 @@ type Datapath struct {
 // Load loads the stand-in's programs over the maps pinned in dir (see
 // CreateMaps). lt may be nil.
 func Load(dir string, lt *Lifetimes) (*Datapath, error) {
-	spec, err := bpf.LoadCiliumStandin()
+	spec, err := loadCiliumStandin()
 	if err != nil {
 		return nil, fmt.Errorf("standin: parse BPF object: %w", err)
 	}

@@ -1,0 +1,9 @@
+package standin
+
+// TEST SUPPORT ONLY: the stand-in for Cilium's datapath (cilium_standin.c),
+// compiled with the same pinned clang as bpf/ (`make generate`) and checked
+// by `make check-generate`. It shares bpf/include/ctscrub_flow.h, the
+// recorder's parser, so both derive the same key from the same packet; the
+// conformance suite (e2e/conformance) checks both against Cilium's real
+// programs.
+//go:generate go tool bpf2go -target bpfel -go-package standin ciliumStandin cilium_standin.c -- -I../../../bpf/include
