@@ -206,6 +206,7 @@ static __always_inline int record(struct __sk_buff *skb, int egress)
 			.lport = egress ? f.sport : f.dport,
 			.rport = egress ? f.dport : f.sport,
 			.proto = f.proto,
+			.pad = {f.related}, /* an ICMP error is not the pair's other ICMP flow */
 		};
 
 		seen = bpf_map_lookup_elem(&rec_seen4, &k);
@@ -221,6 +222,7 @@ static __always_inline int record(struct __sk_buff *skb, int egress)
 			.lport = egress ? f.sport : f.dport,
 			.rport = egress ? f.dport : f.sport,
 			.proto = f.proto,
+			.pad = {f.related}, /* an ICMP error is not the pair's other ICMP flow */
 		};
 
 		if (egress) {
