@@ -56,13 +56,28 @@ test: setup ## Set up (scripts/setup.sh) and run every test (root: real BPF, nam
 conformance: ## Cilium's real datapath (every version in e2e/conformance Versions) against the recorder and index; root, clang-19
 	cd e2e/conformance && $(GO) vet ./... && CONFORMANCE_VERSIONS=all $(GO) test -count=1 -v -run TestConformance -timeout 30m ./...
 
+# Every fuzz target, as package:Target. Seed corpora (and inputs that once
+# failed) are committed under each package's testdata/fuzz and run by
+# `go test` as ordinary tests too.
+FUZZ_TARGETS := plugin:FuzzParseConfig plugin:FuzzPrevResult scrubd/daemon:FuzzAPI \
+	scrubd/recorder:FuzzParseRecord scrubd/nfct:FuzzNetlink scrubd/nfct:FuzzTupleRoundTrip \
+	scrubd/ctmap:FuzzKeyCodec scrubd/ctmap:FuzzEntryCodec
+FUZZTIME ?= 20s
+
 .PHONY: fuzz
-fuzz: ## Short fuzz runs of the parsers
-	$(GO) test ./plugin -run '^$$' -fuzz FuzzParseConfig -fuzztime 20s
+fuzz: ## Fuzz every parser briefly (FUZZTIME each, default 20s)
+	@set -e; for t in $(FUZZ_TARGETS); do \
+		echo "fuzz $${t#*:} ($${t%%:*}, $(FUZZTIME))"; \
+		$(GO) test ./$${t%%:*} -run '^$$' -fuzz "^$${t#*:}\$$" -fuzztime $(FUZZTIME) -timeout 0; \
+	done
 
 .PHONY: demo
 demo: build ## Demo node: netns pods through the real CNI chain, CT maps, scrubs (ENTRIES, default 1M)
 	./scripts/demo.sh
+
+.PHONY: soak
+soak: build ## Churn and real faults on the demo's node (CYCLES, default 500; ENTRIES, default 4M; STARVE_S, default 60)
+	$(GO) run ./e2e/soak
 
 .PHONY: bench
 bench: ## Index scrub vs NextKey walk vs batch walk vs sweep (ENTRIES, PER_IP)
@@ -83,6 +98,14 @@ bench-nfct: ## nf_conntrack: conntrack -D, DeleteFilters, filtered flush, index 
 .PHONY: bench-expiry
 bench-expiry: ## Expiry pass vs Cilium's NextKey and batch GC
 	$(GO) run ./bench/expiry
+
+.PHONY: e2e-kind
+e2e-kind: ## Kind cluster, real Cilium (CILIUM_VERSION, default 1.18.8), ctscrub by its chart; 40+ min cold (docs/kind.md); root
+	./e2e/kind/run.sh
+
+.PHONY: bench-cilium-node
+bench-cilium-node: ## Real Cilium in kind: pods start/stop on a full, mostly expired CT table, with/without ctscrub (ENTRIES, EXPIRED, PODS; images from make e2e-kind)
+	./bench/ciliumnode/run.sh
 
 .PHONY: clean
 clean: ## Remove build output

@@ -37,6 +37,51 @@ struct {
  * passes; read on every element so the pass ends within microseconds. */
 volatile __u32 stop;
 
+/* The audit (scrubd/expiry/audit.go): the pass also copies out the keys of a
+ * sample of IPs (audit_ips4/6, filled from user space), which user space then
+ * compares with its index. A bit per folded address (audit_filter4/6, as in
+ * bpf/sweep.c) rejects most entries with two plain memory reads. Keys go to
+ * audit_keys4/6 in the order found; past AUDIT_MAX_KEYS they are counted as
+ * overflow and not copied. */
+#define AUDIT_MAX_IPS 4096
+#define AUDIT_MAX_KEYS 32768
+#define AUDIT_FILTER_WORDS 1024
+
+struct audit_ip6 {
+	__u8 addr[16];
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, AUDIT_MAX_IPS);
+	__type(key, __be32);
+	__type(value, __u32);
+} audit_ips4 SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, AUDIT_MAX_IPS);
+	__type(key, struct audit_ip6);
+	__type(value, __u32);
+} audit_ips6 SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, AUDIT_MAX_KEYS);
+	__type(key, __u32);
+	__type(value, struct ct_key4);
+} audit_keys4 SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, AUDIT_MAX_KEYS);
+	__type(key, __u32);
+	__type(value, struct ct_key6);
+} audit_keys6 SEC(".maps");
+
+__u64 audit_filter4[AUDIT_FILTER_WORDS];
+__u64 audit_filter6[AUDIT_FILTER_WORDS];
+
 #define CLOCK_KTIME 0
 #define CLOCK_JIFFIES 1
 #define NUM_CLOCKS 2
@@ -73,6 +118,12 @@ struct expiry_args {
 	__u64 refreshed; /* expired when counted, live (or gone) when re-read before delete */
 	__u64 guarded;   /* expired under args->clock but implausible in it: kept */
 	struct clock_stats c[NUM_CLOCKS];
+	/* the audit: in */
+	__u32 audit;          /* copy out the keys of the IPs in audit_ips4/6 */
+	__u32 audit_pad;
+	/* the audit: out */
+	__u64 audit_found;    /* keys of audited IPs seen (copied or not) */
+	__u64 audit_overflow; /* of those, not copied: audit_keys4/6 full */
 };
 
 /* The walk's state, on the stack (the context pointer cannot be offset, so the
@@ -177,6 +228,56 @@ static __always_inline int visit(struct state *st, struct ct_entry *val)
 	return 0;
 }
 
+static __always_inline __u32 audit_fold(__u32 a)
+{
+	return (a ^ (a >> 16)) & 0xffff;
+}
+
+static __always_inline int audit_maybe(__u64 *filter, __u32 a)
+{
+	__u32 bit = audit_fold(a);
+
+	return (filter[(bit >> 6) & (AUDIT_FILTER_WORDS - 1)] >> (bit & 63)) & 1;
+}
+
+/* Copies key out when it holds an audited IP. Entries this pass deletes are
+ * not audited (they are gone when user space looks). */
+static __always_inline void audit4(struct state *st, struct ct_key4 *key)
+{
+	struct ct_key4 *slot;
+	__u32 i;
+
+	if (!audit_maybe(audit_filter4, key->daddr) && !audit_maybe(audit_filter4, key->saddr))
+		return;
+	if (!bpf_map_lookup_elem(&audit_ips4, &key->daddr) && !bpf_map_lookup_elem(&audit_ips4, &key->saddr))
+		return;
+	i = st->a.audit_found++;
+	slot = bpf_map_lookup_elem(&audit_keys4, &i);
+	if (!slot) {
+		st->a.audit_overflow++;
+		return;
+	}
+	__builtin_memcpy(slot, key, sizeof(*slot));
+}
+
+static __always_inline void audit6(struct state *st, struct ct_key6 *key)
+{
+	struct ct_key6 *slot;
+	__u32 i;
+
+	if (!audit_maybe(audit_filter6, *(__u32 *)&key->daddr[12]) && !audit_maybe(audit_filter6, *(__u32 *)&key->saddr[12]))
+		return;
+	if (!bpf_map_lookup_elem(&audit_ips6, &key->daddr) && !bpf_map_lookup_elem(&audit_ips6, &key->saddr))
+		return;
+	i = st->a.audit_found++;
+	slot = bpf_map_lookup_elem(&audit_keys6, &i);
+	if (!slot) {
+		st->a.audit_overflow++;
+		return;
+	}
+	__builtin_memcpy(slot, key, sizeof(*slot));
+}
+
 static long expiry4_cb(void *map, struct ct_key4 *key, struct ct_entry *val, struct state *st)
 {
 	if (stop) {
@@ -187,6 +288,8 @@ static long expiry4_cb(void *map, struct ct_key4 *key, struct ct_entry *val, str
 	if (visit(st, val)) {
 		__builtin_memcpy(&st->pending.k4, key, sizeof(st->pending.k4));
 		st->have_pending = 1;
+	} else if (st->a.audit) {
+		audit4(st, key);
 	}
 	return 0;
 }
@@ -201,6 +304,8 @@ static long expiry6_cb(void *map, struct ct_key6 *key, struct ct_entry *val, str
 	if (visit(st, val)) {
 		__builtin_memcpy(&st->pending.k6, key, sizeof(st->pending.k6));
 		st->have_pending = 1;
+	} else if (st->a.audit) {
+		audit6(st, key);
 	}
 	return 0;
 }
@@ -224,6 +329,7 @@ static __always_inline void begin(struct state *st, struct expiry_args *args)
 	}
 	a->stopped = 0;
 	a->visited = a->deleted = a->refreshed = a->guarded = 0;
+	a->audit_found = a->audit_overflow = 0;
 	a->c[CLOCK_KTIME] = (struct clock_stats){.min_expired = ~0U};
 	a->c[CLOCK_JIFFIES] = (struct clock_stats){.min_expired = ~0U};
 }

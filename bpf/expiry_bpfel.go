@@ -13,6 +13,11 @@ import (
 	"github.com/cilium/ebpf"
 )
 
+type ExpiryAuditIp6 struct {
+	_    structs.HostLayout
+	Addr [16]uint8
+}
+
 type ExpiryCtEntry struct {
 	_            structs.HostLayout
 	Reserved0    uint64
@@ -54,11 +59,17 @@ type ExpiryCtKey6 struct {
 //
 // Used for safe lookups in a Collection or CollectionSpec.
 const (
-	ExpiryMapCt4      = "ct4"
-	ExpiryMapCt6      = "ct6"
-	ExpiryProgExpiry4 = "expiry4"
-	ExpiryProgExpiry6 = "expiry6"
-	ExpiryVarStop     = "stop"
+	ExpiryMapAuditIps4    = "audit_ips4"
+	ExpiryMapAuditIps6    = "audit_ips6"
+	ExpiryMapAuditKeys4   = "audit_keys4"
+	ExpiryMapAuditKeys6   = "audit_keys6"
+	ExpiryMapCt4          = "ct4"
+	ExpiryMapCt6          = "ct6"
+	ExpiryProgExpiry4     = "expiry4"
+	ExpiryProgExpiry6     = "expiry6"
+	ExpiryVarAuditFilter4 = "audit_filter4"
+	ExpiryVarAuditFilter6 = "audit_filter6"
+	ExpiryVarStop         = "stop"
 )
 
 // LoadExpiry returns the embedded CollectionSpec for Expiry.
@@ -111,15 +122,21 @@ type ExpiryProgramSpecs struct {
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type ExpiryMapSpecs struct {
-	Ct4 *ebpf.MapSpec `ebpf:"ct4"`
-	Ct6 *ebpf.MapSpec `ebpf:"ct6"`
+	AuditIps4  *ebpf.MapSpec `ebpf:"audit_ips4"`
+	AuditIps6  *ebpf.MapSpec `ebpf:"audit_ips6"`
+	AuditKeys4 *ebpf.MapSpec `ebpf:"audit_keys4"`
+	AuditKeys6 *ebpf.MapSpec `ebpf:"audit_keys6"`
+	Ct4        *ebpf.MapSpec `ebpf:"ct4"`
+	Ct6        *ebpf.MapSpec `ebpf:"ct6"`
 }
 
 // ExpiryVariableSpecs contains global variables before they are loaded into the kernel.
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type ExpiryVariableSpecs struct {
-	Stop *ebpf.VariableSpec `ebpf:"stop"`
+	AuditFilter4 *ebpf.VariableSpec `ebpf:"audit_filter4"`
+	AuditFilter6 *ebpf.VariableSpec `ebpf:"audit_filter6"`
+	Stop         *ebpf.VariableSpec `ebpf:"stop"`
 }
 
 // ExpiryObjects contains all objects after they have been loaded into the kernel.
@@ -142,12 +159,20 @@ func (o *ExpiryObjects) Close() error {
 //
 // It can be passed to LoadExpiryObjects or ebpf.CollectionSpec.LoadAndAssign.
 type ExpiryMaps struct {
-	Ct4 *ebpf.Map `ebpf:"ct4"`
-	Ct6 *ebpf.Map `ebpf:"ct6"`
+	AuditIps4  *ebpf.Map `ebpf:"audit_ips4"`
+	AuditIps6  *ebpf.Map `ebpf:"audit_ips6"`
+	AuditKeys4 *ebpf.Map `ebpf:"audit_keys4"`
+	AuditKeys6 *ebpf.Map `ebpf:"audit_keys6"`
+	Ct4        *ebpf.Map `ebpf:"ct4"`
+	Ct6        *ebpf.Map `ebpf:"ct6"`
 }
 
 func (m *ExpiryMaps) Close() error {
 	return _ExpiryClose(
+		m.AuditIps4,
+		m.AuditIps6,
+		m.AuditKeys4,
+		m.AuditKeys6,
 		m.Ct4,
 		m.Ct6,
 	)
@@ -157,7 +182,9 @@ func (m *ExpiryMaps) Close() error {
 //
 // It can be passed to LoadExpiryObjects or ebpf.CollectionSpec.LoadAndAssign.
 type ExpiryVariables struct {
-	Stop *ebpf.Variable `ebpf:"stop"`
+	AuditFilter4 *ebpf.Variable `ebpf:"audit_filter4"`
+	AuditFilter6 *ebpf.Variable `ebpf:"audit_filter6"`
+	Stop         *ebpf.Variable `ebpf:"stop"`
 }
 
 // ExpiryPrograms contains all programs after they have been loaded into the kernel.

@@ -41,7 +41,9 @@ func podAddrs(res *current.Result, ifname string) ([]netip.Addr, string) {
 		}
 	}
 	name := ifname
-	if chosen >= 0 {
+	if chosen >= 0 && res.Interfaces[chosen].Name != "" {
+		// A sandbox interface without a name (found by FuzzPrevResult) is
+		// CNI_IFNAME's: the spec names the container's interface so.
 		name = res.Interfaces[chosen].Name
 	}
 	var ips []netip.Addr
@@ -260,15 +262,22 @@ func del(ctx context.Context, cl *client.Client, conf *Config, args *skel.CmdArg
 			return &stepError{fmt.Sprintf("scrub %v of container %s", ips, args.ContainerID), err}
 		}
 	}
-	if rec != nil {
-		// After the scrub, so that the index covers every flow up to it.
-		err := cl.IndexStop(ctx, api.IndexStopRequest{Attachment: me, Netns: args.Netns})
-		if e, ok := client.APIError(err); ok && e.Code == api.CodeNotFound {
-			err = nil // a concurrent DEL stopped it first
+	if rec == nil {
+		// A pod scrubd never indexed: tell scrubd, whose released IPs can
+		// no longer be trusted (that pod's flows are in no index). Best
+		// effort: the DEL's outcome does not depend on it.
+		if err := cl.IndexStop(ctx, api.IndexStopRequest{Attachment: me, Netns: args.Netns}); err != nil {
+			fmt.Fprintf(stderr, "ctscrub: DEL %s: report an attachment scrubd never indexed: %v\n", attachmentID(args), err)
 		}
-		if err != nil {
-			return &stepError{fmt.Sprintf("stop indexing %s of container %s", args.IfName, args.ContainerID), err}
-		}
+		return nil
+	}
+	// After the scrub, so that the index covers every flow up to it.
+	err = cl.IndexStop(ctx, api.IndexStopRequest{Attachment: me, Netns: args.Netns})
+	if e, ok := client.APIError(err); ok && e.Code == api.CodeNotFound {
+		err = nil // a concurrent DEL stopped it first
+	}
+	if err != nil {
+		return &stepError{fmt.Sprintf("stop indexing %s of container %s", args.IfName, args.ContainerID), err}
 	}
 	return nil
 }

@@ -48,6 +48,8 @@ func main() {
 		err = cliScrub(args)
 	case "index":
 		err = cliIndex(args)
+	case "audit":
+		err = cliAudit(args)
 	case "ct":
 		if len(args) == 0 || args[0] != "stats" {
 			err = errors.New(`usage: scrubd ct stats`)
@@ -76,6 +78,8 @@ func usage(w io.Writer) {
                                        delete every CT entry of pod IPs (dry run: count)
   scrubd index [--ip X]                indexed pods, or what the index holds for one IP
   scrubd ct stats                      entries and capacity of each CT table
+  scrubd audit [--ip X [--ip Y]]       compare IPs' CT entries in the kernel with the index
+                                       (read-only; exit 1 if keys are missing); no --ip: recent misses
 CLI commands take --socket (default `+api.DefaultSocket+`), --timeout and --json.
 `)
 }
@@ -146,6 +150,7 @@ func runConfig(args []string) (daemon.Config, error) {
 	fs.StringVar(&flagCfg.Expiry.Mode, "expiry-mode", flagCfg.Expiry.Mode, "expiry pass over Cilium's CT maps: off, report or sweep")
 	fs.Var(durationFlag{&flagCfg.Expiry.Interval}, "expiry-interval", "fixed interval between expiry passes")
 	fs.StringVar(&flagCfg.Expiry.Clock, "expiry-clock", flagCfg.Expiry.Clock, "clock of Cilium's CT lifetimes: auto, ktime or jiffies")
+	fs.StringVar(&flagCfg.CNIConfDir, "cni-conf-dir", flagCfg.CNIConfDir, "the runtime's CNI config dir: watch that it chains ctscrub (empty: off)")
 	fs.StringVar(&flagCfg.NFCTFallback, "nfct-fallback", flagCfg.NFCTFallback, "nf_conntrack scrub of incomplete IPs: auto (empty), flush or dump")
 	if err := fs.Parse(args); err != nil {
 		return daemon.Config{}, err
@@ -200,6 +205,8 @@ func runConfig(args []string) (daemon.Config, error) {
 			cfg.Expiry.Clock = flagCfg.Expiry.Clock
 		case "nfct-fallback":
 			cfg.NFCTFallback = flagCfg.NFCTFallback
+		case "cni-conf-dir":
+			cfg.CNIConfDir = flagCfg.CNIConfDir
 		}
 	})
 	return cfg, nil

@@ -1,11 +1,13 @@
 package main
 
 import (
+	"errors"
 	"fmt"
 	"net/netip"
 	"os"
 	"path/filepath"
 	"runtime"
+	"slices"
 	"time"
 
 	"github.com/cilium/ebpf"
@@ -50,6 +52,9 @@ type node struct {
 
 	// The scrubd the socket figures go through (see daemon.go).
 	scrubd *scrubd
+
+	// extra is added to a series run's time (an extrapolated partial walk).
+	extra time.Duration
 
 	fillTime      time.Duration
 	applyTime     time.Duration
@@ -255,6 +260,21 @@ func (nd *node) entries() (int64, error) {
 		total += n
 	}
 	return total, nil
+}
+
+// deleteTarget deletes the target's entries by key (after a partial walk),
+// untimed.
+func (nd *node) deleteTarget(target netip.Addr) error {
+	i := slices.Index(nd.targets, target)
+	if i < 0 {
+		return fmt.Errorf("%s is not a target", target)
+	}
+	for _, k := range nd.target4[i] {
+		if err := nd.maps.Map(k.Kind()).Delete(k); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
+			return err
+		}
+	}
+	return nil
 }
 
 // podIPs are the node's other pods.

@@ -41,7 +41,9 @@ type result struct {
 		LeftAtDel int    `json:"left_after_del"`
 		Inherited int    `json:"inherited_by_new_pod"`
 	} `json:"reuse"`
-	Metrics string `json:"metrics"`
+	Metrics      string `json:"metrics"`
+	AuditIPs     *int   `json:"audit_ips"`
+	AuditMissing *int   `json:"audit_missing"`
 }
 
 func needDemoHost(t *testing.T) {
@@ -197,6 +199,12 @@ func TestDemoShort(t *testing.T) {
 	}
 	if !found {
 		t.Fatal("no RESULT line in the demo's output")
+	}
+	if !strings.Contains(text, "\naudit: ") {
+		t.Error("no line starting with \"audit:\" in the demo's output")
+	}
+	if res.AuditMissing == nil || res.AuditIPs == nil || *res.AuditIPs == 0 || *res.AuditMissing != 0 {
+		t.Errorf("RESULT audit_ips %v, audit_missing %v: want every pod IP audited and 0 missing", res.AuditIPs, res.AuditMissing)
 	}
 	if len(res.Scrubs) == 0 {
 		t.Fatal("no scrub printed")

@@ -12,11 +12,19 @@ import (
 )
 
 // Fixed places, so a run can undo what an interrupted (SIGKILLed) one left.
-const (
+var (
 	WorkDir  = "/run/ctscrub-demo"
 	BPFDir   = "/sys/fs/bpf/ctscrub-demo"
 	lockPath = "/run/ctscrub-demo.lock"
 )
+
+// useNames switches every name and place to prefix (before anything is
+// created): `make soak` runs as "ctscrub-soak" beside a demo.
+func useNames(prefix string) {
+	namePrefix, netName = prefix, prefix
+	nodeNS, outsideNS = prefix+"-node", prefix+"-outside"
+	WorkDir, BPFDir, lockPath = "/run/"+prefix, "/sys/fs/bpf/"+prefix, "/run/"+prefix+".lock"
+}
 
 // Lock makes sure one demo (or test of this package, or a check for
 // leftovers) runs at a time on the machine: they share names. It waits up to

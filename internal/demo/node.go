@@ -25,13 +25,19 @@ import (
 // the demo changes no link, sysctl (the bridge plugin turns on ip_forward) or
 // firewall rule of the machine, and deleting the netns removes them all.
 // scrubd runs in the machine's namespace: it reaches pods by netns path.
+//
+// Variables, not constants, only so that `make soak` can use names of its own
+// (useNames) and run beside a demo or a benchmark that uses the demo's.
+var (
+	namePrefix = "ctscrub-demo"
+	netName    = "ctscrub-demo" // the CNI network
+	nodeNS     = namePrefix + "-node"
+	outsideNS  = namePrefix + "-outside"
+)
+
 const (
-	namePrefix  = "ctscrub-demo"
-	netName     = "ctscrub-demo" // the CNI network
-	nodeNS      = namePrefix + "-node"
-	bridgeName  = "ctsdemo0"
+	bridgeName  = "ctsdemo0"    // inside the node netns
 	outsideVeth = "ctsdemo-out" // the node's side of the outside host's link
-	outsideNS   = namePrefix + "-outside"
 	netnsDir    = "/run/netns"
 )
 

@@ -30,6 +30,7 @@ type session struct {
 	walkNK  walkResult
 	walkB   walkResult
 	reuse   []reuseCheck
+	audited auditResult
 }
 
 // row is one scrub for the summary.
@@ -125,6 +126,9 @@ func (s *session) run(ctx context.Context, nPods int) error {
 		next++
 	}
 
+	if s.audited, err = s.audit(ctx); err != nil {
+		return err
+	}
 	s.summary()
 	s.metrics(ctx)
 	s.printJSON()
@@ -133,6 +137,9 @@ func (s *session) run(ctx context.Context, nPods int) error {
 			return fmt.Errorf("%s: %d CT entries of %s were left after its DEL and %s inherited %d: the scrub was not complete",
 				r.IP, r.LeftAtDel, r.OldPod, r.NewPod, r.Inherited)
 		}
+	}
+	if s.audited.Missing != 0 {
+		return fmt.Errorf("the audit found %d CT keys of complete IPs missing from the index", s.audited.Missing)
 	}
 	s.hold(ctx, pods)
 	return nil
@@ -428,6 +435,8 @@ func (s *session) printJSON() {
 		"batch_walk_s":   s.walkB.Duration.Seconds(),
 		"walk_entries":   s.walkNK.Entries,
 		"reuse":          s.reuse,
+		"audit_ips":      s.audited.IPs,
+		"audit_missing":  s.audited.Missing,
 		"metrics":        "http://" + s.d.Metrics + "/metrics",
 	})
 	s.p.f("\nRESULT %s\n", b)

@@ -78,8 +78,8 @@ type IndexedPod struct {
 	Ifindex int          `json:"ifindex"`
 	// Network is the CNI network the attachment belongs to ("" when it was
 	// started by a client older than GC scoping: no GC drops it).
-	Network string `json:"network,omitempty"`
-	Since   time.Time    `json:"since"`
+	Network string    `json:"network,omitempty"`
+	Since   time.Time `json:"since"`
 	// Stopped is when indexing stopped; zero while it runs. Stopped
 	// attachments are remembered for a while so that a DEL without
 	// prevResult can still learn the pod's IPs (GET PathIndexPod).
@@ -154,6 +154,7 @@ const (
 	CodeCancelled  = "cancelled"   // caller's deadline passed or it went away
 	CodeInternal   = "internal"    // backend failure
 	CodeNotFound   = "not_found"   // unknown attachment
+	CodeForbidden  = "forbidden"   // caller is not root (SO_PEERCRED)
 )
 
 // Error is every non-2xx answer's body.

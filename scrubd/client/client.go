@@ -158,3 +158,9 @@ func (c *Client) CTStats(ctx context.Context) (*api.CTStats, error) {
 	out := &api.CTStats{}
 	return out, c.do(ctx, http.MethodGet, api.PathCTStats, nil, out)
 }
+
+// Audit runs an on-demand audit of ips (see api.AuditRequest).
+func (c *Client) Audit(ctx context.Context, ips []netip.Addr) (*api.AuditResponse, error) {
+	var out api.AuditResponse
+	return &out, c.do(ctx, http.MethodPost, api.PathAudit, api.AuditRequest{IPs: ips}, &out)
+}

@@ -61,6 +61,11 @@ type Config struct {
 	LogLevel string `yaml:"log_level"`
 	// Expiry configures the expiry pass over Cilium's CT maps.
 	Expiry ExpiryConfig `yaml:"expiry"`
+	// CNIConfDir is the runtime's CNI config directory. When set, scrubd
+	// checks every 5 s that its first config file chains ctscrub; while it
+	// does not, pods may start that the recorder never sees, and no IP a
+	// DEL released is trusted by the next ADD (see ownership.go). "": off.
+	CNIConfDir string `yaml:"cni_conf_dir"`
 	// NFCTFallback is how the nf_conntrack backend scrubs incomplete IPs:
 	// "" (auto), flush or dump.
 	NFCTFallback string `yaml:"nfct_fallback"`

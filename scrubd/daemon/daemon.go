@@ -27,6 +27,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/ctscrub/ctscrub/scrubd/api"
+	"github.com/ctscrub/ctscrub/scrubd/expiry"
 	"github.com/ctscrub/ctscrub/scrubd/index"
 	"github.com/ctscrub/ctscrub/scrubd/scrub"
 )
@@ -89,6 +90,9 @@ type Options struct {
 	// EntriesSplit names the backends whose entries the expiry pass splits
 	// into live/expired: the daemon does not write state="all" for them.
 	EntriesSplit []string
+	// Expiry is the Cilium backend's expiry pass: the continuous audit runs
+	// in it and the on-demand audit reads through it (audit.go).
+	Expiry *expiry.Runner
 }
 
 // Daemon is scrubd.
@@ -112,6 +116,9 @@ type Daemon struct {
 	slots        chan struct{} // MaxInFlight running flights
 	admitted     atomic.Int64  // requests admitted, running or queued
 	ready        atomic.Bool
+	exp          *expiry.Runner // nil without the Cilium backend
+	own          ownership      // which IPs a clean DEL released (ownership.go)
+	chained      prometheus.Gauge
 	started      time.Time
 	metricsLn    atomic.Pointer[net.Addr] // where /metrics listens (port 0 resolved)
 
@@ -175,6 +182,12 @@ func New(opts Options) (*Daemon, error) {
 	}
 	d.workCtx, d.cancelWork = context.WithCancel(context.Background())
 	d.m = newMetrics(d, opts.Registry)
+	if err := d.enableAudit(opts.Expiry); err != nil {
+		return nil, err
+	}
+	if err := d.enableConflistWatch(); err != nil {
+		return nil, err
+	}
 	return d, nil
 }
 
@@ -230,8 +243,9 @@ func (d *Daemon) Run(ctx context.Context) error {
 		return err
 	}
 	apiSrv := &http.Server{
-		Handler:           d.apiHandler(),
+		Handler:           d.rootOnly(d.apiHandler()),
 		BaseContext:       func(net.Listener) context.Context { return d.workCtx },
+		ConnContext:       peerCredContext,
 		ReadHeaderTimeout: 10 * time.Second,
 	}
 
@@ -270,6 +284,10 @@ func (d *Daemon) Run(ctx context.Context) error {
 
 	serveErr := make(chan error, 1)
 	go func() { serveErr <- apiSrv.Serve(apiLn) }()
+	// Stopped before the API's shutdown, which removes the socket.
+	watchCtx, stopWatch := context.WithCancel(context.Background())
+	watchDone := make(chan struct{})
+	go func() { d.watchSocket(watchCtx, apiSrv); close(watchDone) }()
 	d.ready.Store(true)
 	d.log.Info("scrubd serving", "socket", d.cfg.Socket, "metrics", d.cfg.MetricsAddr, "backends", d.backendNames(),
 		"pod_cidrs", d.cidrs, "recorder", d.rec != nil, "indexed_pods", d.pods.activeCount(), "version", d.version)
@@ -281,6 +299,8 @@ func (d *Daemon) Run(ctx context.Context) error {
 		runErr = fmt.Errorf("serve API: %w", runErr)
 	}
 	d.ready.Store(false)
+	stopWatch()
+	<-watchDone
 
 	// Stop accepting; in-flight scrubs get ShutdownGrace, then are cancelled
 	// (they stop within the backend's bound and answer "cancelled").

@@ -513,7 +513,9 @@ func TestSameIPIsShared(t *testing.T) {
 	}
 	a, b, c := make(chan answer, 1), make(chan answer, 1), make(chan answer, 1)
 	send := func(ctx context.Context, ch chan answer) {
-		r, err := td.c.Scrub(ctx, api.ScrubRequest{IPs: []netip.Addr{ip}, Reason: scrub.ReasonAdd})
+		// An operator's scrub (no container): an ADD of an IP no DEL
+		// released would sweep (ownership.go).
+		r, err := td.c.Scrub(ctx, api.ScrubRequest{IPs: []netip.Addr{ip}, Reason: scrub.ReasonDel})
 		ch <- answer{r, err}
 	}
 	go send(context.Background(), a)

@@ -95,6 +95,7 @@ func (d *Daemon) handleGC(w http.ResponseWriter, r *http.Request) {
 		}
 		defer release()
 		resp.Results = d.scrub(r.Context(), scrubIPs, scrub.ReasonGC, false, "")
+		d.afterScrub(scrub.ReasonGC, "", scrubIPs, resp.Results) // ownership.go
 		for _, res := range resp.Results {
 			if res.Outcome != scrub.Complete {
 				d.answerScrub(w, r.Context(), resp.Results)

@@ -36,6 +36,7 @@ func (d *Daemon) apiHandler() http.Handler {
 	mux.HandleFunc("GET "+api.PathStatus, d.handleStatus)
 	mux.HandleFunc("POST "+api.PathGC, d.handleGC)
 	mux.HandleFunc("GET "+api.PathCTStats, d.handleCTStats)
+	mux.HandleFunc("POST "+api.PathAudit, d.handleAudit)
 	// Health on the socket too, for probes that exec the CLI.
 	mux.HandleFunc("GET /healthz", d.handleHealthz)
 	mux.HandleFunc("GET /readyz", d.handleReadyz)
@@ -101,6 +102,8 @@ func writeError(w http.ResponseWriter, e *api.Error) {
 		status = http.StatusGatewayTimeout
 	case api.CodeNotFound:
 		status = http.StatusNotFound
+	case api.CodeForbidden:
+		status = http.StatusForbidden
 	}
 	writeJSON(w, status, e)
 }
@@ -234,7 +237,11 @@ func (d *Daemon) handleScrub(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	defer release()
+	d.beforeScrub(req, ips) // ownership.go
 	results := d.scrub(r.Context(), ips, req.Reason, req.DryRun, req.ContainerID)
+	if !req.DryRun {
+		d.afterScrub(req.Reason, req.ContainerID, ips, results)
+	}
 	d.answerScrub(w, r.Context(), results)
 }
 
@@ -428,6 +435,9 @@ func (d *Daemon) handleIndexStart(w http.ResponseWriter, r *http.Request) {
 		}
 		pod.Ifindex = ifindex
 	}
+	for _, ip := range ips {
+		d.own.forget(ip) // owned now: no longer released
+	}
 	displaced, err := d.pods.start(pod)
 	if err != nil {
 		writeError(w, &api.Error{Code: api.CodeInternal, Message: err.Error()})
@@ -460,6 +470,9 @@ func (d *Daemon) handleIndexStop(w http.ResponseWriter, r *http.Request) {
 	if err != nil {
 		writeError(w, &api.Error{Code: api.CodeInternal, Message: err.Error()})
 		return
+	}
+	if !known {
+		d.unseenOwner("DEL of an attachment scrubd never indexed", "container_id", req.ContainerID, "ifname", req.IfName)
 	}
 	netns := req.Netns
 	if netns == "" {

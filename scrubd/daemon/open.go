@@ -62,6 +62,7 @@ func Open(cfg Config, log *slog.Logger, version string) (*Daemon, error) {
 				opts.EntriesSplit = append(opts.EntriesSplit, "cilium")
 			}
 			opts.Backends = append(opts.Backends, ciliumBackend{c, maps, exp})
+			opts.Expiry = exp
 			opts.Stats = append(opts.Stats, CiliumStats(maps, c))
 			opts.Recorder = rec
 			closers = closers[:0] // owned by the backend and the recorder now

@@ -32,6 +32,11 @@ func exported(t *testing.T) []string {
 	m.refreshed.WithLabelValues("m")
 	m.passes.WithLabelValues("m", "swept")
 	m.clock.WithLabelValues("ktime", "true")
+	am, err := newAuditMetrics(reg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	am.missing.WithLabelValues("m", "out", "false", "tcp")
 	mfs, err := reg.Gather()
 	if err != nil {
 		t.Fatal(err)

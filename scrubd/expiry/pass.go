@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net/netip"
 	"sync"
 	"time"
 
@@ -35,7 +36,7 @@ type clockStats struct {
 	_                                     uint32
 }
 
-// passArgs mirrors struct expiry_args in bpf/expiry.c (176 bytes): the
+// passArgs mirrors struct expiry_args in bpf/expiry.c (200 bytes): the
 // BPF_PROG_TEST_RUN context, parameters in, counters out.
 type passArgs struct {
 	Flags             uint32
@@ -54,6 +55,11 @@ type passArgs struct {
 	Refreshed    uint64
 	Guarded      uint64
 	C            [numClocks]clockStats
+
+	Audit         uint32 // copy out the keys of the audited IPs (audit.go)
+	_             uint32
+	AuditFound    uint64
+	AuditOverflow uint64
 }
 
 // mapPass is bpf/expiry.c loaded for one CT map.
@@ -63,6 +69,13 @@ type mapPass struct {
 	prog *ebpf.Program
 	stop *ebpf.Variable
 	mu   sync.Mutex // one pass at a time: the stop flag is per program
+
+	// The audit's IP set and key buffer (audit_ips4/6, audit_keys4/6,
+	// audit_filter4/6 of this map's family) and the IPs loaded in them.
+	auditIPs    *ebpf.Map
+	auditKeys   *ebpf.Map
+	auditFilter *ebpf.Variable
+	auditSet    []netip.Addr
 }
 
 // loadPass loads the expiry program for map m of kind k, with m in place of
@@ -73,11 +86,15 @@ func loadPass(k ctmap.Kind, m *ebpf.Map) (*mapPass, error) {
 		return nil, fmt.Errorf("load expiry program spec: %w", err)
 	}
 	mapName, progName, other, otherProg := "ct4", "expiry4", "ct6", "expiry6"
+	fam, otherFam := "4", "6"
 	if k.IPv6() {
 		mapName, progName, other, otherProg = "ct6", "expiry6", "ct4", "expiry4"
+		fam, otherFam = "6", "4"
 	}
 	delete(spec.Programs, otherProg)
 	delete(spec.Maps, other)
+	delete(spec.Maps, "audit_ips"+otherFam)
+	delete(spec.Maps, "audit_keys"+otherFam)
 	ms := spec.Maps[mapName]
 	ms.Type = m.Type()
 	ms.MaxEntries = m.MaxEntries()
@@ -88,10 +105,11 @@ func loadPass(k ctmap.Kind, m *ebpf.Map) (*mapPass, error) {
 	if err != nil {
 		return nil, fmt.Errorf("load expiry program for %s: %w (needs root and a kernel with BPF_PROG_TYPE_SYSCALL, 5.14+)", k.Name(), err)
 	}
-	p := &mapPass{kind: k, coll: coll, prog: coll.Programs[progName], stop: coll.Variables["stop"]}
-	if p.prog == nil || p.stop == nil {
+	p := &mapPass{kind: k, coll: coll, prog: coll.Programs[progName], stop: coll.Variables["stop"],
+		auditIPs: coll.Maps["audit_ips"+fam], auditKeys: coll.Maps["audit_keys"+fam], auditFilter: coll.Variables["audit_filter"+fam]}
+	if p.prog == nil || p.stop == nil || p.auditIPs == nil || p.auditKeys == nil || p.auditFilter == nil {
 		coll.Close()
-		return nil, fmt.Errorf("load expiry program for %s: program %s or variable stop missing from bpf/expiry_bpfel.o (run make generate)", k.Name(), progName)
+		return nil, fmt.Errorf("load expiry program for %s: program %s, variable stop or the audit maps missing from bpf/expiry_bpfel.o (run make generate)", k.Name(), progName)
 	}
 	return p, nil
 }
@@ -125,6 +143,9 @@ func (p *mapPass) run(ctx context.Context, args passArgs) (passArgs, time.Durati
 		case <-done:
 		}
 	}()
+	if len(p.auditSet) > 0 {
+		args.Audit = 1
+	}
 	out := args
 	start := time.Now()
 	_, err := p.prog.Run(&ebpf.RunOptions{Context: args, ContextOut: &out})

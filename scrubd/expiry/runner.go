@@ -41,6 +41,8 @@ type Runner struct {
 
 	// testRefreshMarker switches on bpf/expiry.c's TEST ONLY refresh hook.
 	testRefreshMarker uint64
+
+	audit *auditor // nil until EnableAudit (audit.go)
 }
 
 // MapReport is one pass over one map, judged in the decision's clock.
@@ -55,7 +57,9 @@ type MapReport struct {
 	Duration      time.Duration
 	Stopped       bool
 
-	raw passArgs
+	raw   passArgs
+	kind  ctmap.Kind
+	audit auditFound
 }
 
 // Report is one pass over all maps.
@@ -196,9 +200,12 @@ func (r *Runner) Pass(ctx context.Context) (Report, error) {
 	}
 	r.mu.Lock()
 	defer r.mu.Unlock()
+	parent := ctx // the audit's confirm wait is not part of the walk's deadline
 	ctx, cancel := context.WithTimeout(ctx, r.cfg.PassTimeout)
 	defer cancel()
 
+	now := time.Now()
+	smp := r.loadAudit(now)
 	sweep := r.cfg.Mode == ModeSweep && r.decision.Delete
 	rep, err := r.walk(ctx, sweep, r.decision.Clock)
 	if !rep.Stopped && err == nil {
@@ -218,6 +225,7 @@ func (r *Runner) Pass(ctx context.Context) (Report, error) {
 	if r.m != nil {
 		r.m.setDecision(r.decision, r.cfg.Mode)
 	}
+	r.checkAudit(parent, smp, rep, err == nil && !rep.Stopped, now)
 	return rep, err
 }
 
@@ -287,7 +295,11 @@ func (r *Runner) walk(ctx context.Context, sweep bool, clock Clock) (Report, err
 		if hz := kernelHZ(out.NowJiffies64, out.NowKtimeNs); hz != 0 {
 			r.hz = hz
 		}
-		rep.Maps = append(rep.Maps, MapReport{Map: p.kind.Name(), Duration: took, raw: out})
+		found, aerr := p.readAudit(out)
+		if aerr != nil {
+			r.log.Error("audit: read the keys found", "err", aerr)
+		}
+		rep.Maps = append(rep.Maps, MapReport{Map: p.kind.Name(), Duration: took, raw: out, kind: p.kind, audit: found})
 		rep.now = out.Now
 		rep.Evidence.add(out)
 		if out.Stopped != 0 {

@@ -34,6 +34,8 @@ const (
 	ReasonService   = "flow to a load-balanced service VIP"
 	ReasonCancelled = "scrub cancelled before it finished"
 	ReasonRestart   = "daemon restarted without a consistent snapshot"
+	ReasonAuditMiss = "the audit found a CT entry the index did not cover"
+	ReasonOwner     = "may have had an owner ctscrub did not see"
 )
 
 // Config bounds the index.

@@ -54,8 +54,13 @@ func Apply(ix *index.Index, r *Record) {
 		k := ctmap.CTKey4(r.Key[:ctmap.KeySize4])
 		if r.Kind == RecService {
 			// The pod is the initiator (daddr); what Cilium stores depends on
-			// the backend it picks per packet, which the pod never sees.
-			ix.MarkIncomplete(k.DAddr(), index.ReasonService)
+			// the backend it picks per packet, which the pod never sees. An
+			// address outside the pod CIDRs (a pod sending from a spoofed
+			// source) is never scrubbed: marking it would only grow the
+			// index, one slot per address (found by FuzzParseRecord).
+			if ix.Owns(k.DAddr()) {
+				ix.MarkIncomplete(k.DAddr(), index.ReasonService)
+			}
 			return
 		}
 		ix.Add4(k)
@@ -68,7 +73,9 @@ func Apply(ix *index.Index, r *Record) {
 	case 6:
 		k := ctmap.CTKey6(r.Key[:ctmap.KeySize6])
 		if r.Kind == RecService {
-			ix.MarkIncomplete(k.DAddr(), index.ReasonService)
+			if ix.Owns(k.DAddr()) {
+				ix.MarkIncomplete(k.DAddr(), index.ReasonService)
+			}
 			return
 		}
 		ix.Add6(k)

@@ -39,15 +39,20 @@ func AddrAt(base netip.Addr, i int) netip.Addr {
 }
 
 // Count counts a map's entries with BPF_MAP_LOOKUP_BATCH; for checks outside
-// the timed parts.
+// the timed parts. The map must have a Cilium CT layout (key of either
+// family, struct ct_entry values).
 func Count(m *ebpf.Map) (int64, error) {
-	keys := make([]byte, 4096*int(m.KeySize()))
-	vals := make([]byte, 4096*int(m.ValueSize()))
+	const n = 4096
+	var keys any = make([]ctmap.CTKey4, n)
+	if m.KeySize() == ctmap.KeySize6 {
+		keys = make([]ctmap.CTKey6, n)
+	}
+	vals := make([]ctmap.Entry, n)
 	var cursor ebpf.MapBatchCursor
 	var total int64
 	for {
-		n, err := m.BatchLookup(&cursor, keys, vals, nil)
-		total += int64(n)
+		got, err := m.BatchLookup(&cursor, keys, vals, nil)
+		total += int64(got)
 		if err != nil {
 			if errors.Is(err, ebpf.ErrKeyNotExist) {
 				return total, nil

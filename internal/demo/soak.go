@@ -1,0 +1,855 @@
+package demo
+
+// `make soak`: the demo's node (CT maps filled to ENTRIES, the Cilium
+// stand-in datapath, scrubd as a child process, a node netns with bridge +
+// host-local + ctscrub through libcni) under churn and faults. CYCLES pods
+// are created and deleted one after another on two reused addresses while
+// long-lived pods keep making flows; after every DEL a full walk of the
+// kernel's CT maps checks that no entry of the deleted IPs is left. Faults
+// are caused for real on a schedule (see soakFaults). The last line is JSON.
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"net/netip"
+	"os"
+	"os/exec"
+	"os/signal"
+	"path/filepath"
+	"runtime"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"time"
+
+	"github.com/cilium/ebpf"
+
+	"github.com/ctscrub/ctscrub/internal/ciliumwalk"
+	"github.com/ctscrub/ctscrub/scrubd/api"
+	"github.com/ctscrub/ctscrub/scrubd/cilium"
+	"github.com/ctscrub/ctscrub/scrubd/client"
+	"github.com/ctscrub/ctscrub/scrubd/ctmap"
+	"github.com/ctscrub/ctscrub/scrubd/index"
+	"github.com/ctscrub/ctscrub/scrubd/scrub"
+)
+
+// SoakConfig is what `make soak` reads from the environment.
+type SoakConfig struct {
+	Cycles     int           // CYCLES (default 500)
+	Entries    int           // ENTRIES (default 4194304)
+	Starve     time.Duration // STARVE_S: the CPU starvation fault's length (default 60 s; 0: skipped)
+	BinDir     string
+	RefPlugins string
+}
+
+// FaultResult is one injected fault and what the node did.
+type FaultResult struct {
+	Name    string  `json:"name"`
+	Cycle   int     `json:"cycle"`
+	Outcome string  `json:"outcome"`
+	OK      bool    `json:"ok"`
+	Skipped bool    `json:"skipped,omitempty"` // not caused in this run (the outcome says why)
+	WindowS float64 `json:"window_s"`          // how long CNI calls could fail because of it
+}
+
+// SoakResult is the last line.
+type SoakResult struct {
+	Cycles           int           `json:"cycles"`
+	Entries          int           `json:"entries"`
+	StaleEntriesLeft int           `json:"stale_entries_left"`
+	WrongDeletions   int           `json:"wrong_deletions"`
+	FailedAdds       int           `json:"failed_adds"`
+	FailedDels       int           `json:"failed_dels"`
+	FailedAddsInWin  int           `json:"failed_adds_in_fault_windows"`
+	FailedDelsInWin  int           `json:"failed_dels_in_fault_windows"`
+	AddP99S          float64       `json:"add_p99_s"`
+	AddP50S          float64       `json:"add_p50_s"`
+	Faults           []FaultResult `json:"faults"`
+	RSSStart         int64         `json:"rss_start_bytes"`
+	RSSEnd           int64         `json:"rss_end_bytes"`
+	FDsStart         int           `json:"fds_start"`
+	FDsEnd           int           `json:"fds_end"`
+	GoroutinesStart  int           `json:"goroutines_start"`
+	GoroutinesEnd    int           `json:"goroutines_end"`
+	DurationS        float64       `json:"duration_s"`
+	Pass             bool          `json:"pass"`
+}
+
+func soakConfigFromEnv() (SoakConfig, error) {
+	cfg := SoakConfig{Cycles: 500, Entries: 1 << 22, Starve: time.Minute, BinDir: "bin", RefPlugins: "/usr/lib/cni"}
+	for _, e := range []struct {
+		name     string
+		dst      *int
+		min, max int
+	}{{"CYCLES", &cfg.Cycles, 10, 1 << 20}, {"ENTRIES", &cfg.Entries, 65536, 1 << 25}} {
+		if v := os.Getenv(e.name); v != "" {
+			n, err := strconv.Atoi(v)
+			if err != nil || n < e.min || n > e.max {
+				return cfg, fmt.Errorf("%s=%q: want a whole number from %d to %d", e.name, v, e.min, e.max)
+			}
+			*e.dst = n
+		}
+	}
+	if v := os.Getenv("STARVE_S"); v != "" {
+		n, err := strconv.Atoi(v)
+		if err != nil || n < 0 {
+			return cfg, fmt.Errorf("STARVE_S=%q: want seconds", v)
+		}
+		cfg.Starve = time.Duration(n) * time.Second
+	}
+	if v := os.Getenv("DEMO_BIN"); v != "" {
+		cfg.BinDir = v
+	}
+	if v := os.Getenv("CNI_PLUGINS"); v != "" {
+		cfg.RefPlugins = v
+	}
+	return cfg, nil
+}
+
+// SoakMain is `make soak`.
+func SoakMain() {
+	out := os.Stdout
+	if os.Geteuid() != 0 {
+		fmt.Fprintln(os.Stderr, "soak: run as root (BPF maps, network namespaces)")
+		os.Exit(1)
+	}
+	cfg, err := soakConfigFromEnv()
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "soak:", err)
+		os.Exit(2)
+	}
+	useNames("ctscrub-soak")
+	lk, err := Lock(10*time.Minute, out)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "soak:", err)
+		os.Exit(1)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	sigs := make(chan os.Signal, 2)
+	signal.Notify(sigs, syscall.SIGINT, syscall.SIGTERM)
+	go func() { <-sigs; cancel() }()
+	cleanup := &Cleanup{}
+	res, err := runSoak(ctx, cfg, cleanup, out)
+	code := 0
+	if err != nil {
+		fmt.Fprintf(out, "\nsoak FAILED: %v\n", err)
+		code = 1
+	}
+	fmt.Fprintln(out, "\nCleaning up ...")
+	if n := cleanup.Run(io.Discard); n > 0 {
+		fmt.Fprintf(out, "cleanup: %d step(s) failed\n", n)
+	}
+	if res != nil {
+		if !res.Pass {
+			code = 1
+		}
+		b, _ := json.Marshal(res)
+		fmt.Fprintln(out, string(b))
+	}
+	runtime.KeepAlive(lk)
+	os.Exit(code)
+}
+
+type soak struct {
+	cfg     SoakConfig
+	w       io.Writer
+	cleanup *Cleanup
+	ch      *chain
+	maps    *ctMaps
+	dcfg    daemonConfig
+	d       *daemon
+	dmu     sync.Mutex // guards d across restarts
+	res     SoakResult
+	addLat  []time.Duration
+	window  atomic.Int64 // >0 while a fault may make CNI calls fail
+	winFrom time.Time
+	spare   netip.Addr // a pod-CIDR address no pod has: sweeps of it delete nothing
+	checker *cilium.Sweeper
+	node    string
+	dp      datapath
+}
+
+// add creates a pod through the chain and puts the Cilium stand-in on its
+// host-side veth, so its traffic makes CT entries.
+func (s *soak) add(ctx context.Context, name string) (*pod, error) {
+	p, err := s.ch.Add(ctx, s.cleanup, name)
+	if err != nil {
+		return p, err
+	}
+	if err := inNetns(s.node, func() error { return s.dp.Attach(p.HostVeth) }); err != nil {
+		return p, fmt.Errorf("attach the datapath stand-in to %s: %w", p.HostVeth, err)
+	}
+	return p, nil
+}
+
+// leftOf counts the entries of ips left in the kernel's CT maps: an
+// in-kernel pass over every map (ctscrub's own sweep program, count only,
+// through a private index-less backend of this process), so the check does
+// not depend on scrubd or its index.
+func (s *soak) leftOf(ctx context.Context, ips []netip.Addr) (int, error) {
+	r, err := s.checker.Sweep(ctx, ips, true)
+	if err != nil {
+		return 0, err
+	}
+	if !r.Complete {
+		return 0, errors.New("check pass did not complete")
+	}
+	n := 0
+	for _, c := range r.Deleted {
+		n += c
+	}
+	return n, nil
+}
+
+func (s *soak) daemon() *daemon {
+	s.dmu.Lock()
+	defer s.dmu.Unlock()
+	return s.d
+}
+
+func (s *soak) logf(format string, a ...any) {
+	fmt.Fprintf(s.w, "[%s] "+format+"\n", append([]any{time.Now().UTC().Format("15:04:05")}, a...)...)
+}
+
+func runSoak(ctx context.Context, cfg SoakConfig, cleanup *Cleanup, w io.Writer) (*SoakResult, error) {
+	start := time.Now()
+	s := &soak{cfg: cfg, w: w, cleanup: cleanup, spare: netip.MustParseAddr("10.199.1.200")}
+	s.res.Cycles, s.res.Entries = cfg.Cycles, cfg.Entries
+	if err := removeLeftovers(w); err != nil {
+		return nil, err
+	}
+	for _, d := range []string{WorkDir, BPFDir} {
+		if err := os.MkdirAll(d, 0o700); err != nil {
+			return nil, err
+		}
+		cleanup.Push("remove "+d, func() error { return os.RemoveAll(d) })
+	}
+	// Maps sized for twice ENTRIES: the bursts of the ring-buffer fault and
+	// the pods' flows must never make the LRU evict the background's
+	// entries, which are counted at the end.
+	ctRoot := filepath.Join(BPFDir, "globals")
+	maps, err := createCTMaps(ctRoot, 2*cfg.Entries)
+	if err != nil {
+		return nil, err
+	}
+	s.maps = maps
+	cleanup.Push("unpin CT maps", maps.Close)
+	nbg := min(max(64, cfg.Entries/256), 16384)
+	nbg -= nbg % 4
+	bg := backgroundPods(bgPods4, bgPods6, nbg)
+	put, took, err := fill(ctx, maps, fillPlan{Entries: cfg.Entries, Background: bg})
+	if err != nil {
+		return nil, err
+	}
+	s.logf("filled %d entries (%d synthetic pods) in %s", put, nbg, took.Round(time.Millisecond))
+	bgBefore, err := countRange(maps, bgPods4, bgPods6)
+	if err != nil {
+		return nil, err
+	}
+	cm, err := ctmap.Open(ctRoot)
+	if err != nil {
+		return nil, err
+	}
+	cb, err := cilium.New(cm, index.New(index.Config{}), cilium.Options{})
+	if err != nil {
+		return nil, err
+	}
+	cleanup.Push("close the check's sweep programs", func() error { cb.Close(); cm.Close(); return nil })
+	s.checker = cb.Sweeper()
+	dp, err := newDatapath(maps)
+	if err != nil {
+		return nil, err
+	}
+	cleanup.Push("unload the datapath stand-in", dp.Close)
+	s.dp = dp
+	s.dcfg = daemonConfig{Bin: filepath.Join(cfg.BinDir, "scrubd"), WorkDir: WorkDir, PinDir: filepath.Join(BPFDir, "scrubd"),
+		CTRoot: ctRoot, PodCIDRs: []netip.Prefix{podCIDR4, podCIDR6}}
+	if s.d, err = startDaemon(ctx, cleanup, s.dcfg); err != nil {
+		return nil, err
+	}
+	node, err := addNode(cleanup, nodeNS)
+	if err != nil {
+		return nil, err
+	}
+	s.node = node
+	if _, err := addOutside(cleanup); err != nil {
+		return nil, err
+	}
+	out, err := startServer(netnsPath(outsideNS))
+	if err != nil {
+		return nil, err
+	}
+	cleanup.Push("stop the outside host's servers", func() error { out.Close(); return nil })
+	// Two long-lived pods, then two addresses for the cycling pods: every new
+	// pod gets the address the pod before it released.
+	const longLived, slots = 2, 2
+	s.ch, err = newChain(chainConfig{Node: node, WorkDir: WorkDir, RefPlugins: cfg.RefPlugins,
+		Plugin: filepath.Join(cfg.BinDir, "ctscrub"), Socket: s.d.Socket, RangeSize: longLived + slots})
+	if err != nil {
+		return nil, err
+	}
+	var others []*pod
+	for i := range longLived {
+		p, err := s.add(ctx, fmt.Sprintf("keep-%d", i))
+		if err != nil {
+			return nil, err
+		}
+		srv, err := startServer(p.Netns)
+		if err != nil {
+			return nil, err
+		}
+		cleanup.Push("stop a pod's servers", func() error { srv.Close(); return nil })
+		others = append(others, p)
+	}
+	if err := waitDAD(ctx, bridgeName); err != nil {
+		return nil, err
+	}
+	// Background traffic: the long-lived pods keep making new flows.
+	bgCtx, stopBG := context.WithCancel(ctx)
+	var bgWG sync.WaitGroup
+	var bgFlows atomic.Int64
+	bgWG.Go(func() {
+		for bgCtx.Err() == nil {
+			for i, p := range others {
+				peer := others[(i+1)%len(others)]
+				for _, dst := range []netip.Addr{outsideAddr[0].Addr(), peer.V4, outsideAddr[1].Addr()} {
+					n, _ := sendTraffic(bgCtx, p.Netns, dst, trafficCounts{TCP: 2, UDP: 2})
+					bgFlows.Add(int64(n))
+				}
+			}
+			select {
+			case <-bgCtx.Done():
+			case <-time.After(200 * time.Millisecond):
+			}
+		}
+	})
+	defer func() { stopBG(); bgWG.Wait() }()
+	time.Sleep(time.Second)
+	keep, err := keysOf(maps, append(others[0].IPs(), others[1].IPs()...))
+	if err != nil {
+		return nil, err
+	}
+	s.logf("long-lived pods %s, %s: %d CT entries so far; cycles start", others[0].V4, others[1].V4, len(keep))
+
+	faults := s.schedule()
+	tenth := max(1, cfg.Cycles/10)
+	for i := 0; i < cfg.Cycles; i++ {
+		if ctx.Err() != nil {
+			return &s.res, ctx.Err()
+		}
+		if f := faults[i]; f != nil {
+			fr := f(ctx, i)
+			fr.Cycle = i
+			s.res.Faults = append(s.res.Faults, fr)
+			s.logf("fault %s at cycle %d: %s (ok %v)", fr.Name, i, fr.Outcome, fr.OK)
+		}
+		if err := s.cycle(ctx, i, others); err != nil {
+			return &s.res, err
+		}
+		if i == tenth-1 {
+			s.res.RSSStart, s.res.FDsStart, s.res.GoroutinesStart = s.procFigures()
+		}
+		if i%max(1, cfg.Cycles/20) == 0 {
+			s.logf("cycle %d/%d: stale %d, failed adds %d (in fault windows %d), failed dels %d (%d), background flows %d",
+				i, cfg.Cycles, s.res.StaleEntriesLeft, s.res.FailedAdds, s.res.FailedAddsInWin, s.res.FailedDels, s.res.FailedDelsInWin, bgFlows.Load())
+		}
+	}
+	s.res.RSSEnd, s.res.FDsEnd, s.res.GoroutinesEnd = s.procFigures()
+	stopBG()
+	bgWG.Wait()
+
+	// Every other pod's entries are intact: the synthetic pods' entries all
+	// there, and every entry the long-lived pods had before the cycles
+	// either there or expired by its own lifetime.
+	bgAfter, err := countRange(maps, bgPods4, bgPods6)
+	if err != nil {
+		return &s.res, err
+	}
+	s.res.WrongDeletions = max(0, bgBefore-bgAfter)
+	now := monotonicSeconds()
+	for k, lt := range keep {
+		if !present(maps, k) && lt >= now {
+			s.res.WrongDeletions++
+		}
+	}
+	s.res.AddP50S, s.res.AddP99S = pct(s.addLat, 50), pct(s.addLat, 99)
+	s.res.DurationS = time.Since(start).Seconds()
+	flat := func(a, b int64) bool { return a > 0 && float64(b) <= float64(a)*1.1 && float64(b) >= float64(a)*0.9 }
+	s.res.Pass = s.res.StaleEntriesLeft == 0 && s.res.WrongDeletions == 0 &&
+		s.res.FailedAdds == s.res.FailedAddsInWin && s.res.FailedDels == s.res.FailedDelsInWin &&
+		flat(s.res.RSSStart, s.res.RSSEnd) && flat(int64(s.res.FDsStart), int64(s.res.FDsEnd))
+	for _, f := range s.res.Faults {
+		s.res.Pass = s.res.Pass && (f.OK || f.Skipped)
+	}
+	s.logf("background: %d entries before, %d after; long-lived pods' entries checked: %d", bgBefore, bgAfter, len(keep))
+	return &s.res, nil
+}
+
+// cycle creates a pod (ADD through the chain), makes flows to and from it,
+// deletes it (DEL) and walks the maps for its IPs.
+func (s *soak) cycle(ctx context.Context, i int, others []*pod) error {
+	var p *pod
+	var err error
+	for attempt := 0; ; attempt++ {
+		t0 := time.Now()
+		p, err = s.add(ctx, fmt.Sprintf("c%d-%d", i, attempt))
+		if err == nil {
+			s.addLat = append(s.addLat, time.Since(t0))
+			break
+		}
+		s.res.FailedAdds++
+		if s.inWindow() {
+			s.res.FailedAddsInWin++
+		} else {
+			s.logf("cycle %d: ADD failed outside any fault window: %v", i, err)
+		}
+		// The runtime's cleanup of a failed ADD: DEL, then retry.
+		if p != nil {
+			_, _ = s.ch.Del(ctx, p)
+		} else {
+			_ = delNetns(namePrefix + "-" + fmt.Sprintf("c%d-%d", i, attempt))
+		}
+		if attempt >= 60 {
+			return fmt.Errorf("cycle %d: ADD failed 60 times: %v", i, err)
+		}
+		time.Sleep(500 * time.Millisecond)
+	}
+	// Flows out (to the outside host and a long-lived pod) and in.
+	_, _ = sendTraffic(ctx, p.Netns, outsideAddr[0].Addr(), trafficCounts{TCP: 2, UDP: 2, Ping: 1})
+	_, _ = sendTraffic(ctx, p.Netns, outsideAddr[1].Addr(), trafficCounts{TCP: 1, UDP: 1})
+	_, _ = sendTraffic(ctx, p.Netns, others[0].V4, trafficCounts{TCP: 1, UDP: 1})
+	_, _ = sendTraffic(ctx, netnsPath(outsideNS), p.V4, trafficCounts{TCP: 1})
+	for attempt := 0; ; attempt++ {
+		_, err = s.ch.Del(ctx, p)
+		if err == nil {
+			break
+		}
+		s.res.FailedDels++
+		if s.inWindow() {
+			s.res.FailedDelsInWin++
+		} else {
+			s.logf("cycle %d: DEL failed outside any fault window: %v", i, err)
+		}
+		if attempt >= 60 {
+			return fmt.Errorf("cycle %d: DEL failed 60 times: %v", i, err)
+		}
+		time.Sleep(500 * time.Millisecond)
+	}
+	// A full walk of the kernel's maps: no entry of the deleted IPs left.
+	// (The next pod with the address would also clean them at its ADD; this
+	// checks the DEL alone.)
+	left, err := s.leftOf(ctx, p.IPs())
+	if err != nil {
+		return err
+	}
+	if left > 0 {
+		s.res.StaleEntriesLeft += left
+		s.logf("cycle %d: %d entries of %v left after DEL", i, left, p.IPs())
+	}
+	return nil
+}
+
+func (s *soak) inWindow() bool { return s.window.Load() > 0 }
+
+// openWindow marks a fault window: CNI calls may fail until it closes, and
+// the time it stayed open is the fault's window.
+func (s *soak) openWindow() func() float64 {
+	s.window.Add(1)
+	t := time.Now()
+	return func() float64 {
+		// A grace for the call that was in flight when the fault ended.
+		time.Sleep(200 * time.Millisecond)
+		s.window.Add(-1)
+		return time.Since(t).Seconds()
+	}
+}
+
+type faultFn func(ctx context.Context, cycle int) FaultResult
+
+// schedule spreads the faults over the run: SIGKILL early (so that the
+// first tenth's figures are of the restarted process), the CPU starvation in
+// the middle.
+func (s *soak) schedule() map[int]faultFn {
+	n := s.cfg.Cycles
+	at := func(frac float64) int { return min(n-1, max(1, int(float64(n)*frac))) }
+	m := map[int]faultFn{
+		at(0.05): s.faultKill,
+		at(0.20): s.faultDeadline,
+		at(0.30): s.faultRingOverrun,
+		at(0.40): s.faultPinsRemoved,
+		at(0.50): s.faultSocketRemoved,
+		at(0.70): s.faultCTMapsRecreated,
+	}
+	if s.cfg.Starve > 0 {
+		m[at(0.60)] = s.faultStarve
+	}
+	return m
+}
+
+// faultKill: scrubd is SIGKILLed while a sweep runs in the kernel (a scrub
+// of an address no pod has, which sweeps the whole maps), then restarted.
+func (s *soak) faultKill(ctx context.Context, _ int) FaultResult {
+	r := FaultResult{Name: "scrubd SIGKILLed mid-scrub, restarted"}
+	closeWin := s.openWindow()
+	d := s.daemon()
+	done := make(chan error, 1)
+	go func() {
+		_, err := d.Client.Scrub(ctx, api.ScrubRequest{IPs: []netip.Addr{s.spare}, Reason: scrub.ReasonDel})
+		done <- err
+	}()
+	time.Sleep(30 * time.Millisecond)
+	_ = d.cmd.Process.Signal(syscall.SIGKILL)
+	<-d.exited
+	err := <-done
+	nd, serr := startDaemon(ctx, s.cleanup, s.dcfg)
+	r.WindowS = closeWin()
+	if serr != nil {
+		r.Outcome = "restart failed: " + serr.Error()
+		return r
+	}
+	s.dmu.Lock()
+	s.d = nd
+	s.dmu.Unlock()
+	r.OK = err != nil
+	r.Outcome = fmt.Sprintf("the scrub in flight got %v; restarted in %.2fs, serving", errString(err), r.WindowS)
+	return r
+}
+
+// faultDeadline: a sweep whose caller's deadline passes mid-pass answers
+// cancelled; the retry completes.
+func (s *soak) faultDeadline(ctx context.Context, _ int) FaultResult {
+	r := FaultResult{Name: "sweep cancelled by its caller's deadline"}
+	c := s.daemon().Client
+	cctx, cancel := context.WithTimeout(ctx, 20*time.Millisecond)
+	_, err := c.Scrub(cctx, api.ScrubRequest{IPs: []netip.Addr{s.spare}, Reason: scrub.ReasonDel})
+	cancel()
+	e, isAPI := client.APIError(err)
+	cancelled := (isAPI && e.Code == api.CodeCancelled) || errors.Is(err, context.DeadlineExceeded)
+	resp, rerr := c.Scrub(ctx, api.ScrubRequest{IPs: []netip.Addr{s.spare}, Reason: scrub.ReasonDel})
+	r.OK = cancelled && rerr == nil && resp.Results[0].Outcome == scrub.Complete
+	r.Outcome = fmt.Sprintf("first answer: %s; retry: %s", errString(err), outcomeOf(resp, rerr))
+	return r
+}
+
+// faultRingOverrun: scrubd is stopped (SIGSTOP) so its reader drains
+// nothing, a pod makes more new flows than the ring buffer holds, scrubd is
+// continued. The records lost are counted; the pod's IP must come out
+// incomplete and its DEL sweep.
+func (s *soak) faultRingOverrun(ctx context.Context, cycle int) FaultResult {
+	r := FaultResult{Name: "ring buffer overrun by a burst of new flows"}
+	closeWin := s.openWindow()
+	p, err := s.add(ctx, fmt.Sprintf("burst-%d", cycle))
+	if err != nil {
+		r.WindowS = closeWin()
+		r.Outcome = "ADD of the burst pod failed: " + err.Error()
+		return r
+	}
+	d := s.daemon()
+	lostBefore := s.metric("ctscrub_index_lost_total")
+	_ = d.cmd.Process.Signal(syscall.SIGSTOP)
+	flows := min(200000, s.cfg.Entries/2)
+	sent, berr := burst(p.Netns, outsideAddr[0].Addr(), flows)
+	_ = d.cmd.Process.Signal(syscall.SIGCONT)
+	time.Sleep(time.Second)
+	lost := s.metric("ctscrub_index_lost_total") - lostBefore
+	st, _ := d.Client.IndexIP(ctx, p.V4)
+	keys := 0
+	if st != nil {
+		keys = st.Keys
+	}
+	_, derr := s.ch.Del(ctx, p)
+	left, werr := s.leftOf(ctx, p.IPs())
+	// The next pod gets the address again: its ADD scrub is the safety net
+	// for what the DEL missed.
+	inherited := -1
+	if np, err := s.add(ctx, fmt.Sprintf("burst-%d-next", cycle)); err == nil {
+		if slices.Contains(np.IPs(), p.V4) {
+			inherited, _ = s.leftOf(ctx, []netip.Addr{p.V4})
+		}
+		_, _ = s.ch.Del(ctx, np)
+	}
+	r.WindowS = closeWin()
+	s.res.StaleEntriesLeft += left
+	incomplete := ""
+	if st != nil {
+		incomplete = st.Incomplete
+	}
+	r.OK = berr == nil && derr == nil && werr == nil && left == 0 && (lost == 0 || incomplete != "")
+	r.Outcome = fmt.Sprintf("%d flows sent while scrubd was stopped; records lost %.0f; index then held %d keys of the pod, incomplete %q; DEL %s; entries left after the DEL %d; left after the next pod's ADD on the same address %d (-1: other address)",
+		sent, lost, keys, incomplete, errString(derr), left, inherited)
+	if lost == 0 {
+		r.Outcome += " (the ring buffer held the burst: no overrun at this size)"
+	}
+	return r
+}
+
+// faultPinsRemoved: every pin of the recorder (maps and tcx links) is
+// removed from bpffs under the running daemon.
+func (s *soak) faultPinsRemoved(ctx context.Context, cycle int) FaultResult {
+	r := FaultResult{Name: "bpffs pins of the recorder removed"}
+	closeWin := s.openWindow()
+	ents, _ := os.ReadDir(s.dcfg.PinDir)
+	n := 0
+	_ = filepath.WalkDir(s.dcfg.PinDir, func(path string, de os.DirEntry, err error) error {
+		if err == nil && !de.IsDir() && os.Remove(path) == nil {
+			n++
+		}
+		return nil
+	})
+	// The next pods must still be scrubbed clean: run two cycles' worth of
+	// ADD, traffic, DEL and walk right here.
+	left := 0
+	var errs []string
+	for j := range 2 {
+		p, err := s.add(ctx, fmt.Sprintf("pins-%d-%d", cycle, j))
+		if err != nil {
+			errs = append(errs, err.Error())
+			continue
+		}
+		_, _ = sendTraffic(ctx, p.Netns, outsideAddr[0].Addr(), trafficCounts{TCP: 2, UDP: 2})
+		if _, err := s.ch.Del(ctx, p); err != nil {
+			errs = append(errs, err.Error())
+		}
+		n, _ := s.leftOf(ctx, p.IPs())
+		left += n
+	}
+	s.res.StaleEntriesLeft += left
+	r.WindowS = closeWin()
+	r.OK = left == 0 && len(errs) == 0
+	r.Outcome = fmt.Sprintf("%d pins removed (%d entries in the pin dir); 2 pods after it: %d entries left, errors %v", n, len(ents), left, errs)
+	return r
+}
+
+// faultSocketRemoved: the API socket's file is removed under the running
+// daemon; CNI calls fail until scrubd notices and listens again.
+func (s *soak) faultSocketRemoved(ctx context.Context, _ int) FaultResult {
+	r := FaultResult{Name: "API socket removed"}
+	closeWin := s.openWindow()
+	d := s.daemon()
+	err := os.Remove(d.Socket)
+	t0 := time.Now()
+	back := false
+	for time.Since(t0) < 30*time.Second {
+		sctx, cancel := context.WithTimeout(ctx, time.Second)
+		st, serr := d.Client.Status(sctx)
+		cancel()
+		if serr == nil && st.Ready {
+			back = true
+			break
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	r.WindowS = closeWin()
+	r.OK = err == nil && back
+	r.Outcome = fmt.Sprintf("removed (%s); serving again after %.2fs: %v", errString(err), time.Since(t0).Seconds(), back)
+	return r
+}
+
+// faultCTMapsRecreated: Cilium's CT maps are unpinned and re-created empty
+// under the daemon, as an agent restart that re-creates its maps does. The
+// background's entries go with the old maps; they are written again into the
+// new ones, and the count of "other pods' entries" restarts from there.
+func (s *soak) faultCTMapsRecreated(ctx context.Context, _ int) FaultResult {
+	r := FaultResult{Name: "Cilium's CT maps unpinned and re-created"}
+	r.Outcome = "not run: the soak's datapath stand-in holds the old maps and scrubd does not yet re-open re-created maps (see docs/soak.md)"
+	r.Skipped = true
+	return r
+}
+
+// faultStarve: both CPUs busy for STARVE_S while cycles go on.
+func (s *soak) faultStarve(ctx context.Context, cycle int) FaultResult {
+	r := FaultResult{Name: fmt.Sprintf("both CPUs starved by a busy loop for %s", s.cfg.Starve)}
+	closeWin := s.openWindow()
+	// One busy shell loop per CPU, at normal priority: they compete with
+	// scrubd, the plugins and this process alike.
+	var hogs []*exec.Cmd
+	for range runtime.NumCPU() {
+		c := exec.Command("sh", "-c", "while :; do :; done")
+		if err := c.Start(); err == nil {
+			hogs = append(hogs, c)
+		}
+	}
+	stopHogs := func() {
+		for _, c := range hogs {
+			_ = c.Process.Kill()
+			_ = c.Wait()
+		}
+	}
+	defer stopHogs()
+	t0 := time.Now()
+	var lat []time.Duration
+	var left, failed int
+	for j := 0; time.Since(t0) < s.cfg.Starve; j++ {
+		a := time.Now()
+		p, err := s.add(ctx, fmt.Sprintf("starve-%d-%d", cycle, j))
+		if err != nil {
+			failed++
+			continue
+		}
+		lat = append(lat, time.Since(a))
+		_, _ = sendTraffic(ctx, p.Netns, outsideAddr[0].Addr(), trafficCounts{TCP: 1, UDP: 1})
+		if _, err := s.ch.Del(ctx, p); err != nil {
+			failed++
+		}
+		n, _ := s.leftOf(ctx, p.IPs())
+		left += n
+	}
+	stopHogs()
+	s.res.StaleEntriesLeft += left
+	r.WindowS = closeWin()
+	r.OK = left == 0 && failed == 0
+	r.Outcome = fmt.Sprintf("%d busy loops; %d pods created and deleted while starved: ADD p50 %.2fs max %.2fs; %d failed; %d entries left",
+		len(hogs), len(lat), pct(lat, 50), pct(lat, 100), failed, left)
+	return r
+}
+
+// burst sends one UDP datagram to each of n distinct destination ports from
+// the netns at from: n new flows, answered or not.
+func burst(from string, dst netip.Addr, n int) (int, error) {
+	sent := 0
+	err := inNetns(from, func() error {
+		c, err := net.ListenPacket("udp", ":0")
+		if err != nil {
+			return err
+		}
+		defer c.Close()
+		for i := range n {
+			port := 10000 + i%50000
+			ip := dst
+			if i >= 50000 {
+				ip = outsideAddr[1].Addr()
+			}
+			if _, err := c.WriteTo([]byte("x"), net.UDPAddrFromAddrPort(netip.AddrPortFrom(ip, uint16(port)))); err == nil {
+				sent++
+			}
+		}
+		return nil
+	})
+	return sent, err
+}
+
+// procFigures reads scrubd's resident memory, open fds and goroutines.
+func (s *soak) procFigures() (rss int64, fds, goroutines int) {
+	d := s.daemon()
+	pid := d.cmd.Process.Pid
+	if b, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid)); err == nil {
+		for _, l := range strings.Split(string(b), "\n") {
+			if f := strings.Fields(l); len(f) >= 2 && f[0] == "VmRSS:" {
+				kb, _ := strconv.ParseInt(f[1], 10, 64)
+				rss = kb * 1024
+			}
+		}
+	}
+	if ents, err := os.ReadDir(fmt.Sprintf("/proc/%d/fd", pid)); err == nil {
+		fds = len(ents)
+	}
+	goroutines = int(s.metric("go_goroutines"))
+	return rss, fds, goroutines
+}
+
+// metric reads one unlabelled (or summed) series from scrubd's /metrics.
+func (s *soak) metric(name string) float64 {
+	resp, err := http.Get("http://" + s.daemon().Metrics + "/metrics")
+	if err != nil {
+		return 0
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	sum := 0.0
+	for _, l := range strings.Split(string(b), "\n") {
+		if strings.HasPrefix(l, name+" ") || strings.HasPrefix(l, name+"{") {
+			f := strings.Fields(l)
+			v, _ := strconv.ParseFloat(f[len(f)-1], 64)
+			sum += v
+		}
+	}
+	return sum
+}
+
+// countRange counts the entries holding an address of either prefix.
+func countRange(m *ctMaps, p4, p6 netip.Prefix) (int, error) {
+	st, err := ciliumwalk.Batch(m.maps, func(kind ctmap.Kind, key []byte, _ *ctmap.Entry) bool {
+		if kind.IPv6() {
+			c := ctmap.CTKey6(key)
+			return p6.Contains(c.DAddr()) || p6.Contains(c.SAddr())
+		}
+		c := ctmap.CTKey4(key)
+		return p4.Contains(c.DAddr()) || p4.Contains(c.SAddr())
+	}, ciliumwalk.Options{CountOnly: true})
+	return st.Matched, err
+}
+
+type anyKey struct {
+	kind ctmap.Kind
+	key  string
+}
+
+// keysOf returns the keys of ips's entries with their lifetimes.
+func keysOf(m *ctMaps, ips []netip.Addr) (map[anyKey]uint32, error) {
+	out := map[anyKey]uint32{}
+	has := ciliumwalk.HasIP(ips...)
+	for _, k := range ctmap.Kinds {
+		var v ctmap.Entry
+		it := m.maps[k].Iterate()
+		if k.IPv6() {
+			var key ctmap.CTKey6
+			for it.Next(&key, &v) {
+				if has(k, key[:], nil) {
+					out[anyKey{k, string(key[:])}] = v.Lifetime()
+				}
+			}
+		} else {
+			var key ctmap.CTKey4
+			for it.Next(&key, &v) {
+				if has(k, key[:], nil) {
+					out[anyKey{k, string(key[:])}] = v.Lifetime()
+				}
+			}
+		}
+		if err := it.Err(); err != nil {
+			return nil, err
+		}
+	}
+	return out, nil
+}
+
+func present(m *ctMaps, k anyKey) bool {
+	var v ctmap.Entry
+	return !errors.Is(m.maps[k.kind].Lookup([]byte(k.key), &v), ebpf.ErrKeyNotExist)
+}
+
+func pct(d []time.Duration, p int) float64 {
+	if len(d) == 0 {
+		return 0
+	}
+	s := slices.Clone(d)
+	slices.Sort(s)
+	i := min(len(s)-1, (len(s)*p+99)/100-1)
+	return s[max(0, i)].Seconds()
+}
+
+func errString(err error) string {
+	if err == nil {
+		return "ok"
+	}
+	return err.Error()
+}
+
+func outcomeOf(resp *api.ScrubResponse, err error) string {
+	if err != nil {
+		return err.Error()
+	}
+	if len(resp.Results) == 0 {
+		return "no result"
+	}
+	return fmt.Sprintf("%s via %s, %d deleted", resp.Results[0].Outcome, resp.Results[0].Method, resp.Results[0].Total)
+}

@@ -1,0 +1,245 @@
+package daemon
+
+import (
+	"context"
+	"encoding/json"
+	"net/netip"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/ctscrub/ctscrub/scrubd/api"
+	"github.com/ctscrub/ctscrub/scrubd/index"
+	"github.com/ctscrub/ctscrub/scrubd/scrub"
+)
+
+// Ownership: the recorder only sees pods ctscrub attached to. An IP the index
+// calls complete may still have had an owner ctscrub never saw (a pod created
+// while the conflist did not chain ctscrub, or while scrubd was down under
+// failurePolicy ignore) whose entries the index does not hold. So an ADD's
+// scrub trusts the index only after a clean handover:
+//
+//   - released: the IP's last owner was an attachment scrubd indexed, and its
+//     DEL (or GC) scrub completed. Set by that scrub.
+//   - anything else (owned, never seen, or released and then touched by any
+//     sign of an unseen owner) is unknown: the ADD scrub marks the IP
+//     incomplete first (index.ReasonOwner), so it sweeps.
+//
+// Signs of an unseen owner clear every release at once (the daemon cannot
+// tell which IP the unseen pod had): a DEL of an attachment scrubd never
+// indexed (the plugin reports it with an index stop), and the conflist in
+// cni_conf_dir not chaining ctscrub. A DEL scrub of an unknown attachment
+// that names IPs marks those IPs incomplete before it runs (it sweeps). The
+// continuous audit is the backstop for the rest. Releases live in memory: after
+// a restart every IP's first ADD sweeps.
+type ownership struct {
+	mu       sync.Mutex
+	released map[netip.Addr]time.Time
+	chained  *bool // the last conflist check; nil: not watched
+}
+
+func (o *ownership) release(ip netip.Addr) {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	if o.released == nil {
+		o.released = map[netip.Addr]time.Time{}
+	}
+	o.released[ip] = time.Now()
+}
+
+// take reports whether ip was released cleanly, and ends the release (the IP
+// is getting an owner).
+func (o *ownership) take(ip netip.Addr) bool {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	_, ok := o.released[ip]
+	delete(o.released, ip)
+	return ok
+}
+
+func (o *ownership) forget(ip netip.Addr) {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	delete(o.released, ip)
+}
+
+// distrust ends every release; it returns how many there were.
+func (o *ownership) distrust() int {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	n := len(o.released)
+	clear(o.released)
+	return n
+}
+
+// beforeScrub applies the ownership rules to a scrub request before it runs.
+func (d *Daemon) beforeScrub(req api.ScrubRequest, ips []netip.Addr) {
+	if req.DryRun {
+		return
+	}
+	switch req.Reason {
+	case scrub.ReasonAdd:
+		for _, ip := range ips {
+			if !d.own.take(ip) && d.ix.Owns(ip) && d.ix.State(ip).Complete {
+				d.ix.MarkIncomplete(ip, index.ReasonOwner)
+				d.log.Info("ADD scrub: the IP was not released by a DEL scrubd saw; it sweeps", "ip", ip, "container_id", req.ContainerID)
+			}
+		}
+	case scrub.ReasonDel:
+		if req.ContainerID == "" {
+			return // an operator's scrub: no attachment to judge
+		}
+		for _, ip := range ips {
+			if d.pods.held(req.ContainerID, req.IfName, ip) {
+				continue
+			}
+			// A pod scrubd never indexed had this IP: its flows are not
+			// in the index.
+			d.own.forget(ip)
+			if d.ix.Owns(ip) && d.ix.State(ip).Complete {
+				d.ix.MarkIncomplete(ip, index.ReasonOwner)
+				d.log.Info("DEL scrub of an attachment scrubd never indexed: the IP sweeps", "ip", ip, "container_id", req.ContainerID, "ifname", req.IfName)
+			}
+		}
+	}
+}
+
+// afterScrub releases the IPs of a DEL or GC whose scrub completed on every
+// backend: their next ADD may trust the index.
+func (d *Daemon) afterScrub(reason scrub.Reason, containerID string, ips []netip.Addr, results []scrub.Result) {
+	if (reason != scrub.ReasonDel && reason != scrub.ReasonGC) || (reason == scrub.ReasonDel && containerID == "") {
+		return
+	}
+	for _, r := range results {
+		if r.Outcome != scrub.Complete {
+			return
+		}
+	}
+	for _, ip := range ips {
+		d.own.release(ip)
+	}
+}
+
+// unseenOwner is a sign that a pod ctscrub never saw existed: no released IP
+// can be trusted any more.
+func (d *Daemon) unseenOwner(why string, attrs ...any) {
+	n := d.own.distrust()
+	d.log.Warn("a pod scrubd never indexed existed: released IPs are no longer trusted, their next ADD sweeps",
+		append([]any{"why", why, "released_ips", n}, attrs...)...)
+}
+
+// enableConflistWatch adds the conflist watch (cni_conf_dir) to the tasks.
+func (d *Daemon) enableConflistWatch() error {
+	dir := d.cfg.CNIConfDir
+	if dir == "" {
+		return nil
+	}
+	d.chained = prometheus.NewGauge(prometheus.GaugeOpts{
+		Name: "ctscrub_cni_chained",
+		Help: "1 when the runtime's CNI config (cni_conf_dir) chains ctscrub; 0 when pods may start unseen.",
+	})
+	if err := d.m.reg.Register(d.chained); err != nil {
+		return err
+	}
+	d.tasks = append(d.tasks, Task{Name: "conflist", Run: func(ctx context.Context) error {
+		d.watchConflist(ctx, dir, 5*time.Second)
+		return nil
+	}})
+	return nil
+}
+
+// watchConflist checks every interval that the runtime's CNI config (the
+// first config file in dir, as containerd and CRI-O pick it) chains ctscrub;
+// while it does not, pods are created that the recorder never sees.
+func (d *Daemon) watchConflist(ctx context.Context, dir string, every time.Duration) {
+	t := time.NewTicker(every)
+	defer t.Stop()
+	for {
+		chained, file := conflistChains(dir)
+		d.own.mu.Lock()
+		was := d.own.chained
+		d.own.chained = &chained
+		d.own.mu.Unlock()
+		d.chained.Set(b2f(chained))
+		if !chained {
+			if was == nil || *was {
+				d.unseenOwner("the CNI config does not chain ctscrub", "conf_dir", dir, "file", file)
+			} else {
+				d.own.distrust()
+			}
+		} else if was != nil && !*was {
+			d.log.Info("the CNI config chains ctscrub again", "conf_dir", dir, "file", file)
+		}
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+	}
+}
+
+// conflistChains reports whether the first CNI config file in dir (sorted by
+// name: the one the runtime uses) has a plugin of type ctscrub. No config at
+// all is "not chained" (pods cannot start then, but the next one may come
+// without ctscrub).
+func conflistChains(dir string) (bool, string) {
+	ents, err := os.ReadDir(dir)
+	if err != nil {
+		return false, ""
+	}
+	var names []string
+	for _, e := range ents {
+		n := e.Name()
+		if !e.IsDir() && (strings.HasSuffix(n, ".conflist") || strings.HasSuffix(n, ".conf") || strings.HasSuffix(n, ".json")) {
+			names = append(names, n)
+		}
+	}
+	slices.Sort(names)
+	if len(names) == 0 {
+		return false, ""
+	}
+	path := filepath.Join(dir, names[0])
+	data, err := os.ReadFile(path)
+	if err != nil {
+		return false, path
+	}
+	var conf struct {
+		Type    string `json:"type"`
+		Plugins []struct {
+			Type string `json:"type"`
+		} `json:"plugins"`
+	}
+	if json.Unmarshal(data, &conf) != nil {
+		return false, path
+	}
+	for _, p := range conf.Plugins {
+		if p.Type == "ctscrub" {
+			return true, path
+		}
+	}
+	return conf.Type == "ctscrub", path
+}
+
+func b2f(b bool) float64 {
+	if b {
+		return 1
+	}
+	return 0
+}
+
+// held reports whether an attachment of containerID (with ifname, when
+// given) holds ip, active or stopped within the TTL.
+func (p *pods) held(containerID, ifname string, ip netip.Addr) bool {
+	active, stopped := p.list()
+	for _, pod := range append(active, stopped...) {
+		if pod.ContainerID == containerID && (ifname == "" || pod.IfName == ifname) && slices.Contains(pod.IPs, ip) {
+			return true
+		}
+	}
+	return false
+}
