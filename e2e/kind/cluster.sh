@@ -134,11 +134,8 @@ EOY
 		--set ipam.operator.clusterPoolIPv4MaskSize="$NODE_CIDR_MASK" \
 		--set kubeProxyReplacement=true --set k8sServiceHost="$cp_ip" --set k8sServicePort=6443 \
 		--set operator.replicas=1 \
-		--set image.repository="${CILIUM_IMAGE%:*}" --set image.tag="${CILIUM_IMAGE##*:}" \
-		--set image.useDigest=false --set image.pullPolicy=IfNotPresent \
-		--set operator.image.repository="${CILIUM_OPERATOR_IMAGE%-generic:*}" \
-		--set operator.image.tag="${CILIUM_OPERATOR_IMAGE##*:}" \
-		--set operator.image.useDigest=false --set operator.image.pullPolicy=IfNotPresent \
+		--set image.override="$CILIUM_IMAGE" --set image.pullPolicy=IfNotPresent \
+		--set operator.image.override="$CILIUM_OPERATOR_IMAGE" --set operator.image.pullPolicy=IfNotPresent \
 		--set envoy.enabled=false --set l7Proxy=false \
 		${CILIUM_HELM_ARGS:-} >&2
 	kubectl -n kube-system rollout status ds/cilium --timeout=10m >&2
