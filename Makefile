@@ -99,6 +99,10 @@ bench-nfct: ## nf_conntrack: conntrack -D, DeleteFilters, filtered flush, index 
 bench-expiry: ## Expiry pass vs Cilium's NextKey and batch GC
 	$(GO) run ./bench/expiry
 
+.PHONY: e2e-kind
+e2e-kind: ## Kind cluster, real Cilium (CILIUM_VERSION, default 1.18.8), ctscrub by its chart; 40+ min cold (docs/kind.md); root
+	./e2e/kind/run.sh
+
 .PHONY: bench-cilium-node
 bench-cilium-node: ## Real Cilium in kind: pods start/stop on a full, mostly expired CT table, with/without ctscrub (ENTRIES, EXPIRED, PODS; images from make e2e-kind)
 	./bench/ciliumnode/run.sh

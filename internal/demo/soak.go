@@ -32,11 +32,12 @@ import (
 
 	"github.com/cilium/ebpf"
 
+	"github.com/ctscrub/ctscrub/internal/ciliumwalk"
 	"github.com/ctscrub/ctscrub/scrubd/api"
 	"github.com/ctscrub/ctscrub/scrubd/cilium"
-	"github.com/ctscrub/ctscrub/scrubd/index"
 	"github.com/ctscrub/ctscrub/scrubd/client"
 	"github.com/ctscrub/ctscrub/scrubd/ctmap"
+	"github.com/ctscrub/ctscrub/scrubd/index"
 	"github.com/ctscrub/ctscrub/scrubd/scrub"
 )
 
@@ -56,7 +57,7 @@ type FaultResult struct {
 	Outcome string  `json:"outcome"`
 	OK      bool    `json:"ok"`
 	Skipped bool    `json:"skipped,omitempty"` // not caused in this run (the outcome says why)
-	WindowS float64 `json:"window_s"` // how long CNI calls could fail because of it
+	WindowS float64 `json:"window_s"`          // how long CNI calls could fail because of it
 }
 
 // SoakResult is the last line.
@@ -776,22 +777,15 @@ func (s *soak) metric(name string) float64 {
 
 // countRange counts the entries holding an address of either prefix.
 func countRange(m *ctMaps, p4, p6 netip.Prefix) (int, error) {
-	total := 0
-	for _, k := range ctmap.Kinds {
-		_, n, err := batchWalk(m.maps[k], func(key []byte) bool {
-			if k.IPv6() {
-				c := ctmap.CTKey6(key)
-				return p6.Contains(c.DAddr()) || p6.Contains(c.SAddr())
-			}
-			c := ctmap.CTKey4(key)
-			return p4.Contains(c.DAddr()) || p4.Contains(c.SAddr())
-		})
-		if err != nil {
-			return 0, err
+	st, err := ciliumwalk.Batch(m.maps, func(kind ctmap.Kind, key []byte, _ *ctmap.Entry) bool {
+		if kind.IPv6() {
+			c := ctmap.CTKey6(key)
+			return p6.Contains(c.DAddr()) || p6.Contains(c.SAddr())
 		}
-		total += n
-	}
-	return total, nil
+		c := ctmap.CTKey4(key)
+		return p4.Contains(c.DAddr()) || p4.Contains(c.SAddr())
+	}, ciliumwalk.Options{CountOnly: true})
+	return st.Matched, err
 }
 
 type anyKey struct {
@@ -802,20 +796,21 @@ type anyKey struct {
 // keysOf returns the keys of ips's entries with their lifetimes.
 func keysOf(m *ctMaps, ips []netip.Addr) (map[anyKey]uint32, error) {
 	out := map[anyKey]uint32{}
+	has := ciliumwalk.HasIP(ips...)
 	for _, k := range ctmap.Kinds {
 		var v ctmap.Entry
 		it := m.maps[k].Iterate()
 		if k.IPv6() {
 			var key ctmap.CTKey6
 			for it.Next(&key, &v) {
-				if keyHas(k, key[:], ips) {
+				if has(k, key[:], nil) {
 					out[anyKey{k, string(key[:])}] = v.Lifetime()
 				}
 			}
 		} else {
 			var key ctmap.CTKey4
 			for it.Next(&key, &v) {
-				if keyHas(k, key[:], ips) {
+				if has(k, key[:], nil) {
 					out[anyKey{k, string(key[:])}] = v.Lifetime()
 				}
 			}
