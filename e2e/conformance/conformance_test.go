@@ -2,6 +2,7 @@ package conformance
 
 import (
 	"os"
+	"os/exec"
 	"strings"
 	"testing"
 	"time"
@@ -31,6 +32,9 @@ func requireRoot(t *testing.T) {
 
 func TestConformance(t *testing.T) {
 	requireRoot(t)
+	if _, err := exec.LookPath(Clang); err != nil {
+		t.Skipf("%s not found (scripts/setup.sh installs it): Cilium's programs cannot be built", Clang)
+	}
 	for _, v := range versionsToRun() {
 		t.Run(v, func(t *testing.T) {
 			start := time.Now()
