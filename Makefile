@@ -87,6 +87,10 @@ bench: ## Index scrub vs NextKey walk vs batch walk vs sweep (ENTRIES, PER_IP)
 bench-cni: build ## ctscrub plugin ADD/DEL as a runtime runs it vs bare exec and bridge (ENTRIES, default 16M; PAIRS, default 1000)
 	$(GO) run ./bench/cni
 
+.PHONY: bench-recorder
+bench-recorder: ## Recorder: attach/detach cost, ns/packet hot and under a 10,000-flow mix of real packets (FLOWS, NEW_PER_S)
+	$(GO) run ./bench/recorder
+
 .PHONY: bench-incident
 bench-incident: ## 50 concurrent pod scrubs through scrubd vs Cilium 1.16's serial walks
 	$(GO) run ./bench/incident
@@ -98,6 +102,10 @@ bench-nfct: ## nf_conntrack: conntrack -D, DeleteFilters, filtered flush, index 
 .PHONY: bench-expiry
 bench-expiry: ## Expiry pass vs Cilium's NextKey and batch GC
 	$(GO) run ./bench/expiry
+
+.PHONY: e2e-kind
+e2e-kind: ## Kind cluster, real Cilium (CILIUM_VERSION, default 1.18.8), ctscrub by its chart; 40+ min cold (docs/kind.md); root
+	./e2e/kind/run.sh
 
 .PHONY: bench-cilium-node
 bench-cilium-node: ## Real Cilium in kind: pods start/stop on a full, mostly expired CT table, with/without ctscrub (ENTRIES, EXPIRED, PODS; images from make e2e-kind)

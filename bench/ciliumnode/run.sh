@@ -94,6 +94,9 @@ for img in "$CILIUM_IMAGE" "$CILIUM_OPERATOR_IMAGE" "$CTSCRUB_IMAGE" "$CLIENT_IM
 	kind load docker-image "$img" --name "$CLUSTER" >&2
 done
 
+# The API server by address (as e2e/kind/cluster.sh does): the agent needs it
+# before any DNS works on the node.
+cp_ip=$(docker inspect -f '{{range .NetworkSettings.Networks}}{{.IPAddress}}{{end}}' "$CLUSTER-control-plane")
 split() { local r=${1%:*}; echo "$r" "${1##*:}"; }
 read -r cil_repo cil_tag < <(split "$CILIUM_IMAGE")
 read -r op_repo op_tag < <(split "$CILIUM_OPERATOR_IMAGE")
@@ -104,7 +107,7 @@ helm install cilium "$CILIUM_CHART" --namespace kube-system --wait=false \
 	--set operator.image.repository="$op_repo" --set operator.image.tag="$op_tag" --set operator.image.useDigest=false \
 	--set operator.image.pullPolicy=IfNotPresent --set operator.replicas=1 \
 	--set envoy.enabled=false --set l7Proxy=false --set hubble.enabled=false \
-	--set kubeProxyReplacement=true --set k8sServiceHost="$CLUSTER-control-plane" --set k8sServicePort=6443 \
+	--set kubeProxyReplacement=true --set k8sServiceHost="$cp_ip" --set k8sServicePort=6443 \
 	--set ipam.mode=kubernetes --set cni.exclusive=false \
 	--set debug.enabled=true --set prometheus.enabled=true \
 	--set bpf.ctTcpMax="$CT_MAX" --set bpf.ctAnyMax="$CT_MAX" \

@@ -1,13 +1,14 @@
 // Package kind runs ctscrub in a real Kubernetes cluster: kind nodes (Docker
-// containers), Cilium installed with Helm writing the chain cilium-cni +
-// ctscrub from conf/cilium-cni-configmap.yaml, and conf/daemonset.yaml applied
-// as an operator would.
+// containers), real Cilium writing the chain cilium-cni + ctscrub from the CNI
+// ConfigMap of ctscrub's chart (docs/plugin.md, option 1), and ctscrub
+// installed with its chart (conf/chart), as an operator would.
 //
-// The test runs only when CTSCRUB_KIND=1 is set and a Docker engine answers,
-// so it never runs by accident in `make test`: it creates a cluster, pulls
-// images from the internet and takes several minutes. How to run it and what
-// it needs: docs/kind.md. It has not been run on this project's machines
-// (they have no Docker engine); it was checked there by `go vet` and review.
+// The cluster is made by e2e/kind/cluster.sh (`make e2e-kind` runs
+// install.sh, the image builds, cluster.sh up, these tests and cluster.sh
+// down): the tests take it from the variables cluster.sh prints (KUBECONFIG,
+// CLUSTER, NODES, SERVER_IMAGE, CLIENT_IMAGE, ...). They run only when
+// CTSCRUB_KIND=1 is set, so `make test` never needs Docker. How to run them
+// and what they need: docs/kind.md.
 //
 // The package imports nothing Linux-only, so it builds on a macOS laptop with
 // Docker Desktop too.
@@ -33,162 +34,107 @@ import (
 )
 
 const (
-	clusterName = "ctscrub-e2e"
-	worker      = clusterName + "-worker" // kind names node containers <cluster>-<role>
-	apiServer   = clusterName + "-control-plane"
-	image       = "ctscrub:kind-e2e" // a fixed tag, not latest: the kubelet uses the loaded image
-	podSubnet   = "10.244.0.0/16"    // kind's default, set explicitly below
-	ns          = "ctscrub-e2e"
-
-	// Pinned by tag; any kind node can pull them.
-	serverImage = "registry.k8s.io/e2e-test-images/agnhost:2.53"
-	clientImage = "docker.io/library/busybox:1.36.1"
-
-	defaultCiliumVersion = "1.16.5"
-	overall              = 20 * time.Minute
+	image     = "ctscrub:kind-e2e" // TestManifests' stand-in image name
+	podSubnet = "10.244.0.0/16"    // cluster.sh's pod subnet
 )
+
+// kindEnv is the cluster of e2e/kind/cluster.sh, from its variables; nil
+// when the kind tests are not asked for (the test skips).
+type kindEnv struct {
+	cluster, worker, kubeconfig string
+	nodes                       []string
+	serverImage, clientImage    string
+	ciliumVersion, k8sVersion   string
+	podSubnet                   string
+}
+
+func getKindEnv(t *testing.T) *kindEnv {
+	t.Helper()
+	if os.Getenv("CTSCRUB_KIND") != "1" {
+		t.Skip("set CTSCRUB_KIND=1 and a cluster from e2e/kind/cluster.sh to run the kind tests (`make e2e-kind` does both): see docs/kind.md")
+	}
+	e := &kindEnv{
+		cluster:       os.Getenv("CLUSTER"),
+		kubeconfig:    os.Getenv("KUBECONFIG"),
+		serverImage:   os.Getenv("SERVER_IMAGE"),
+		clientImage:   os.Getenv("CLIENT_IMAGE"),
+		ciliumVersion: os.Getenv("CILIUM_VERSION"),
+		k8sVersion:    os.Getenv("K8S_VERSION"),
+		podSubnet:     os.Getenv("POD_SUBNET"),
+	}
+	if e.cluster == "" || e.kubeconfig == "" || e.serverImage == "" || e.clientImage == "" || e.podSubnet == "" {
+		t.Fatalf("CTSCRUB_KIND=1 needs the variables of `e2e/kind/cluster.sh up` (CLUSTER, KUBECONFIG, SERVER_IMAGE, CLIENT_IMAGE, POD_SUBNET): `eval \"$(e2e/kind/cluster.sh env)\"`, or run `make e2e-kind`")
+	}
+	e.worker = e.cluster + "-worker" // kind names node containers <cluster>-<role>
+	e.nodes = strings.Split(os.Getenv("NODES"), ",")
+	return e
+}
+
+func (e *kindEnv) newCluster(t *testing.T, limit time.Duration) *cluster {
+	t.Helper()
+	if dl, ok := t.Deadline(); ok && time.Until(dl) < limit+time.Minute {
+		t.Fatalf("the test needs up to %s: run it with a longer -timeout", limit)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), limit)
+	t.Cleanup(cancel)
+	c := &cluster{t: t, ctx: ctx, root: moduleRoot(t), env: []string{"KUBECONFIG=" + e.kubeconfig}, e: e}
+	t.Cleanup(c.dumpOnFailure)
+	return c
+}
+
+// result records one figure for the e2e's final JSON line (e2e/kind/run.sh
+// prints it): the tests write them to CTSCRUB_KIND_RESULTS, one JSON object
+// per line.
+func result(t *testing.T, key string, value any) {
+	t.Helper()
+	path := os.Getenv("CTSCRUB_KIND_RESULTS")
+	if path == "" {
+		return
+	}
+	b, _ := json.Marshal(map[string]any{key: value})
+	f, err := os.OpenFile(path, os.O_APPEND|os.O_CREATE|os.O_WRONLY, 0o644)
+	if err != nil {
+		t.Errorf("results file: %v", err)
+		return
+	}
+	defer f.Close()
+	fmt.Fprintf(f, "%s\n", b)
+}
 
 // TestKindCilium: a pod's CT entries in Cilium's real maps are indexed by
 // scrubd, and deleting the pod scrubs them through the chain
 // cilium-cni -> ctscrub (reason del, result complete); afterwards Cilium's
 // own CT listing has no entry of the pod's IP.
 func TestKindCilium(t *testing.T) {
-	if os.Getenv("CTSCRUB_KIND") != "1" {
-		t.Skip("set CTSCRUB_KIND=1 to run the kind cluster test (needs Docker, kind, kubectl, helm and the internet): see docs/kind.md")
-	}
-	if out, err := exec.Command("docker", "info", "--format", "{{.ServerVersion}}").CombinedOutput(); err != nil {
-		t.Skipf("needs a Docker engine for kind; run on a machine with Docker: see docs/kind.md (docker info: %v: %s)", err, firstLine(out))
-	}
-	for _, tool := range []string{"kind", "kubectl", "helm"} {
-		if _, err := exec.LookPath(tool); err != nil {
-			t.Skipf("%s is not on PATH: see docs/kind.md for how to install it", tool)
-		}
-	}
-	if dl, ok := t.Deadline(); ok && time.Until(dl) < overall+2*time.Minute {
-		t.Fatalf("the test needs up to %s: run it with -timeout 30m (go test's default is 10m)", overall)
-	}
-	ctx, cancel := context.WithTimeout(context.Background(), overall)
-	t.Cleanup(cancel)
-
-	root := moduleRoot(t)
-	tmp := t.TempDir()
-	kubeconfig := filepath.Join(tmp, "kubeconfig")
-	// A kubeconfig of its own: the developer's ~/.kube/config is not touched.
-	c := &cluster{t: t, ctx: ctx, root: root, env: []string{"KUBECONFIG=" + kubeconfig}}
-
-	// 1. The cluster: no default CNI and no kube-proxy, as on a Cilium node
-	// with kube-proxy replacement.
-	if out := c.must(time.Minute, "kind", "get", "clusters"); containsLine(out, clusterName) {
-		t.Fatalf("a kind cluster %q exists already (kept by CTSCRUB_KIND_KEEP=1?): delete it with `kind delete cluster --name %s`", clusterName, clusterName)
-	}
-	kindConf := writeFile(t, tmp, "kind.yaml", `kind: Cluster
-apiVersion: kind.x-k8s.io/v1alpha4
-networking:
-  disableDefaultCNI: true
-  kubeProxyMode: none
-  podSubnet: `+podSubnet+`
-nodes:
-  - role: control-plane
-  - role: worker
-`)
-	t.Cleanup(func() {
-		if os.Getenv("CTSCRUB_KIND_KEEP") == "1" {
-			t.Logf("CTSCRUB_KIND_KEEP=1: cluster %s kept; `kind export kubeconfig --name %s`, then `kind delete cluster --name %s` when done", clusterName, clusterName, clusterName)
-			return
-		}
-		// The test's context may be spent by now: deletion gets its own.
-		if _, err := runCmd(context.Background(), 3*time.Minute, nil, root, "kind", "delete", "cluster", "--name", clusterName); err != nil {
-			t.Errorf("delete the kind cluster: %v", err)
-		}
-	})
-	c.must(6*time.Minute, "kind", "create", "cluster", "--name", clusterName, "--config", kindConf, "--kubeconfig", kubeconfig)
-	t.Cleanup(c.dumpOnFailure) // runs before the deletion above
-
-	// 2. The image, built as conf/Containerfile expects: a context holding
-	// bin/scrubd and bin/ctscrub, static, for the Docker engine's CPU.
-	arch := strings.TrimSpace(c.must(time.Minute, "docker", "version", "--format", "{{.Server.Arch}}"))
-	buildCtx := filepath.Join(tmp, "image")
-	for pkg, name := range map[string]string{"./scrubd": "scrubd", "./plugin": "ctscrub"} {
-		if _, err := runCmd(ctx, 5*time.Minute, []string{"CGO_ENABLED=0", "GOOS=linux", "GOARCH=" + arch}, root,
-			"go", "build", "-o", filepath.Join(buildCtx, "bin", name), pkg); err != nil {
-			t.Fatal(err)
-		}
-	}
-	c.must(5*time.Minute, "docker", "build", "-f", filepath.Join(root, "conf", "Containerfile"), "-t", image, buildCtx)
-	c.must(5*time.Minute, "kind", "load", "docker-image", image, "--name", clusterName)
-
-	// 3. Cilium writes the chain itself from the ConfigMap (docs/plugin.md,
-	// option 1); it must exist before the agents start.
-	c.kubectl("apply", "-f", filepath.Join(root, "conf", "cilium-cni-configmap.yaml"))
-	ciliumVersion := os.Getenv("CILIUM_VERSION")
-	if ciliumVersion == "" {
-		ciliumVersion = defaultCiliumVersion
-	}
-	c.must(5*time.Minute, "helm", "install", "cilium", "cilium", "--repo", "https://helm.cilium.io",
-		"--version", ciliumVersion, "--namespace", "kube-system",
-		"--set", "cni.customConf=true",
-		"--set", "cni.configMap=cilium-cni-ctscrub",
-		"--set", "cni.exclusive=false",
-		// Pod IPs from the nodes' podCIDRs (kind's podSubnet), which scrubd's
-		// pod_cidrs below name.
-		"--set", "ipam.mode=kubernetes",
-		"--set", "kubeProxyReplacement=true",
-		"--set", "k8sServiceHost="+apiServer,
-		"--set", "k8sServicePort=6443",
-		"--set", "operator.replicas=1",
-		"--set", "image.pullPolicy=IfNotPresent")
-	c.must(10*time.Minute, "kubectl", "-n", "kube-system", "rollout", "status", "ds/cilium", "--timeout=10m")
-	c.must(5*time.Minute, "kubectl", "wait", "--for=condition=Ready", "node", "--all", "--timeout=5m")
+	e := getKindEnv(t)
+	c := e.newCluster(t, 10*time.Minute)
+	worker := e.worker
+	ns := "ctscrub-e2e"
 
 	// Cilium wrote cilium-cni then ctscrub on the node.
-	var chain []string
-	eventually(t, ctx, time.Minute, "Cilium's conflist on "+worker+" chains cilium-cni then ctscrub", func() (bool, string) {
-		out, err := c.run(time.Minute, "docker", "exec", worker, "cat", "/etc/cni/net.d/05-cilium.conflist")
+	eventually(t, c.ctx, time.Minute, "Cilium's conflist on "+worker+" chains cilium-cni then ctscrub", func() (bool, string) {
+		chain, err := c.chain(worker)
 		if err != nil {
 			return false, err.Error()
 		}
-		var conf struct {
-			Plugins []struct {
-				Type string `json:"type"`
-			} `json:"plugins"`
-		}
-		if err := json.Unmarshal([]byte(out), &conf); err != nil {
-			return false, fmt.Sprintf("%v: %s", err, out)
-		}
-		chain = chain[:0]
-		for _, p := range conf.Plugins {
-			chain = append(chain, p.Type)
-		}
 		return strings.Join(chain, ",") == "cilium-cni,ctscrub", fmt.Sprintf("chain %v", chain)
 	})
-
-	// 4. scrubd: conf/daemonset.yaml with the test's image, and
-	// conf/scrubd.yaml with kind's pod subnet.
-	scrubdConf, err := scrubdConfFor(readFile(t, root, "conf/scrubd.yaml"), podSubnet)
-	if err != nil {
-		t.Fatal(err)
-	}
-	c.kubectl("-n", "kube-system", "create", "configmap", "ctscrub-config",
-		"--from-file=scrubd.yaml="+writeFile(t, tmp, "scrubd.yaml", scrubdConf))
-	ds, err := daemonSetFor(readFile(t, root, "conf/daemonset.yaml"), image)
-	if err != nil {
-		t.Fatal(err)
-	}
-	c.kubectl("apply", "-f", writeFile(t, tmp, "daemonset.yaml", ds))
-	c.must(5*time.Minute, "kubectl", "-n", "kube-system", "rollout", "status", "ds/ctscrub", "--timeout=5m")
 	scrubdPod := c.podOn("kube-system", "app.kubernetes.io/name=ctscrub", worker)
 	ciliumPod := c.podOn("kube-system", "k8s-app=cilium", worker)
 
-	// 5. A server and a client on the same node, through the chain.
+	// A server and a client on the same node, through the chain.
 	c.kubectl("create", "namespace", ns)
-	c.kubectl("apply", "-f", writeFile(t, tmp, "pods.yaml", fmt.Sprintf(`apiVersion: v1
+	t.Cleanup(func() {
+		runCmd(context.Background(), 3*time.Minute, c.env, c.root, "kubectl", "delete", "namespace", ns, "--wait=true", "--timeout=2m")
+	})
+	c.kubectl("apply", "-f", writeFile(t, t.TempDir(), "pods.yaml", fmt.Sprintf(`apiVersion: v1
 kind: Pod
 metadata: {name: server, namespace: %[1]s}
 spec:
   nodeName: %[2]s
   terminationGracePeriodSeconds: 2
   containers:
-    - {name: server, image: %[3]s, args: ["netexec", "--http-port=8080"]}
+    - {name: server, image: %[3]s, imagePullPolicy: IfNotPresent, args: ["netexec", "--http-port=8080"]}
 ---
 apiVersion: v1
 kind: Pod
@@ -197,19 +143,19 @@ spec:
   nodeName: %[2]s
   terminationGracePeriodSeconds: 1
   containers:
-    - {name: client, image: %[4]s, command: ["sleep", "3600"]}
-`, ns, worker, serverImage, clientImage)))
+    - {name: client, image: %[4]s, imagePullPolicy: IfNotPresent, command: ["sleep", "3600"]}
+`, ns, worker, e.serverImage, e.clientImage)))
 	c.must(5*time.Minute, "kubectl", "-n", ns, "wait", "--for=condition=Ready", "pod/server", "pod/client", "--timeout=5m")
 	serverIP, err := netip.ParseAddr(strings.TrimSpace(c.kubectl("-n", ns, "get", "pod", "server", "-o", "jsonpath={.status.podIP}")))
-	if err != nil || !netip.MustParsePrefix(podSubnet).Contains(serverIP) {
-		t.Fatalf("server pod IP %v (%v): want an address in %s", serverIP, err, podSubnet)
+	if err != nil || !netip.MustParsePrefix(e.podSubnet).Contains(serverIP) {
+		t.Fatalf("server pod IP %v (%v): want an address in %s", serverIP, err, e.podSubnet)
 	}
 	ip := serverIP.String()
 
 	// One connection held open for the whole test: its CT entries live for
 	// hours, so neither Cilium's GC nor scrubd's expiry pass removes them
 	// before the DEL (short HTTP flows expire 10 s after their FIN).
-	hold := exec.CommandContext(ctx, "kubectl", "-n", ns, "exec", "-i", "client", "-c", "client", "--", "nc", ip, "8080")
+	hold := exec.CommandContext(c.ctx, "kubectl", "-n", ns, "exec", "-i", "client", "-c", "client", "--", "nc", ip, "8080")
 	hold.Env = append(os.Environ(), c.env...)
 	holdIn, err := hold.StdinPipe()
 	if err != nil {
@@ -220,8 +166,9 @@ spec:
 	}
 	t.Cleanup(func() { holdIn.Close(); hold.Process.Kill(); hold.Wait() })
 	for i := range 5 {
+		// Debian's busybox 1.35 crashes on wget -T: timeout(1) bounds it.
 		if out := strings.TrimSpace(c.kubectl("-n", ns, "exec", "client", "-c", "client", "--",
-			"wget", "-qO-", "-T", "5", "http://"+ip+":8080/hostname")); out != "server" {
+			"timeout", "5", "wget", "-qO-", "http://"+ip+":8080/hostname")); out != "server" {
 			t.Fatalf("request %d from client to server %s:8080/hostname answered %q, want \"server\"", i, ip, out)
 		}
 	}
@@ -233,7 +180,7 @@ spec:
 		Complete   bool   `json:"complete"`
 		Incomplete string `json:"incomplete"`
 	}
-	eventually(t, ctx, 30*time.Second, "scrubd's index holds keys of "+ip, func() (bool, string) {
+	eventually(t, c.ctx, 30*time.Second, "scrubd's index holds keys of "+ip, func() (bool, string) {
 		out, err := c.run(time.Minute, "kubectl", "-n", "kube-system", "exec", scrubdPod, "-c", "scrubd", "--",
 			"/usr/local/bin/scrubd", "index", "--ip", ip, "--json")
 		if err != nil {
@@ -250,16 +197,16 @@ spec:
 	if lines := c.ctLines(ciliumPod, ip); len(lines) == 0 {
 		t.Fatalf("Cilium's CT on %s lists no entry of %s after traffic to it", worker, ip)
 	}
-	delsBefore := c.delScrubs()
+	delsBefore := c.delScrubs(worker)
 	// An earlier pod may have held the IP (a failed ADD is undone by a DEL):
 	// only scrub lines logged from here on count.
 	logged := len(delScrubsOf(c.kubectl("-n", "kube-system", "logs", scrubdPod, "-c", "scrubd"), ip))
 
-	// 6. Delete the server: the DEL goes through ctscrub before cilium-cni
+	// Delete the server: the DEL goes through ctscrub before cilium-cni
 	// (a chain's DEL runs in reverse), so ctscrub finds the entries.
 	c.must(3*time.Minute, "kubectl", "-n", ns, "delete", "pod", "server", "--wait=true", "--timeout=3m")
 	var scrubs []scrubLine
-	eventually(t, ctx, time.Minute, "scrubd logs a del scrub of "+ip, func() (bool, string) {
+	eventually(t, c.ctx, time.Minute, "scrubd logs a del scrub of "+ip, func() (bool, string) {
 		out, err := c.run(time.Minute, "kubectl", "-n", "kube-system", "logs", scrubdPod, "-c", "scrubd")
 		if err != nil {
 			return false, err.Error()
@@ -294,7 +241,7 @@ spec:
 	if lines := c.ctLines(ciliumPod, ip); len(lines) > 0 {
 		t.Errorf("Cilium's CT on %s still lists %d entries of %s after the DEL:\n%s", worker, len(lines), ip, strings.Join(lines, "\n"))
 	}
-	if after := c.delScrubs(); after <= delsBefore {
+	if after := c.delScrubs(worker); after <= delsBefore {
 		t.Errorf("ctscrub_scrub_duration_seconds_count{reason=\"del\"} on %s: %v before the DEL, %v after; want more", worker, delsBefore, after)
 	}
 }
@@ -325,6 +272,7 @@ type cluster struct {
 	ctx  context.Context
 	root string
 	env  []string // KUBECONFIG
+	e    *kindEnv
 }
 
 func (c *cluster) run(timeout time.Duration, name string, args ...string) (string, error) {
@@ -356,9 +304,9 @@ func (c *cluster) podOn(namespace, sel, node string) string {
 	return name
 }
 
-// ctLines lists the lines of Cilium's global CT tables on the worker that
-// name ip. Cilium 1.15+ calls the agent's CLI cilium-dbg; older ones cilium.
-func (c *cluster) ctLines(ciliumPod, ip string) []string {
+// ctDump is Cilium's global CT tables listed by the agent's own CLI.
+// Cilium 1.15+ calls it cilium-dbg; older ones cilium.
+func (c *cluster) ctDump(ciliumPod string) string {
 	c.t.Helper()
 	var out string
 	var err error
@@ -366,16 +314,20 @@ func (c *cluster) ctLines(ciliumPod, ip string) []string {
 		out, err = c.run(2*time.Minute, "kubectl", "-n", "kube-system", "exec", ciliumPod, "-c", "cilium-agent", "--",
 			cli, "bpf", "ct", "list", "global")
 		if err == nil {
-			break
+			return out
 		}
 	}
-	if err != nil {
-		c.t.Fatal(err)
-	}
+	c.t.Fatal(err)
+	return ""
+}
+
+// ctLines lists the lines of Cilium's global CT tables that name ip.
+func (c *cluster) ctLines(ciliumPod, ip string) []string {
+	c.t.Helper()
 	// The address alone, not a prefix of a longer one (10.244.1.5 vs 10.244.1.50).
 	re := regexp.MustCompile(`(^|[^0-9.])` + regexp.QuoteMeta(ip) + `([^0-9]|$)`)
 	var lines []string
-	for _, l := range strings.Split(out, "\n") {
+	for _, l := range strings.Split(c.ctDump(ciliumPod), "\n") {
 		if re.MatchString(l) {
 			lines = append(lines, l)
 		}
@@ -383,12 +335,40 @@ func (c *cluster) ctLines(ciliumPod, ip string) []string {
 	return lines
 }
 
+// metrics is scrubd's /metrics on node: it listens on the node's loopback
+// (hostNetwork), reached from inside the kind node container.
+func (c *cluster) metrics(node string) string {
+	c.t.Helper()
+	return c.must(time.Minute, "docker", "exec", node, "curl", "-sf", "http://127.0.0.1:9967/metrics")
+}
+
+// chain is the plugin types of the conflist Cilium wrote on node.
+func (c *cluster) chain(node string) ([]string, error) {
+	out, err := c.run(time.Minute, "docker", "exec", node, "cat", "/etc/cni/net.d/05-cilium.conflist")
+	if err != nil {
+		return nil, err
+	}
+	var conf struct {
+		Plugins []struct {
+			Type string `json:"type"`
+		} `json:"plugins"`
+	}
+	if err := json.Unmarshal([]byte(out), &conf); err != nil {
+		return nil, fmt.Errorf("%v: %s", err, out)
+	}
+	var chain []string
+	for _, p := range conf.Plugins {
+		chain = append(chain, p.Type)
+	}
+	return chain, nil
+}
+
 // delScrubs sums ctscrub_scrub_duration_seconds_count{reason="del"} from the
 // worker's scrubd. Its metrics listen on the node's loopback (hostNetwork),
 // reached from inside the kind node container.
-func (c *cluster) delScrubs() float64 {
+func (c *cluster) delScrubs(node string) float64 {
 	c.t.Helper()
-	out := c.must(time.Minute, "docker", "exec", worker, "curl", "-sf", "http://127.0.0.1:9967/metrics")
+	out := c.metrics(node)
 	var sum float64
 	var found bool
 	sc := bufio.NewScanner(strings.NewReader(out))
@@ -406,7 +386,7 @@ func (c *cluster) delScrubs() float64 {
 		found = true
 	}
 	if !found && !strings.Contains(out, "ctscrub_") {
-		c.t.Fatalf("scrubd's /metrics on %s has no ctscrub_ series:\n%s", worker, out)
+		c.t.Fatalf("scrubd's /metrics on %s has no ctscrub_ series:\n%s", node, out)
 	}
 	return sum
 }
@@ -611,4 +591,11 @@ func tail(b []byte) []byte {
 		return append([]byte("...\n"), b[len(b)-limit:]...)
 	}
 	return b
+}
+
+func envOr(name, def string) string {
+	if v := os.Getenv(name); v != "" {
+		return v
+	}
+	return def
 }

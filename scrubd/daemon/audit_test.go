@@ -3,6 +3,8 @@ package daemon
 import (
 	"context"
 	"net/netip"
+	"os/exec"
+	"strings"
 	"testing"
 	"time"
 
@@ -103,5 +105,33 @@ func TestContinuousAuditInDaemon(t *testing.T) {
 	resp, err := td.c.Audit(context.Background(), nil)
 	if err != nil || len(resp.Recent) != 1 || resp.Recent[0].Key != miss.String() || resp.Recent[0].IP != ip {
 		t.Errorf("recent misses: %+v, %v", resp, err)
+	}
+}
+
+// scrubd audit --ip: the verdict and keys; exit 1 when keys are missing.
+func TestAuditCLI(t *testing.T) {
+	root, td := auditDaemon(t)
+	bin := buildScrubd(t)
+	ip := mustAddr("10.244.0.8")
+	flows := podFlows(ip, 3)
+	root.put4(t, flows)
+	indexFlows(td.Daemon, ip, flows)
+	cli := func(args ...string) (string, error) {
+		out, err := exec.Command(bin, append(args, "--socket", td.cfg.Socket)...).CombinedOutput()
+		return string(out), err
+	}
+	out, err := cli("audit", "--ip", ip.String())
+	if err != nil || !strings.Contains(out, ip.String()+": covered") || !strings.Contains(out, "in the kernel 6, indexed 6, missing 0") {
+		t.Errorf("scrubd audit of a covered IP: %v\n%s", err, out)
+	}
+	miss := ctmap.NewKey4(mustAddr("203.0.113.9"), ip, 8080, 5557, ctmap.ProtoTCP, ctmap.FlagIn)
+	root.put4(t, []ctmap.CTKey4{miss})
+	out, err = cli("audit", "--ip", ip.String())
+	if err == nil || !strings.Contains(out, "MISSING") || !strings.Contains(out, miss.String()) {
+		t.Errorf("scrubd audit with a missing key: %v\n%s", err, out)
+	}
+	out, err = cli("audit", "--ip", ip.String(), "--json")
+	if err == nil || !strings.Contains(out, `"verdict": "missing"`) {
+		t.Errorf("scrubd audit --json: %v\n%s", err, out)
 	}
 }

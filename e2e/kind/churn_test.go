@@ -1,0 +1,239 @@
+package kind
+
+import (
+	"encoding/json"
+	"fmt"
+	"regexp"
+	"sort"
+	"strings"
+	"testing"
+	"time"
+)
+
+// TestKindChurn: pods created and deleted in waves on one node whose pod
+// CIDR is small (cluster.sh NODE_CIDR_MASK=27 in `make e2e-kind`), so pod IPs
+// come back. Each pod gets real TCP, UDP and ping from a client pod, and DNS
+// plus TCP through a Service. Checked with Cilium's own `cilium-dbg bpf ct
+// list global` on the node:
+//   - a new pod's IP has no entry before its first packet (inherited_entries:
+//     nothing left from the IP's previous pod);
+//   - the wave's IPs have entries after the traffic (so the checks can fail);
+//   - after the wave's DELs none of its IPs has an entry (stale_entries_left).
+//
+// Mid-run, as operators meet them: the node's Cilium agent is restarted
+// (after wave 2), and ctscrub's DaemonSet is rolled while a wave's pods start
+// (wave 4): with failurePolicy fail the pods that start during the gap get a
+// CNI error and the kubelet retries until scrubd is back (docs/plugin.md),
+// so every pod must still become Ready.
+func TestKindChurn(t *testing.T) {
+	e := getKindEnv(t)
+	c := e.newCluster(t, 25*time.Minute)
+	const (
+		waves   = 5
+		perWave = 10
+		ns      = "ctscrub-churn"
+	)
+	node := e.worker
+	c.kubectl("create", "namespace", ns)
+	t.Cleanup(func() {
+		c.run(3*time.Minute, "kubectl", "delete", "namespace", ns, "--wait=true", "--timeout=2m")
+	})
+	c.kubectl("apply", "-f", writeFile(t, t.TempDir(), "base.yaml", fmt.Sprintf(`apiVersion: v1
+kind: Pod
+metadata: {name: client, namespace: %[1]s}
+spec:
+  nodeName: %[2]s
+  terminationGracePeriodSeconds: 1
+  containers:
+    - {name: client, image: %[3]s, imagePullPolicy: IfNotPresent, command: ["sleep", "36000"]}
+---
+apiVersion: v1
+kind: Service
+metadata: {name: churn, namespace: %[1]s}
+spec:
+  selector: {app: churn}
+  ports:
+    - {name: tcp, port: 8080, protocol: TCP}
+    - {name: udp, port: 8081, protocol: UDP}
+`, ns, node, e.clientImage)))
+	c.must(5*time.Minute, "kubectl", "-n", ns, "wait", "--for=condition=Ready", "pod/client", "--timeout=5m")
+
+	var (
+		churned, stale, inherited, reused, before int
+		seen                                      = map[string]string{} // IP -> first pod that held it
+		methods                                   = map[string]int{}
+		logSeen                                   = map[string]int{} // scrubd pod -> log lines counted
+	)
+	countScrubs := func() {
+		for _, pod := range c.podsOn("kube-system", "app.kubernetes.io/name=ctscrub", node) {
+			out, err := c.run(time.Minute, "kubectl", "-n", "kube-system", "logs", pod, "-c", "scrubd")
+			if err != nil {
+				continue // a pod being replaced
+			}
+			lines := strings.Split(out, "\n")
+			for _, l := range lines[min(logSeen[pod], len(lines)):] {
+				var s scrubLine
+				if json.Unmarshal([]byte(l), &s) == nil && s.Msg == "scrub" && s.Reason == "del" && !s.DryRun && s.Backend == "cilium" {
+					methods[s.Method]++
+					if s.Result != "complete" {
+						t.Errorf("del scrub of %v on %s: result %s (%s), want complete", s.IPs, node, s.Result, s.Error)
+					}
+				}
+			}
+			logSeen[pod] = len(lines)
+		}
+	}
+
+	for w := range waves {
+		if w == 2 {
+			// The node's Cilium agent restarts: its CT maps may be re-created.
+			old := c.podOn("kube-system", "k8s-app=cilium", node)
+			t.Logf("wave %d: restarting Cilium's agent %s", w, old)
+			c.kubectl("-n", "kube-system", "delete", "pod", old, "--wait=true")
+			c.must(5*time.Minute, "kubectl", "-n", "kube-system", "rollout", "status", "ds/cilium", "--timeout=5m")
+		}
+		if w == 3 {
+			t.Logf("wave %d: rolling ctscrub's DaemonSet while the wave's pods start", w)
+			c.kubectl("-n", "kube-system", "rollout", "restart", "ds/ctscrub")
+		}
+		var b strings.Builder
+		var names []string
+		for i := range perWave {
+			name := fmt.Sprintf("churn-%d-%d", w, i)
+			names = append(names, name)
+			fmt.Fprintf(&b, `apiVersion: v1
+kind: Pod
+metadata: {name: %[1]s, namespace: %[2]s, labels: {app: churn, wave: "%[5]d"}}
+spec:
+  nodeName: %[3]s
+  terminationGracePeriodSeconds: 1
+  containers:
+    - {name: server, image: %[4]s, imagePullPolicy: IfNotPresent, args: ["netexec", "--http-port=8080", "--udp-port=8081"]}
+---
+`, name, ns, node, e.serverImage, w)
+		}
+		c.kubectl("apply", "-f", writeFile(t, t.TempDir(), "wave.yaml", b.String()))
+		c.must(8*time.Minute, "kubectl", "-n", ns, "wait", "--for=condition=Ready", "pod", "-l", fmt.Sprintf("wave=%d", w), "--timeout=8m")
+		if w == 3 {
+			c.must(5*time.Minute, "kubectl", "-n", "kube-system", "rollout", "status", "ds/ctscrub", "--timeout=5m")
+		}
+		ips := map[string]string{} // IP -> pod
+		for _, l := range strings.Split(strings.TrimSpace(c.kubectl("-n", ns, "get", "pods", "-l", fmt.Sprintf("wave=%d", w),
+			"-o", `jsonpath={range .items[*]}{.metadata.name} {.status.podIP}{"\n"}{end}`)), "\n") {
+			f := strings.Fields(l)
+			if len(f) != 2 {
+				t.Fatalf("pod list line %q", l)
+			}
+			ips[f[1]] = f[0]
+			if first, ok := seen[f[1]]; ok {
+				reused++
+				t.Logf("wave %d: %s has %s, held before by %s", w, f[0], f[1], first)
+			} else {
+				seen[f[1]] = f[0]
+			}
+		}
+		agent := c.podOn("kube-system", "k8s-app=cilium", node)
+
+		// Before any packet: nothing of the IP's previous pods.
+		for ip, n := range c.ctCount(agent, ips) {
+			if n > 0 {
+				inherited += n
+				t.Errorf("wave %d: new pod %s (%s) inherits %d CT entries before its first packet", w, ips[ip], ip, n)
+			}
+		}
+
+		// Traffic: TCP, UDP and ping to each pod; DNS and TCP through the
+		// Service. One exec for the lot.
+		var script strings.Builder
+		for ip := range ips {
+			fmt.Fprintf(&script, "timeout 5 wget -qO- http://%[1]s:8080/hostname; echo; echo hostname | timeout 3 nc -u -w 1 %[1]s 8081; echo; ping -c 1 -W 2 %[1]s >/dev/null && echo ping-ok; ", ip)
+		}
+		script.WriteString("nslookup churn." + ns + ".svc.cluster.local >/dev/null && echo dns-ok; ")
+		for range 5 {
+			script.WriteString("timeout 5 wget -qO- http://churn." + ns + ".svc.cluster.local:8080/hostname; echo; ")
+		}
+		out, _ := c.run(3*time.Minute, "kubectl", "-n", ns, "exec", "client", "--", "sh", "-c", script.String())
+		for ip, pod := range ips {
+			if n := strings.Count(out, pod); n < 2 {
+				t.Errorf("wave %d: %s (%s) answered %d of TCP and UDP, want both:\n%s", w, pod, ip, n, out)
+			}
+		}
+		if strings.Count(out, "ping-ok") != len(ips) || !strings.Contains(out, "dns-ok") {
+			t.Errorf("wave %d: ping answered %d of %d, DNS through the Service ok: %v:\n%s", w, strings.Count(out, "ping-ok"), len(ips), strings.Contains(out, "dns-ok"), out)
+		}
+		n := 0
+		for _, k := range c.ctCount(agent, ips) {
+			n += k
+		}
+		if n == 0 {
+			t.Fatalf("wave %d: Cilium's CT on %s lists no entry of the wave's IPs after traffic to them", w, node)
+		}
+		before += n
+
+		// DEL: every entry of the wave's IPs goes.
+		c.must(5*time.Minute, "kubectl", "-n", ns, "delete", "pod", "-l", fmt.Sprintf("wave=%d", w), "--wait=true", "--timeout=5m")
+		churned += len(names)
+		var left map[string]int
+		deadline := time.Now().Add(30 * time.Second)
+		for {
+			left = map[string]int{}
+			for ip, k := range c.ctCount(agent, ips) {
+				if k > 0 {
+					left[ip] = k
+				}
+			}
+			if len(left) == 0 || time.Now().After(deadline) {
+				break
+			}
+			time.Sleep(2 * time.Second)
+		}
+		for ip, k := range left {
+			stale += k
+			t.Errorf("wave %d: %d CT entries of %s (deleted pod %s) left in Cilium's CT after its DEL", w, k, ip, ips[ip])
+		}
+		countScrubs()
+		t.Logf("wave %d: %d pods, %d CT entries of theirs before the DEL, %d left after; IPs reused so far %d; del scrubs by method %v", w, len(names), n, len(left), reused, methods)
+	}
+	if reused == 0 {
+		t.Errorf("no pod IP was reused over %d pods: the churn did not test IP reuse (cluster.sh NODE_CIDR_MASK=27 makes node CIDRs small)", churned)
+	}
+	result(t, "pods_churned", churned)
+	result(t, "stale_entries_left", stale)
+	result(t, "inherited_entries", inherited)
+	result(t, "ips_reused", reused)
+	result(t, "ct_entries_before_del", before)
+	result(t, "scrubs", methods)
+}
+
+// ctCount counts, per IP, the lines of Cilium's global CT tables (one dump
+// by the agent's own CLI) that name it.
+func (c *cluster) ctCount(agent string, ips map[string]string) map[string]int {
+	c.t.Helper()
+	out := c.ctDump(agent)
+	counts := map[string]int{}
+	keys := make([]string, 0, len(ips))
+	for ip := range ips {
+		keys = append(keys, ip)
+		counts[ip] = 0
+	}
+	sort.Strings(keys)
+	res := make([]*regexp.Regexp, len(keys))
+	for i, ip := range keys {
+		res[i] = regexp.MustCompile(`(^|[^0-9.])` + regexp.QuoteMeta(ip) + `([^0-9]|$)`)
+	}
+	for _, l := range strings.Split(out, "\n") {
+		for i, re := range res {
+			if re.MatchString(l) {
+				counts[keys[i]]++
+			}
+		}
+	}
+	return counts
+}
+
+// podsOn lists the pods with label sel on node.
+func (c *cluster) podsOn(namespace, sel, node string) []string {
+	c.t.Helper()
+	return strings.Fields(c.kubectl("-n", namespace, "get", "pods", "-l", sel,
+		"--field-selector", "spec.nodeName="+node, "-o", "jsonpath={.items[*].metadata.name}"))
+}

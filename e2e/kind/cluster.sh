@@ -1,0 +1,184 @@
+#!/usr/bin/env bash
+# A kind cluster with real Cilium, and optionally ctscrub, from the images of
+# e2e/kind/images/build.sh. Root; run e2e/kind/install.sh first.
+#
+#   cluster.sh up      build or reuse the images, create the cluster, install
+#                      Cilium (chaining as docs/plugin.md tells operators) and
+#                      ctscrub (conf/chart); print shell variables for the
+#                      tests (also in $WORK/cluster-$CLUSTER.env)
+#   cluster.sh down    delete the cluster and the kind network, and check that
+#                      the machine's iptables and interfaces are as before `up`
+#   cluster.sh env     print the variables of a running cluster
+#
+# Variables (defaults):
+#   CLUSTER=ctscrub-e2e     kind cluster name
+#   WORKERS=1               worker nodes (plus one control plane)
+#   NODE_CIDR_MASK=24       size of each node's pod CIDR (Cilium cluster-pool
+#                           within 10.244.0.0/16); e2e-kind uses 27 so pod IPs
+#                           repeat within the churn
+#   CTSCRUB=1               install ctscrub with its chart (0: Cilium only)
+#   CILIUM_VERSION=1.18.8   and every variable of images/build.sh
+#   CILIUM_HELM_ARGS=       more `helm install cilium` arguments
+#   CTSCRUB_HELM_ARGS=      more `helm install ctscrub` arguments
+#   CTSCRUB_KIND_WORK=/var/tmp/ctscrub-kind   scratch space and state
+#
+# `up` deletes the cluster again if it fails; run `down` from a trap (as
+# e2e/kind/run.sh does) to delete it on Ctrl-C.
+set -euo pipefail
+HERE=$(cd "$(dirname "$0")" && pwd)
+ROOT=$(cd "$HERE/../.." && pwd)
+PREFIX=${CTSCRUB_KIND_PREFIX:-/opt/ctscrub-kind}
+export PATH=$PREFIX/bin:$PATH
+WORK=${CTSCRUB_KIND_WORK:-/var/tmp/ctscrub-kind}
+CLUSTER=${CLUSTER:-ctscrub-e2e}
+WORKERS=${WORKERS:-1}
+NODE_CIDR_MASK=${NODE_CIDR_MASK:-24}
+CTSCRUB=${CTSCRUB:-1}
+POD_SUBNET=10.244.0.0/16
+KUBECONFIG=$WORK/kubeconfig-$CLUSTER
+export KUBECONFIG
+envfile=$WORK/cluster-$CLUSTER.env
+before=$WORK/host-before-$CLUSTER
+log() { printf '%s cluster: %s\n' "$(date -u +%H:%M:%S)" "$*" >&2; }
+die() { log "error: $*"; exit 1; }
+
+# The machine's own network state, for `down` to check. Other programs on a
+# shared machine add and remove their own interfaces and rules meanwhile, so
+# `down` flags only what is new since `up` and Docker's or kind's: an
+# interface on kind's bridge, the bridge itself, an iptables rule or chain
+# naming Docker or that bridge (dockerd runs with ip-forward off, so
+# net.ipv4.ip_forward is not its to change; other tests here turn it on).
+host_state() {
+	{
+		ip -o link show | awk -F': ' '{print "link " $2}' | sed 's/@.*//'
+		iptables-save 2>/dev/null | grep -v '^#' | sed 's/\[[0-9:]*\]//; s/^/ip4 /'
+		ip6tables-save 2>/dev/null | grep -v '^#' | sed 's/\[[0-9:]*\]//; s/^/ip6 /'
+		echo "ip_forward $(cat /proc/sys/net/ipv4/ip_forward)"
+	} | sort -u
+}
+
+down() {
+	local bridge=
+	if docker network inspect kind >/dev/null 2>&1; then
+		bridge=br-$(docker network inspect kind -f '{{.Id}}' | cut -c1-12)
+	fi
+	if kind get clusters 2>/dev/null | grep -qx "$CLUSTER"; then
+		log "deleting cluster $CLUSTER"
+		kind delete cluster --name "$CLUSTER" >/dev/null 2>&1 || log "kind delete cluster failed"
+	fi
+	# kind leaves its network; remove it when no other container uses it.
+	if [[ -n $bridge ]] && [[ $(docker network inspect kind -f '{{len .Containers}}') == 0 ]]; then
+		docker network rm kind >/dev/null || true
+	fi
+	rm -f "$envfile"
+	if [[ -f $before ]]; then
+		local left
+		left=$(comm -13 "$before" <(host_state) |
+			grep -E "DOCKER|docker|${bridge:-br-kindnone}" || true)
+		if [[ -n $bridge ]] && ip link show "$bridge" >/dev/null 2>&1; then left+=$'\n'"link $bridge (kind's bridge) still there"; fi
+		if [[ -n $bridge ]] && ip -o link show master "$bridge" 2>/dev/null | grep -q .; then left+=$'\n'"interfaces on $bridge still there"; fi
+		rm -f "$before"
+		if [[ -n ${left//[$'\n']/} ]]; then
+			log "left on the machine by the cluster or Docker (not there before 'up'):"
+			echo "$left" >&2
+			return 1
+		fi
+		log "no interface or iptables rule of Docker's or kind's left"
+	fi
+}
+
+print_env() { cat "$envfile"; }
+
+up() {
+	kind get clusters 2>/dev/null | grep -qx "$CLUSTER" &&
+		die "a kind cluster $CLUSTER exists: '$0 down' first (or CLUSTER=another-name)"
+	mkdir -p "$WORK"
+	host_state >"$before"
+	"$HERE/images/build.sh" >"$WORK/images-$CLUSTER.env"
+	# shellcheck disable=SC1090
+	source "$WORK/images-$CLUSTER.env"
+	# kubectl of the cluster's version, from the Kubernetes build.
+	if [[ ${CTSCRUB_KIND_UPSTREAM:-0} != 1 ]]; then
+		id=$(docker create "$KIND_NODE_IMAGE" /nonexistent)
+		docker cp "$id:/usr/bin/kubectl" "$PREFIX/bin/kubectl" >&2; docker rm "$id" >/dev/null
+	fi
+	trap 'rc=$?; if ((rc)); then log "up failed: deleting the cluster"; down || true; fi' EXIT
+	local conf=$WORK/kind-$CLUSTER.yaml
+	{
+		cat <<EOY
+kind: Cluster
+apiVersion: kind.x-k8s.io/v1alpha4
+networking:
+  disableDefaultCNI: true
+  kubeProxyMode: none
+  podSubnet: $POD_SUBNET
+nodes:
+  - role: control-plane
+    image: $KIND_NODE_IMAGE
+EOY
+		for _ in $(seq "$WORKERS"); do printf '  - role: worker\n    image: %s\n' "$KIND_NODE_IMAGE"; done
+	} >"$conf"
+	log "creating cluster $CLUSTER (1 control plane, $WORKERS workers, $KIND_NODE_IMAGE)"
+	kind create cluster --name "$CLUSTER" --config "$conf" --kubeconfig "$KUBECONFIG" --wait 0s >&2
+	local nodes
+	nodes=$(kind get nodes --name "$CLUSTER" | paste -sd, -)
+	log "loading images into $nodes"
+	local imgs=("$CILIUM_IMAGE" "$CILIUM_OPERATOR_IMAGE" "$CTSCRUB_IMAGE" "$SERVER_IMAGE" "$CLIENT_IMAGE")
+	kind load docker-image --name "$CLUSTER" "${imgs[@]}" >&2
+
+	local cp_ip
+	cp_ip=$(docker inspect -f '{{range .NetworkSettings.Networks}}{{.IPAddress}}{{end}}' "$CLUSTER-control-plane")
+	if [[ $CTSCRUB == 1 ]]; then
+		# First ctscrub: its chart holds the CNI ConfigMap that Cilium writes
+		# the chain from (docs/plugin.md, option 1).
+		install_ctscrub
+	else
+		kubectl apply -f "$ROOT/conf/cilium-cni-configmap.yaml" >&2
+	fi
+	log "installing Cilium $CILIUM_VERSION from $CILIUM_CHART"
+	local chart=("$CILIUM_CHART")
+	[[ -n ${CILIUM_CHART_REPO:-} ]] && chart=(cilium --repo "$CILIUM_CHART_REPO" --version "$CILIUM_VERSION")
+	# shellcheck disable=SC2086
+	helm install cilium "${chart[@]}" --namespace kube-system \
+		--set cni.customConf=true --set cni.configMap=cilium-cni-ctscrub --set cni.exclusive=false \
+		--set ipam.mode=cluster-pool \
+		--set "ipam.operator.clusterPoolIPv4PodCIDRList={$POD_SUBNET}" \
+		--set ipam.operator.clusterPoolIPv4MaskSize="$NODE_CIDR_MASK" \
+		--set kubeProxyReplacement=true --set k8sServiceHost="$cp_ip" --set k8sServicePort=6443 \
+		--set operator.replicas=1 \
+		--set image.override="$CILIUM_IMAGE" --set image.pullPolicy=IfNotPresent \
+		--set operator.image.override="$CILIUM_OPERATOR_IMAGE" --set operator.image.pullPolicy=IfNotPresent \
+		--set envoy.enabled=false --set l7Proxy=false \
+		${CILIUM_HELM_ARGS:-} >&2
+	kubectl -n kube-system rollout status ds/cilium --timeout=10m >&2
+	kubectl wait --for=condition=Ready node --all --timeout=5m >&2
+	if [[ $CTSCRUB == 1 ]]; then
+		kubectl -n kube-system rollout status ds/ctscrub --timeout=5m >&2
+	fi
+	kubectl -n kube-system rollout status deploy/coredns --timeout=5m >&2
+	{
+		printf 'CLUSTER=%q\nKUBECONFIG=%q\nNODES=%q\nPOD_SUBNET=%q\nNODE_CIDR_MASK=%q\nCTSCRUB_INSTALLED=%q\n' \
+			"$CLUSTER" "$KUBECONFIG" "$nodes" "$POD_SUBNET" "$NODE_CIDR_MASK" "$CTSCRUB"
+		cat "$WORK/images-$CLUSTER.env"
+	} >"$envfile"
+	trap - EXIT
+	log "cluster $CLUSTER ready"
+	print_env
+}
+
+install_ctscrub() {
+	log "installing ctscrub ($CTSCRUB_IMAGE) with conf/chart"
+	# shellcheck disable=SC2086
+	helm install ctscrub "$ROOT/conf/chart" --namespace kube-system \
+		--set image.repository="${CTSCRUB_IMAGE%:*}" --set image.tag="${CTSCRUB_IMAGE##*:}" \
+		--set image.pullPolicy=IfNotPresent \
+		--set "config.pod_cidrs={$POD_SUBNET}" \
+		${CTSCRUB_HELM_ARGS:-} >&2
+}
+
+case ${1:-} in
+up) up ;;
+down) down ;;
+env) print_env ;;
+*) echo "usage: $0 up|down|env (see the head of this file)" >&2; exit 2 ;;
+esac
