@@ -87,6 +87,10 @@ bench: ## Index scrub vs NextKey walk vs batch walk vs sweep (ENTRIES, PER_IP)
 bench-cni: build ## ctscrub plugin ADD/DEL as a runtime runs it vs bare exec and bridge (ENTRIES, default 16M; PAIRS, default 1000)
 	$(GO) run ./bench/cni
 
+.PHONY: bench-recorder
+bench-recorder: ## Recorder: attach/detach cost, ns/packet hot and under a 10,000-flow mix of real packets (FLOWS, NEW_PER_S)
+	$(GO) run ./bench/recorder
+
 .PHONY: bench-incident
 bench-incident: ## 50 concurrent pod scrubs through scrubd vs Cilium 1.16's serial walks
 	$(GO) run ./bench/incident

@@ -5,7 +5,7 @@
 // (see the Makefile) and CI checks that they are current.
 package bpf
 
-// The recorder: tcx program on a pod's container-side interface that records
+// The recorder: cls_bpf programs on a pod's container-side interface that record
 // every new flow's CT keys (the index's kernel side).
 //go:generate go tool bpf2go -target bpfel -go-package bpf Recorder recorder.c -- -I./include
 

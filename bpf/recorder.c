@@ -3,18 +3,21 @@
 // SPDX-License-Identifier: (GPL-2.0-only OR BSD-2-Clause)
 /* The recorder: the kernel side of ctscrub's index.
  *
- * Attached with tcx to a pod's container-side interface, inside the pod's
- * network namespace: egress = packets the pod sends, ingress = packets it
- * receives. That interface sees every packet of the pod, including those
- * Cilium delivers with a peer redirect that skips the host-side veth.
+ * Attached as direct-action cls_bpf filters (clsact ingress and egress) to a
+ * pod's container-side interface, inside the pod's network namespace:
+ * egress = packets the pod sends, ingress = packets it receives. That
+ * interface sees every packet of the pod, including those Cilium delivers
+ * with a peer redirect that skips the host-side veth.
  *
  * For each new flow it sends one struct record (the CT key Cilium creates
- * for the flow) through a ring buffer; scrubd indexes it per pod IP. An
- * established flow costs one parse and one LRU lookup. It never changes a
- * verdict: every path returns TCX_NEXT. */
+ * for the flow) through a ring buffer; scrubd indexes it per pod IP. It never
+ * changes a verdict: every path returns TC_ACT_UNSPEC (the next filter runs;
+ * the same value as TCX_NEXT). */
 #include "ctscrub_flow.h"
 
 char __license[] SEC("license") = "Dual BSD/GPL";
+
+#define REC_NEXT -1 /* TC_ACT_UNSPEC == TCX_NEXT */
 
 /* The flow as seen from the pod: local = the pod's side. Direction-free, so
  * a flow's packets both ways hit the same entry. One map per family keeps
@@ -38,11 +41,15 @@ struct seen_key6 {
 	__u8 pad[3];
 };
 
-/* What the seen caches hold per flow. */
+/* What the flow caches hold per flow. gen_local/gen_remote: the generations
+ * of the local and remote addresses' rec_gen slots when the flow was
+ * recorded; an entry whose generations are not the current ones is a miss. */
 struct seen_val {
 	__u8 dir;    /* CT_F_OUT or CT_F_IN: the direction of the recorded key */
 	__u8 pad[3];
 	__u32 last;  /* non-TCP flows: time of the last packet, in 2^30 ns units */
+	__u32 gen_local;
+	__u32 gen_remote;
 };
 
 /* A non-TCP flow idle this long (2^30 ns units, about seconds) whose next
@@ -57,29 +64,108 @@ struct {
 	__uint(max_entries, 1 << 22);
 } rec_events SEC(".maps");
 
-/* Flows already recorded. An eviction only re-sends a record; the index
- * dedups. */
+/* ---- generations: forgetting an IP's cached flows in O(1) ----
+ *
+ * One u32 per slot, the slot chosen by a hash of the address. Every cached
+ * flow carries the generations of its two addresses' slots; scrubd bumps an
+ * address's slot (a new pod got the address, the index declared it complete,
+ * a scrub took its keys) and every cached flow of that address stops
+ * matching: its next packet is recorded again. Two addresses sharing a slot
+ * only cost extra records (IPv4 addresses that differ only in their last
+ * byte never do). 4096 slots (32 KiB) stay in the CPU's cache; an ARRAY
+ * lookup is inlined by the verifier: no helper call on the fast path.
+ * Mirrored by scrubd/recorder/forget.go (genSlot). */
+#define GEN_SLOTS (1 << 12)
+
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__type(key, __u32);
+	__type(value, __u32);
+	__uint(max_entries, GEN_SLOTS);
+} rec_gen SEC(".maps");
+
+static __always_inline __u32 gen_slot4(__be32 a)
+{
+	return ((__u32)a * 0x9e3779b1u) >> 20;
+}
+
+static __always_inline __u32 gen_slot6(const __u32 *a)
+{
+	return ((a[0] ^ a[1] ^ a[2] ^ a[3]) * 0x9e3779b1u) >> 20;
+}
+
+static __always_inline __u32 gen_of(__u32 slot)
+{
+	__u32 *g = bpf_map_lookup_elem(&rec_gen, &slot);
+
+	return g ? *g : 0;
+}
+
+/* Flows already recorded (the source of truth). An eviction only re-sends a
+ * record; the index dedups. */
 struct {
 	__uint(type, BPF_MAP_TYPE_LRU_HASH);
 	__type(key, struct seen_key4);
 	__type(value, struct seen_val);
 	__uint(max_entries, 1 << 18);
-} rec_seen4 SEC(".maps");
+} rec_flows4 SEC(".maps");
 
 struct {
 	__uint(type, BPF_MAP_TYPE_LRU_HASH);
 	__type(key, struct seen_key6);
 	__type(value, struct seen_val);
 	__uint(max_entries, 1 << 18);
-} rec_seen6 SEC(".maps");
+} rec_flows6 SEC(".maps");
 
-/* Records that did not fit in the ring buffer, per pod IP (v4-mapped). */
+/* ---- the front cache: established TCP without a hash map ----
+ *
+ * A direct-mapped per-CPU array in front of rec_flows4 for IPv4 TCP packets
+ * that are not a bare SYN: for those a recorded flow needs nothing more (an
+ * LRU hit ends the program whatever the direction), so a front hit may end
+ * it too. Per CPU, so no other CPU can tear an entry while it is read or
+ * written (tc programs run with bottom halves off). An entry is filled from
+ * rec_flows4 (or when the flow is recorded) with that entry's generations,
+ * and matches only with the full key and the current generations: a bumped
+ * address invalidates it as it invalidates rec_flows4. scrubd never deletes
+ * single flows (it bumps generations), so nothing else can make an entry
+ * stale. A collision only sends the packet to rec_flows4. Bare SYNs skip it:
+ * they may need a record when rec_flows4 says the flow went the other way. */
+struct front4 {
+	__u64 key[2]; /* struct seen_key4 */
+	__u32 gen_local;
+	__u32 gen_remote;
+};
+
+/* Slots per CPU minus one (a power of two minus one; set by scrubd). */
+volatile const __u32 front_mask = (1 << 14) - 1;
+
 struct {
-	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__type(key, __u32);
+	__type(value, struct front4);
+	__uint(max_entries, 1 << 14);
+} rec_front4 SEC(".maps");
+
+static __always_inline __u32 front_slot4(const struct seen_key4 *k)
+{
+	__u32 h = (__u32)k->local * 0x9e3779b1u ^ (__u32)k->remote * 0x85ebca6bu ^
+		  ((__u32)k->lport << 16 | k->rport) * 0xc2b2ae35u ^ k->proto;
+
+	return (h ^ h >> 15) & front_mask;
+}
+
+/* ---- losses ----
+ *
+ * Records that did not fit in the ring buffer, per pod IP (v4-mapped). A
+ * plain hash, so nothing is ever evicted: scrubd acts on a count that grew.
+ * When it is full, the loss goes to rec_lost_overflow and scrubd
+ * marks every IP incomplete. */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
 	__type(key, __u32[4]);
 	__type(value, __u64);
 	__uint(max_entries, 16384);
-} rec_lost SEC(".maps");
+} rec_lost_ip SEC(".maps");
 
 struct {
 	__uint(type, BPF_MAP_TYPE_ARRAY);
@@ -88,24 +174,42 @@ struct {
 	__uint(max_entries, 1);
 } rec_lost_total SEC(".maps");
 
+/* Losses rec_lost_ip had no room to count. */
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__type(key, __u32);
+	__type(value, __u64);
+	__uint(max_entries, 1);
+} rec_lost_overflow SEC(".maps");
+
 /* cilium_lb4_services_v2 / cilium_lb6_services_v2: ctscrub_flow.h. */
+
+static __always_inline void count(void *counter)
+{
+	__u32 zero = 0;
+	__u64 *c = bpf_map_lookup_elem(counter, &zero);
+
+	if (c)
+		__sync_fetch_and_add(c, 1);
+}
 
 static __always_inline void count_lost(const __u32 *ip)
 {
-	__u32 zero = 0;
 	__u64 one = 1, *c;
 
-	c = bpf_map_lookup_elem(&rec_lost, ip);
-	if (c)
+	count(&rec_lost_total);
+	c = bpf_map_lookup_elem(&rec_lost_ip, ip);
+	if (c) {
 		__sync_fetch_and_add(c, 1);
-	else if (bpf_map_update_elem(&rec_lost, ip, &one, BPF_NOEXIST) != 0) {
-		c = bpf_map_lookup_elem(&rec_lost, ip);
-		if (c)
-			__sync_fetch_and_add(c, 1);
+		return;
 	}
-	c = bpf_map_lookup_elem(&rec_lost_total, &zero);
+	if (bpf_map_update_elem(&rec_lost_ip, ip, &one, BPF_NOEXIST) == 0)
+		return;
+	c = bpf_map_lookup_elem(&rec_lost_ip, ip); /* another CPU inserted it */
 	if (c)
 		__sync_fetch_and_add(c, 1);
+	else
+		count(&rec_lost_overflow); /* full: scrubd marks every IP incomplete */
 }
 
 /* Whether the packet goes to a service VIP that Cilium load-balances per
@@ -190,182 +294,114 @@ static __always_inline int reopened(const struct flow *f, struct seen_val *v, __
 	return 0;
 }
 
+static __always_inline int bare_syn(const struct flow *f)
+{
+	return f->proto == PROTO_TCP && (f->tcp_flags & (TCPF_SYN | TCPF_ACK)) == TCPF_SYN;
+}
+
+/* Whether a cached flow still stands for its recorded key: present, with the
+ * current generations of both addresses, and not reopened by this packet. */
+static __always_inline int cached(const struct flow *f, struct seen_val *v, __u8 dir, __u32 gl, __u32 gr)
+{
+	return v && v->gen_local == gl && v->gen_remote == gr && !reopened(f, v, dir);
+}
+
+static __always_inline void record4(struct __sk_buff *skb, const struct flow *f, int egress)
+{
+	struct seen_key4 k __attribute__((aligned(8))) = {
+		.local = egress ? f->src[3] : f->dst[3],
+		.remote = egress ? f->dst[3] : f->src[3],
+		.lport = egress ? f->sport : f->dport,
+		.rport = egress ? f->dport : f->sport,
+		.proto = f->proto,
+		.pad = {f->related}, /* an ICMP error is not the pair's other ICMP flow */
+	};
+	struct seen_val val = {.dir = egress ? CT_F_OUT : CT_F_IN};
+	__u32 gl = gen_of(gen_slot4(k.local));
+	__u32 gr = gen_of(gen_slot4(k.remote));
+	struct front4 *fr = NULL;
+	const __u64 *kw = (const __u64 *)&k;
+	__u32 slot;
+
+	if (f->proto == PROTO_TCP && !bare_syn(f)) {
+		slot = front_slot4(&k);
+		fr = bpf_map_lookup_elem(&rec_front4, &slot);
+		if (fr && fr->key[0] == kw[0] && fr->key[1] == kw[1] &&
+		    fr->gen_local == gl && fr->gen_remote == gr)
+			return;
+	}
+	if (!cached(f, bpf_map_lookup_elem(&rec_flows4, &k), val.dir, gl, gr)) {
+		if (emit(skb, f, egress, val.dir) < 0)
+			return; /* lost: not cached, the next packet tries again */
+		if (f->proto != PROTO_TCP)
+			val.last = now_coarse();
+		val.gen_local = gl;
+		val.gen_remote = gr;
+		bpf_map_update_elem(&rec_flows4, &k, &val, BPF_ANY);
+	}
+	if (fr) {
+		fr->key[0] = kw[0];
+		fr->key[1] = kw[1];
+		fr->gen_local = gl;
+		fr->gen_remote = gr;
+	}
+}
+
+static __always_inline void record6(struct __sk_buff *skb, const struct flow *f, int egress)
+{
+	struct seen_key6 k = {
+		.lport = egress ? f->sport : f->dport,
+		.rport = egress ? f->dport : f->sport,
+		.proto = f->proto,
+		.pad = {f->related}, /* an ICMP error is not the pair's other ICMP flow */
+	};
+	struct seen_val val = {.dir = egress ? CT_F_OUT : CT_F_IN};
+	__u32 gl, gr;
+
+	if (egress) {
+		__builtin_memcpy(k.local, f->src, 16);
+		__builtin_memcpy(k.remote, f->dst, 16);
+	} else {
+		__builtin_memcpy(k.local, f->dst, 16);
+		__builtin_memcpy(k.remote, f->src, 16);
+	}
+	gl = gen_of(gen_slot6(k.local));
+	gr = gen_of(gen_slot6(k.remote));
+	if (cached(f, bpf_map_lookup_elem(&rec_flows6, &k), val.dir, gl, gr))
+		return;
+	if (emit(skb, f, egress, val.dir) < 0)
+		return;
+	if (f->proto != PROTO_TCP)
+		val.last = now_coarse();
+	val.gen_local = gl;
+	val.gen_remote = gr;
+	bpf_map_update_elem(&rec_flows6, &k, &val, BPF_ANY);
+}
+
+/* A packet's path: parse; a flow already recorded under the current
+ * generations ends here (IPv4 TCP usually in the front cache); anything else
+ * emits the flow's record and caches the flow. */
 static __always_inline int record(struct __sk_buff *skb, int egress)
 {
 	struct flow f = {};
-	struct seen_val val = {.dir = egress ? CT_F_OUT : CT_F_IN};
-	struct seen_val *seen;
 
 	if (flow_parse(skb, &f) < 0)
-		return TCX_NEXT;
-
-	if (f.family == 4) {
-		struct seen_key4 k = {
-			.local = egress ? f.src[3] : f.dst[3],
-			.remote = egress ? f.dst[3] : f.src[3],
-			.lport = egress ? f.sport : f.dport,
-			.rport = egress ? f.dport : f.sport,
-			.proto = f.proto,
-		};
-
-		seen = bpf_map_lookup_elem(&rec_seen4, &k);
-		if (seen && !reopened(&f, seen, val.dir))
-			return TCX_NEXT;
-		if (emit(skb, &f, egress, val.dir) == 0) {
-			if (f.proto != PROTO_TCP)
-				val.last = now_coarse();
-			bpf_map_update_elem(&rec_seen4, &k, &val, BPF_ANY);
-		}
-	} else {
-		struct seen_key6 k = {
-			.lport = egress ? f.sport : f.dport,
-			.rport = egress ? f.dport : f.sport,
-			.proto = f.proto,
-		};
-
-		if (egress) {
-			__builtin_memcpy(k.local, f.src, 16);
-			__builtin_memcpy(k.remote, f.dst, 16);
-		} else {
-			__builtin_memcpy(k.local, f.dst, 16);
-			__builtin_memcpy(k.remote, f.src, 16);
-		}
-		seen = bpf_map_lookup_elem(&rec_seen6, &k);
-		if (seen && !reopened(&f, seen, val.dir))
-			return TCX_NEXT;
-		if (emit(skb, &f, egress, val.dir) == 0) {
-			if (f.proto != PROTO_TCP)
-				val.last = now_coarse();
-			bpf_map_update_elem(&rec_seen6, &k, &val, BPF_ANY);
-		}
-	}
-	return TCX_NEXT;
+		return REC_NEXT;
+	if (f.family == 4)
+		record4(skb, &f, egress);
+	else
+		record6(skb, &f, egress);
+	return REC_NEXT;
 }
 
-SEC("tcx/egress")
+SEC("tc")
 int recorder_egress(struct __sk_buff *skb)
 {
 	return record(skb, 1);
 }
 
-SEC("tcx/ingress")
+SEC("tc")
 int recorder_ingress(struct __sk_buff *skb)
 {
 	return record(skb, 0);
-}
-
-/* ---- forgetting a pod's flows (SEC("syscall"), run by scrubd) ----
- *
- * When an interface is attached for a new pod, its IPs may have belonged to
- * a pod that is gone; seen-cache entries of that pod (or of live pods
- * towards it) would hide the new pod's flows that happen to reuse a
- * 5-tuple. scrubd runs this program with BPF_PROG_TEST_RUN to drop every
- * cached flow whose local or remote address is one of the given IPs: one
- * in-kernel pass over the cache, milliseconds at the default size. */
-
-#define FORGET_MAX_IPS 8
-
-/* BPF_PROG_TEST_RUN context; mirrors scrubd/recorder.forgetArgs. */
-struct forget_args {
-	__u32 n4; /* IPs in ips4 */
-	__u32 n6; /* IPs in ips6 */
-	__u64 visited;
-	__u64 deleted;
-	__be32 ips4[FORGET_MAX_IPS];
-	__u32 ips6[FORGET_MAX_IPS][4];
-};
-
-/* As in bpf/sweep.c: a matched element is deleted one step later, once the
- * walk has moved past it, so deleting it cannot derail the bucket walk. */
-struct forget4_state {
-	__u32 n;
-	__u32 have_pending;
-	__u64 visited;
-	__u64 deleted;
-	__be32 ips[FORGET_MAX_IPS];
-	struct seen_key4 pending;
-};
-
-struct forget6_state {
-	__u32 n;
-	__u32 have_pending;
-	__u64 visited;
-	__u64 deleted;
-	__u32 ips[FORGET_MAX_IPS][4];
-	struct seen_key6 pending;
-};
-
-static __always_inline int same6(const __u32 *a, const __u32 *b)
-{
-	return a[0] == b[0] && a[1] == b[1] && a[2] == b[2] && a[3] == b[3];
-}
-
-static long forget4_cb(void *map, struct seen_key4 *key, struct seen_val *val, struct forget4_state *st)
-{
-	int i;
-
-	st->visited++;
-	if (st->have_pending) {
-		st->have_pending = 0;
-		if (bpf_map_delete_elem(map, &st->pending) == 0)
-			st->deleted++;
-	}
-	for (i = 0; i < FORGET_MAX_IPS; i++) {
-		if (i >= st->n)
-			break;
-		if (key->local == st->ips[i] || key->remote == st->ips[i]) {
-			st->pending = *key;
-			st->have_pending = 1;
-			break;
-		}
-	}
-	return 0;
-}
-
-static long forget6_cb(void *map, struct seen_key6 *key, struct seen_val *val, struct forget6_state *st)
-{
-	int i;
-
-	st->visited++;
-	if (st->have_pending) {
-		st->have_pending = 0;
-		if (bpf_map_delete_elem(map, &st->pending) == 0)
-			st->deleted++;
-	}
-	for (i = 0; i < FORGET_MAX_IPS; i++) {
-		if (i >= st->n)
-			break;
-		if (same6(key->local, st->ips[i]) || same6(key->remote, st->ips[i])) {
-			st->pending = *key;
-			st->have_pending = 1;
-			break;
-		}
-	}
-	return 0;
-}
-
-SEC("syscall")
-int forget_ips(struct forget_args *args)
-{
-	if (args->n4 > 0) {
-		struct forget4_state st = {.n = args->n4};
-
-		__builtin_memcpy(st.ips, args->ips4, sizeof(st.ips));
-		bpf_for_each_map_elem(&rec_seen4, forget4_cb, &st, 0);
-		if (st.have_pending && bpf_map_delete_elem(&rec_seen4, &st.pending) == 0)
-			st.deleted++;
-		args->visited += st.visited;
-		args->deleted += st.deleted;
-	}
-	if (args->n6 > 0) {
-		struct forget6_state st = {.n = args->n6};
-
-		__builtin_memcpy(st.ips, args->ips6, sizeof(st.ips));
-		bpf_for_each_map_elem(&rec_seen6, forget6_cb, &st, 0);
-		if (st.have_pending && bpf_map_delete_elem(&rec_seen6, &st.pending) == 0)
-			st.deleted++;
-		args->visited += st.visited;
-		args->deleted += st.deleted;
-	}
-	return 0;
 }

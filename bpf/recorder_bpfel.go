@@ -13,6 +13,13 @@ import (
 	"github.com/cilium/ebpf"
 )
 
+type RecorderFront4 struct {
+	_         structs.HostLayout
+	Key       [2]uint64
+	GenLocal  uint32
+	GenRemote uint32
+}
+
 type RecorderLb4Key struct {
 	_           structs.HostLayout
 	Address     uint32
@@ -64,10 +71,12 @@ type RecorderSeenKey6 struct {
 }
 
 type RecorderSeenVal struct {
-	_    structs.HostLayout
-	Dir  uint8
-	Pad  [3]uint8
-	Last uint32
+	_         structs.HostLayout
+	Dir       uint8
+	Pad       [3]uint8
+	Last      uint32
+	GenLocal  uint32
+	GenRemote uint32
 }
 
 // Names of all BPF objects in the ELF.
@@ -77,13 +86,16 @@ const (
 	RecorderMapCiliumLb4ServicesV2 = "cilium_lb4_services_v2"
 	RecorderMapCiliumLb6ServicesV2 = "cilium_lb6_services_v2"
 	RecorderMapRecEvents           = "rec_events"
-	RecorderMapRecLost             = "rec_lost"
+	RecorderMapRecFlows4           = "rec_flows4"
+	RecorderMapRecFlows6           = "rec_flows6"
+	RecorderMapRecFront4           = "rec_front4"
+	RecorderMapRecGen              = "rec_gen"
+	RecorderMapRecLostIp           = "rec_lost_ip"
+	RecorderMapRecLostOverflow     = "rec_lost_overflow"
 	RecorderMapRecLostTotal        = "rec_lost_total"
-	RecorderMapRecSeen4            = "rec_seen4"
-	RecorderMapRecSeen6            = "rec_seen6"
-	RecorderProgForgetIps          = "forget_ips"
 	RecorderProgRecorderEgress     = "recorder_egress"
 	RecorderProgRecorderIngress    = "recorder_ingress"
+	RecorderVarFrontMask           = "front_mask"
 	RecorderVarReopenIdle          = "reopen_idle"
 )
 
@@ -129,7 +141,6 @@ type RecorderSpecs struct {
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type RecorderProgramSpecs struct {
-	ForgetIps       *ebpf.ProgramSpec `ebpf:"forget_ips"`
 	RecorderEgress  *ebpf.ProgramSpec `ebpf:"recorder_egress"`
 	RecorderIngress *ebpf.ProgramSpec `ebpf:"recorder_ingress"`
 }
@@ -141,16 +152,20 @@ type RecorderMapSpecs struct {
 	CiliumLb4ServicesV2 *ebpf.MapSpec `ebpf:"cilium_lb4_services_v2"`
 	CiliumLb6ServicesV2 *ebpf.MapSpec `ebpf:"cilium_lb6_services_v2"`
 	RecEvents           *ebpf.MapSpec `ebpf:"rec_events"`
-	RecLost             *ebpf.MapSpec `ebpf:"rec_lost"`
+	RecFlows4           *ebpf.MapSpec `ebpf:"rec_flows4"`
+	RecFlows6           *ebpf.MapSpec `ebpf:"rec_flows6"`
+	RecFront4           *ebpf.MapSpec `ebpf:"rec_front4"`
+	RecGen              *ebpf.MapSpec `ebpf:"rec_gen"`
+	RecLostIp           *ebpf.MapSpec `ebpf:"rec_lost_ip"`
+	RecLostOverflow     *ebpf.MapSpec `ebpf:"rec_lost_overflow"`
 	RecLostTotal        *ebpf.MapSpec `ebpf:"rec_lost_total"`
-	RecSeen4            *ebpf.MapSpec `ebpf:"rec_seen4"`
-	RecSeen6            *ebpf.MapSpec `ebpf:"rec_seen6"`
 }
 
 // RecorderVariableSpecs contains global variables before they are loaded into the kernel.
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type RecorderVariableSpecs struct {
+	FrontMask  *ebpf.VariableSpec `ebpf:"front_mask"`
 	ReopenIdle *ebpf.VariableSpec `ebpf:"reopen_idle"`
 }
 
@@ -177,10 +192,13 @@ type RecorderMaps struct {
 	CiliumLb4ServicesV2 *ebpf.Map `ebpf:"cilium_lb4_services_v2"`
 	CiliumLb6ServicesV2 *ebpf.Map `ebpf:"cilium_lb6_services_v2"`
 	RecEvents           *ebpf.Map `ebpf:"rec_events"`
-	RecLost             *ebpf.Map `ebpf:"rec_lost"`
+	RecFlows4           *ebpf.Map `ebpf:"rec_flows4"`
+	RecFlows6           *ebpf.Map `ebpf:"rec_flows6"`
+	RecFront4           *ebpf.Map `ebpf:"rec_front4"`
+	RecGen              *ebpf.Map `ebpf:"rec_gen"`
+	RecLostIp           *ebpf.Map `ebpf:"rec_lost_ip"`
+	RecLostOverflow     *ebpf.Map `ebpf:"rec_lost_overflow"`
 	RecLostTotal        *ebpf.Map `ebpf:"rec_lost_total"`
-	RecSeen4            *ebpf.Map `ebpf:"rec_seen4"`
-	RecSeen6            *ebpf.Map `ebpf:"rec_seen6"`
 }
 
 func (m *RecorderMaps) Close() error {
@@ -188,10 +206,13 @@ func (m *RecorderMaps) Close() error {
 		m.CiliumLb4ServicesV2,
 		m.CiliumLb6ServicesV2,
 		m.RecEvents,
-		m.RecLost,
+		m.RecFlows4,
+		m.RecFlows6,
+		m.RecFront4,
+		m.RecGen,
+		m.RecLostIp,
+		m.RecLostOverflow,
 		m.RecLostTotal,
-		m.RecSeen4,
-		m.RecSeen6,
 	)
 }
 
@@ -199,6 +220,7 @@ func (m *RecorderMaps) Close() error {
 //
 // It can be passed to LoadRecorderObjects or ebpf.CollectionSpec.LoadAndAssign.
 type RecorderVariables struct {
+	FrontMask  *ebpf.Variable `ebpf:"front_mask"`
 	ReopenIdle *ebpf.Variable `ebpf:"reopen_idle"`
 }
 
@@ -206,14 +228,12 @@ type RecorderVariables struct {
 //
 // It can be passed to LoadRecorderObjects or ebpf.CollectionSpec.LoadAndAssign.
 type RecorderPrograms struct {
-	ForgetIps       *ebpf.Program `ebpf:"forget_ips"`
 	RecorderEgress  *ebpf.Program `ebpf:"recorder_egress"`
 	RecorderIngress *ebpf.Program `ebpf:"recorder_ingress"`
 }
 
 func (p *RecorderPrograms) Close() error {
 	return _RecorderClose(
-		p.ForgetIps,
 		p.RecorderEgress,
 		p.RecorderIngress,
 	)

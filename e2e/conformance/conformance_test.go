@@ -63,6 +63,15 @@ func TestConformance(t *testing.T) {
 						for _, w := range wrong {
 							t.Errorf("wrong reason: %s", w)
 						}
+						if c.NotStandin == "" {
+							oc, osi := n.CompareStandin(pods)
+							for _, k := range oc {
+								t.Errorf("STANDIN lacks Cilium's %s", k)
+							}
+							for _, k := range osi {
+								t.Errorf("STANDIN has %s, Cilium does not", k)
+							}
+						}
 						if t.Failed() || os.Getenv("CONFORMANCE_DUMP") != "" {
 							t.Logf("drop counters so far: %v", n.Drops())
 							for _, p := range pods {

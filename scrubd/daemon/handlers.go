@@ -18,6 +18,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
 	"github.com/ctscrub/ctscrub/scrubd/api"
+	"github.com/ctscrub/ctscrub/scrubd/recorder"
 	"github.com/ctscrub/ctscrub/scrubd/scrub"
 )
 
@@ -428,6 +429,15 @@ func (d *Daemon) handleIndexStart(w http.ResponseWriter, r *http.Request) {
 	pod := api.IndexedPod{Attachment: req.Attachment, Netns: req.Netns, IPs: ips, Since: time.Now().UTC(), Network: req.Network}
 	if d.rec != nil {
 		ifindex, err := d.rec.Attach(req.Netns, req.IfName)
+		if errors.Is(err, recorder.ErrForget) {
+			// Recording, but flows cached for an earlier holder of these
+			// IPs may hide the new pod's: their scrubs must sweep.
+			d.log.Error("attach recorder: the IPs' cached flows could not be forgotten; they are marked incomplete", "container_id", req.ContainerID, "ips", ips, "err", err)
+			for _, ip := range ips {
+				d.ix.MarkIncomplete(ip, recorder.ReasonForgetFailed)
+			}
+			err = nil
+		}
 		if err != nil {
 			d.log.Error("attach recorder", "container_id", req.ContainerID, "ifname", req.IfName, "netns", req.Netns, "err", err)
 			writeError(w, &api.Error{Code: api.CodeInternal, Message: fmt.Sprintf("attach recorder to %s in %s: %v", req.IfName, req.Netns, err)})
@@ -478,14 +488,10 @@ func (d *Daemon) handleIndexStop(w http.ResponseWriter, r *http.Request) {
 	if netns == "" {
 		netns = pod.Netns
 	}
-	if d.rec != nil && (netns != "" || known) {
-		// Detach succeeds when the netns or the link is already gone.
-		if err := d.rec.Detach(netns, req.IfName); err != nil {
-			d.log.Error("detach recorder", "container_id", req.ContainerID, "ifname", req.IfName, "netns", netns, "err", err)
-			writeError(w, &api.Error{Code: api.CodeInternal, Message: fmt.Sprintf("detach recorder from %s in %s: %v", req.IfName, netns, err)})
-			return
-		}
-	}
+	// The recorder stays: DEL runs before the runtime removes the pod's
+	// interface and (in reverse chain order) before cilium-cni removes the
+	// endpoint, and flows in that window create entries the index must
+	// hold. The filters go with the interface.
 	d.log.Info("index stop", "container_id", req.ContainerID, "ifname", req.IfName, "netns", netns, "known", known, "ips", pod.IPs)
 	writeJSON(w, http.StatusOK, pod)
 }

@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/cilium/ebpf"
+	"github.com/vishvananda/netlink"
 
 	"github.com/ctscrub/ctscrub/internal/testsupport/netpods"
 	"github.com/ctscrub/ctscrub/internal/testsupport/standin"
@@ -20,6 +21,7 @@ import (
 	"github.com/ctscrub/ctscrub/scrubd/client"
 	"github.com/ctscrub/ctscrub/scrubd/ctmap"
 	"github.com/ctscrub/ctscrub/scrubd/index"
+	"github.com/ctscrub/ctscrub/scrubd/recorder"
 	"github.com/ctscrub/ctscrub/scrubd/scrub"
 )
 
@@ -175,7 +177,7 @@ func TestIndexedPodEndToEnd(t *testing.T) {
 	if err != nil || len(got.IPs) != 2 || got.Stopped.IsZero() {
 		t.Errorf("index pod after stop: %+v, %v", got, err)
 	}
-	data, err := os.ReadFile(cfg.StateFile)
+	data, err := os.ReadFile(cfg.StateFile + ".log") // the journal; the file itself is rewritten less often
 	if err != nil || !strings.Contains(string(data), "c0ffee") {
 		t.Errorf("state file: %q, %v", data, err)
 	}
@@ -291,13 +293,22 @@ func TestKilledDaemonRestarts(t *testing.T) {
 		t.Logf("scrub interrupted by SIGKILL: %v", err)
 	}
 	first.wait(t)
-	if links, _ := os.ReadDir(filepath.Join(cfg.PinDir, "links")); len(links) == 0 {
-		t.Errorf("no recorder links pinned under %s after SIGKILL", cfg.PinDir)
+	if ok, err := recorder.Attached(pod.Path, "eth0"); !ok {
+		t.Errorf("recorder filters gone from the pod after SIGKILL: %v", err)
 	}
-	// Lose the link pins too (as a bpffs remount would): the restart must
-	// attach the recorder again from the state file.
-	if err := os.RemoveAll(filepath.Join(cfg.PinDir, "links")); err != nil {
+	// Lose the filters too (someone deleted the clsact qdisc): the restart
+	// must attach the recorder again from the state file.
+	if err := pod.Do(func() error {
+		l, err := netlink.LinkByName("eth0")
+		if err != nil {
+			return err
+		}
+		return netlink.QdiscDel(&netlink.GenericQdisc{QdiscAttrs: netlink.QdiscAttrs{LinkIndex: l.Attrs().Index, Handle: netlink.MakeHandle(0xffff, 0), Parent: netlink.HANDLE_CLSACT}, QdiscType: "clsact"})
+	}); err != nil {
 		t.Fatal(err)
+	}
+	if ok, _ := recorder.Attached(pod.Path, "eth0"); ok {
+		t.Fatal("filters still there after the qdisc was deleted")
 	}
 	leftAfterKill := root.present4(t, keys)
 	t.Logf("%d of the target's %d entries left after the kill", leftAfterKill, len(keys))
@@ -307,8 +318,8 @@ func TestKilledDaemonRestarts(t *testing.T) {
 	if err != nil || len(list.Pods) != 1 || list.Pods[0].Attachment != a {
 		t.Fatalf("attachments after restart: %+v, %v", list, err)
 	}
-	if links, _ := os.ReadDir(filepath.Join(cfg.PinDir, "links")); len(links) == 0 {
-		t.Errorf("the restarted daemon did not attach the recorder to the restored pod again")
+	if ok, err := recorder.Attached(pod.Path, "eth0"); !ok {
+		t.Errorf("the restarted daemon did not attach the recorder to the restored pod again: %v", err)
 	}
 	st, err := c.IndexIP(ctx, pod.Addr4)
 	if err != nil || st.Complete || st.Incomplete != index.ReasonRestart {
@@ -335,8 +346,8 @@ func TestKilledDaemonRestarts(t *testing.T) {
 	if _, err := os.Stat(cfg.Socket); !errors.Is(err, os.ErrNotExist) {
 		t.Errorf("socket left after a clean stop: %v", err)
 	}
-	if links, _ := os.ReadDir(filepath.Join(cfg.PinDir, "links")); len(links) == 0 {
-		t.Errorf("SIGTERM removed the pinned recorder links")
+	if ok, err := recorder.Attached(pod.Path, "eth0"); !ok {
+		t.Errorf("SIGTERM removed the recorder's filters: %v", err)
 	}
 }
 
@@ -494,5 +505,59 @@ func TestCleanRestartKeepsIndex(t *testing.T) {
 	third := startDaemon(t, cfg)
 	if st := third.Index().State(ip); st.Complete || st.Incomplete != index.ReasonRestart {
 		t.Errorf("%s after a restart over new recorder maps: %+v, want incomplete (%s)", ip, st, index.ReasonRestart)
+	}
+}
+
+// The DEL window: the CNI DEL reaches ctscrub before the runtime removes the
+// pod's interface and before cilium-cni removes the endpoint, so the pod's
+// flows may still create entries after the DEL scrub. The recorder keeps
+// recording until the interface goes (before: index stop detached it, and
+// those entries were never indexed while the IP stayed complete); the next
+// scrub of the IP leaves nothing.
+func TestDelKeepsRecordingUntilInterfaceGoes(t *testing.T) {
+	root, dp := standinRoot(t, 1<<16)
+	node := netpods.NewNode(t)
+	node.Remote.ServeEcho()
+	pod := node.AddPod()
+	if err := node.Do(func() error { return dp.AttachHostSide(pod.HostVeth) }); err != nil {
+		t.Fatal(err)
+	}
+	td := startDaemon(t, podConfig(t, root))
+	ctx := context.Background()
+	a := api.Attachment{ContainerID: "de1", IfName: "eth0"}
+	ips := []netip.Addr{pod.Addr4}
+	if err := td.c.IndexStart(ctx, api.IndexStartRequest{Attachment: a, Netns: pod.Path, IPs: ips}); err != nil {
+		t.Fatalf("index start: %v", err)
+	}
+	if _, err := td.c.Scrub(ctx, api.ScrubRequest{IPs: ips, Reason: scrub.ReasonAdd, ContainerID: a.ContainerID}); err != nil {
+		t.Fatalf("ADD scrub: %v", err)
+	}
+	// DEL: scrub, then index stop, as the plugin does.
+	if _, err := td.c.Scrub(ctx, api.ScrubRequest{IPs: ips, Reason: scrub.ReasonDel, ContainerID: a.ContainerID}); err != nil {
+		t.Fatalf("DEL scrub: %v", err)
+	}
+	if err := td.c.IndexStop(ctx, api.IndexStopRequest{Attachment: a, Netns: pod.Path}); err != nil {
+		t.Fatalf("index stop: %v", err)
+	}
+	// The window: the pod still talks.
+	if err := pod.TCP(node.Remote.Addr4, netpods.EchoPort); err != nil {
+		t.Fatal(err)
+	}
+	if n := root.entriesOf(t, pod.Addr4); n == 0 {
+		t.Fatal("the stand-in made no CT entries in the DEL window")
+	}
+	waitFor(t, "the recorder to index the window's flow", func() bool {
+		st, err := td.c.IndexIP(ctx, pod.Addr4)
+		return err == nil && st.Keys >= 2
+	})
+	res, err := td.c.Scrub(ctx, api.ScrubRequest{IPs: ips, Reason: scrub.ReasonDel, ContainerID: a.ContainerID})
+	if err != nil {
+		t.Fatalf("second DEL scrub: %v", err)
+	}
+	if m := res.Results[0].Method; m != scrub.MethodIndex {
+		t.Errorf("second DEL scrub used %s, want index", m)
+	}
+	if left := root.entriesOf(t, pod.Addr4); left != 0 {
+		t.Errorf("%d CT entries of the pod left after a complete scrub", left)
 	}
 }

@@ -1,6 +1,7 @@
 package daemon
 
 import (
+	"bytes"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -28,15 +29,34 @@ type stateFile struct {
 	Stopped []api.IndexedPod `json:"stopped,omitempty"`
 }
 
+// journalEntry is one line of the journal beside the state file
+// (path + ".log"): the attachment as it is after one change.
+type journalEntry struct {
+	Op  string         `json:"op"` // journalActive, journalStopped, journalForget
+	Pod api.IndexedPod `json:"pod"`
+}
+
+const (
+	journalActive  = "active"
+	journalStopped = "stopped"
+	journalForget  = "forget"
+)
+
 // pods is the set of attachments scrubd indexes, and of those recently
 // stopped (a DEL without prevResult asks for their IPs). Every change is
-// written to the state file before it is acknowledged.
+// written before it is acknowledged: one journal line (a few hundred bytes,
+// fsynced), whatever the number of pods; the state file itself is rewritten
+// only when the journal holds more lines than twice the attachments (at
+// least 64), so a change costs O(1) amortised instead of a rewrite of every
+// pod (docs/daemon.md, "Restarts").
 type pods struct {
-	mu      sync.Mutex
-	path    string
-	ttl     time.Duration
-	active  map[api.Attachment]api.IndexedPod
-	stopped map[api.Attachment]api.IndexedPod
+	mu       sync.Mutex
+	path     string
+	ttl      time.Duration
+	active   map[api.Attachment]api.IndexedPod
+	stopped  map[api.Attachment]api.IndexedPod
+	journal  *os.File
+	logLines int
 }
 
 func newPods(path string, ttl time.Duration) *pods {
@@ -47,14 +67,15 @@ func newPods(path string, ttl time.Duration) *pods {
 	}
 }
 
-// load reads the state file; a missing file is an empty state.
+// load reads the state file and replays its journal; a missing file is an
+// empty state.
 func (p *pods) load() error {
 	if p.path == "" {
 		return nil
 	}
 	data, err := os.ReadFile(p.path)
 	if errors.Is(err, os.ErrNotExist) {
-		return nil
+		data, err = []byte(fmt.Sprintf(`{"version":%d}`, stateVersion)), nil // the journal alone
 	}
 	if err != nil {
 		return fmt.Errorf("read state file: %w", err)
@@ -74,6 +95,89 @@ func (p *pods) load() error {
 	for _, pod := range st.Stopped {
 		p.stopped[pod.Attachment] = pod
 	}
+	return p.replayLocked()
+}
+
+// replayLocked applies the journal's lines in order. A torn last line (a
+// crash while it was written: that change was never acknowledged) is
+// ignored.
+func (p *pods) replayLocked() error {
+	data, err := os.ReadFile(p.path + ".log")
+	if errors.Is(err, os.ErrNotExist) {
+		return nil
+	}
+	if err != nil {
+		return fmt.Errorf("read state journal: %w", err)
+	}
+	lines := bytes.Split(data, []byte("\n"))
+	for i, line := range lines {
+		if len(line) == 0 {
+			continue
+		}
+		var e journalEntry
+		if err := json.Unmarshal(line, &e); err != nil {
+			if i == len(lines)-1 {
+				break // torn: never acknowledged
+			}
+			return fmt.Errorf("state journal %s.log, line %d: %v (move it and the state file away to start with no attachments; their IPs will then sweep)", p.path, i+1, err)
+		}
+		p.applyLocked(e)
+		p.logLines++
+	}
+	return nil
+}
+
+func (p *pods) applyLocked(e journalEntry) {
+	a := e.Pod.Attachment
+	switch e.Op {
+	case journalActive:
+		p.active[a] = e.Pod
+		delete(p.stopped, a)
+	case journalStopped:
+		p.stopped[a] = e.Pod
+		delete(p.active, a)
+	case journalForget:
+		delete(p.active, a)
+		delete(p.stopped, a)
+	}
+}
+
+// recordLocked makes changes durable: one write of their journal lines and
+// an fsync, or a rewrite of the state file when the journal has grown past
+// twice the attachments.
+func (p *pods) recordLocked(entries ...journalEntry) error {
+	if p.path == "" {
+		return nil
+	}
+	if p.logLines+len(entries) > max(64, 2*(len(p.active)+len(p.stopped))) {
+		return p.saveLocked()
+	}
+	var buf bytes.Buffer
+	for _, e := range entries {
+		line, err := json.Marshal(e)
+		if err != nil {
+			return err
+		}
+		buf.Write(line)
+		buf.WriteByte('\n')
+	}
+	if p.journal == nil {
+		if err := os.MkdirAll(filepath.Dir(p.path), 0o700); err != nil {
+			return fmt.Errorf("state dir: %w", err)
+		}
+		f, err := os.OpenFile(p.path+".log", os.O_WRONLY|os.O_APPEND|os.O_CREATE, 0o600)
+		if err != nil {
+			return fmt.Errorf("open state journal: %w", err)
+		}
+		p.journal = f
+	}
+	if _, err := p.journal.Write(buf.Bytes()); err != nil {
+		return fmt.Errorf("write state journal: %w", err)
+	}
+	if err := p.journal.Sync(); err != nil {
+		return fmt.Errorf("write state journal: %w", err)
+	}
+	p.logLines += len(entries)
 	return nil
 }
 
@@ -118,6 +222,12 @@ func (p *pods) saveLocked() error {
 	if err := os.Rename(tmp.Name(), p.path); err != nil {
 		return fmt.Errorf("write state file: %w", err)
 	}
+	// The file holds every change now; a crash before the truncation only
+	// replays changes the file already has.
+	if err := os.Truncate(p.path+".log", 0); err != nil && !errors.Is(err, os.ErrNotExist) {
+		return fmt.Errorf("truncate state journal: %w", err)
+	}
+	p.logLines = 0
 	return nil
 }
 
@@ -150,23 +260,25 @@ func sortedPods(m map[api.Attachment]api.IndexedPod) []api.IndexedPod {
 func (p *pods) start(pod api.IndexedPod) (displaced []api.IndexedPod, err error) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
+	var entries []journalEntry
 	for a, other := range p.active {
 		if a == pod.Attachment {
 			continue
 		}
 		for _, ip := range other.IPs {
 			if slices.Contains(pod.IPs, ip) {
-				delete(p.active, a)
 				other.Stopped = time.Now().UTC()
-				p.stopped[a] = other
 				displaced = append(displaced, other)
+				entries = append(entries, journalEntry{journalStopped, other})
 				break
 			}
 		}
 	}
-	p.active[pod.Attachment] = pod
-	delete(p.stopped, pod.Attachment)
-	return displaced, p.saveLocked()
+	entries = append(entries, journalEntry{journalActive, pod})
+	for _, e := range entries {
+		p.applyLocked(e)
+	}
+	return displaced, p.recordLocked(entries...)
 }
 
 // stop moves an attachment to the stopped set; it returns what was known.
@@ -178,19 +290,19 @@ func (p *pods) stop(a api.Attachment) (api.IndexedPod, bool, error) {
 		pod, ok = p.stopped[a]
 		return pod, ok, nil
 	}
-	delete(p.active, a)
 	pod.Stopped = time.Now().UTC()
-	p.stopped[a] = pod
-	return pod, true, p.saveLocked()
+	e := journalEntry{journalStopped, pod}
+	p.applyLocked(e)
+	return pod, true, p.recordLocked(e)
 }
 
 // forget drops an attachment from both sets.
 func (p *pods) forget(a api.Attachment) error {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	delete(p.active, a)
-	delete(p.stopped, a)
-	return p.saveLocked()
+	e := journalEntry{Op: journalForget, Pod: api.IndexedPod{Attachment: a}}
+	p.applyLocked(e)
+	return p.recordLocked(e)
 }
 
 // get returns an attachment, active or recently stopped.

@@ -37,7 +37,7 @@ func MeasurePacketCost(repeat int) (newFlowNs, establishedNs float64, err error)
 		return 0, 0, fmt.Errorf("measure recorder cost: repeat %d too large (ring buffer would exceed 256 MiB)", repeat)
 	}
 	spec.Maps["rec_events"].MaxEntries = uint32(ring)
-	spec.Maps["rec_seen4"].MaxEntries = uint32(max(DefaultSeenEntries, 2*repeat))
+	spec.Maps["rec_flows4"].MaxEntries = uint32(max(DefaultSeenEntries, 2*repeat))
 	var objs bpf.RecorderObjects
 	if err := spec.LoadAndAssign(&objs, nil); err != nil {
 		return 0, 0, fmt.Errorf("measure recorder cost: load: %w", err)

@@ -1,197 +1,103 @@
 package recorder
 
 import (
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"net/netip"
-	"sync"
-	"sync/atomic"
-
-	"github.com/cilium/ebpf"
 
 	"github.com/ctscrub/ctscrub/scrubd/ctmap"
 	"github.com/ctscrub/ctscrub/scrubd/index"
 )
 
-// forgetMaxIPs is FORGET_MAX_IPS in bpf/recorder.c.
-const forgetMaxIPs = 8
+// ReasonForgetFailed marks an IP whose cached flows the recorder could not
+// forget: entries re-created for them might never be recorded, so its next
+// scrub sweeps.
+const ReasonForgetFailed = "recorder could not forget the IP's cached flows"
 
-// forgetArgs is struct forget_args in bpf/recorder.c.
-type forgetArgs struct {
-	N4, N6           uint32
-	Visited, Deleted uint64
-	IPs4             [forgetMaxIPs][4]byte
-	IPs6             [forgetMaxIPs][16]byte
+// ErrForget is wrapped by the errors of ForgetIPs (and of Attach when its
+// filters are on but the addresses' cached flows could not be forgotten):
+// the caller must mark the addresses incomplete.
+var ErrForget = errors.New("could not forget cached flows")
+
+// genSlots is GEN_SLOTS in bpf/recorder.c.
+const genSlots = 1 << 12
+
+// genSlot is gen_slot4/gen_slot6 in bpf/recorder.c: the rec_gen slot of an
+// address. The program reads the address words as they lie in memory, so
+// they are read here in native byte order.
+func genSlot(ip netip.Addr) uint32 {
+	if ip.Is4() {
+		b := ip.As4()
+		return (binary.NativeEndian.Uint32(b[:]) * 0x9e3779b1) >> 20
+	}
+	b := ip.As16()
+	x := binary.NativeEndian.Uint32(b[0:4]) ^ binary.NativeEndian.Uint32(b[4:8]) ^
+		binary.NativeEndian.Uint32(b[8:12]) ^ binary.NativeEndian.Uint32(b[12:16])
+	return (x * 0x9e3779b1) >> 20
 }
 
-// ForgetIPs drops from the seen caches every flow whose local or remote
-// address is one of ips, in in-kernel passes over the caches (SEC("syscall")
-// program forget_ips, run with BPF_PROG_TEST_RUN; one pass per cache covers
-// eight IPs). Their next packets are recorded again. Attach calls it for a
-// new pod's addresses, and Run's Tracked hook for an IP declared complete.
+// ForgetIPs makes the recorder forget every cached flow whose local or
+// remote address is one of ips: it bumps each address's generation slot
+// (rec_gen), and every cached flow carrying the old generation stops
+// matching, so its next packet is recorded again. O(1) per address (a
+// lookup and an update of one array slot), whatever the caches hold.
+// Addresses sharing a slot with one of ips have their flows recorded again
+// too; that costs records, never completeness.
 //
-// Callers arriving while passes run share the next passes: 50 pods
-// attached together cost about 50/8 passes, not 50. deleted counts every
-// flow the shared passes dropped.
-func (r *Recorder) ForgetIPs(ips ...netip.Addr) (deleted int, err error) {
-	w := &forgetWaiter{done: make(chan struct{})}
+// Attach calls it for a new pod's addresses; Run's index hooks for an IP
+// declared complete (Track) and for an IP whose keys a scrub takes (Take);
+// Prune for an IP whose stale keys it drops. On an error the flows may
+// still be cached: the caller must mark the IPs incomplete.
+func (r *Recorder) ForgetIPs(ips ...netip.Addr) error {
+	slots := make(map[uint32]bool, len(ips))
 	for _, ip := range ips {
 		if ip = ip.Unmap(); ip.IsValid() {
-			w.ips = append(w.ips, ip)
+			slots[genSlot(ip)] = true
 		}
 	}
-	if len(w.ips) == 0 {
-		return 0, nil
-	}
-	q := &r.forgetQ
-	q.mu.Lock()
-	q.waiting = append(q.waiting, w)
-	if !q.leading {
-		// Lead: run passes until nobody waits, then hand over.
-		q.leading = true
-		for len(q.waiting) > 0 {
-			batch := q.waiting
-			q.waiting = nil
-			q.mu.Unlock()
-			r.forgetBatch(batch)
-			q.mu.Lock()
-		}
-		q.leading = false
-	}
-	q.mu.Unlock()
-	<-w.done
-	return w.deleted, w.err
-}
-
-// forgetQueue coalesces concurrent ForgetIPs calls.
-type forgetQueue struct {
-	mu      sync.Mutex
-	waiting []*forgetWaiter
-	leading bool
-	passes  atomic.Int64 // BPF_PROG_TEST_RUN calls made (tests)
-}
-
-type forgetWaiter struct {
-	ips     []netip.Addr
-	deleted int
-	err     error
-	done    chan struct{}
-}
-
-// forgetBatch forgets the IPs of every waiter in batch and releases them.
-func (r *Recorder) forgetBatch(batch []*forgetWaiter) {
-	var v4, v6 []netip.Addr
-	seen := make(map[netip.Addr]bool)
-	for _, w := range batch {
-		for _, ip := range w.ips {
-			if seen[ip] {
-				continue
-			}
-			seen[ip] = true
-			if ip.Is4() {
-				v4 = append(v4, ip)
-			} else {
-				v6 = append(v6, ip)
-			}
-		}
-	}
-	var deleted int
-	var err error
-	for (len(v4) > 0 || len(v6) > 0) && err == nil {
-		var a forgetArgs
-		for ; len(v4) > 0 && a.N4 < forgetMaxIPs; v4 = v4[1:] {
-			a.IPs4[a.N4] = v4[0].As4()
-			a.N4++
-		}
-		for ; len(v6) > 0 && a.N6 < forgetMaxIPs; v6 = v6[1:] {
-			a.IPs6[a.N6] = v6[0].As16()
-			a.N6++
-		}
-		var out forgetArgs
-		r.forgetQ.passes.Add(1)
-		if _, rerr := r.objs.ForgetIps.Run(&ebpf.RunOptions{Context: a, ContextOut: &out}); rerr != nil {
-			err = fmt.Errorf("recorder: forget the flows of %d IPs: %w", a.N4+a.N6, rerr)
-		}
-		deleted += int(out.Deleted)
-	}
-	for _, w := range batch {
-		w.deleted, w.err = deleted, err
-		close(w.done)
-	}
-}
-
-// ForgetKeys drops the flows of CT keys from the seen caches: for each key
-// the pod side that recorded it (the initiator, daddr, for an OUT key; the
-// responder, saddr, for an IN or SERVICE key). Related keys are skipped
-// (their flow's own key carries them). A scrub must forget the keys it is
-// about to delete before it deletes them, or an entry re-created by a
-// flow's next packet would never be recorded: Run arranges that through the
-// index's Taken hook.
-func (r *Recorder) ForgetKeys(k4 []ctmap.CTKey4, k6 []ctmap.CTKey6) error {
-	var s4 []seenKey4
-	for _, k := range k4 {
-		if k.Flags()&ctmap.FlagRelated != 0 {
+	r.genMu.Lock()
+	defer r.genMu.Unlock()
+	var errs []error
+	for slot := range slots {
+		var g uint32
+		if err := r.objs.RecGen.Lookup(slot, &g); err != nil {
+			errs = append(errs, err)
 			continue
 		}
-		d, s, dport, sport := k[0:4], k[4:8], k[8:10], k[10:12]
-		if k.Flags()&(ctmap.FlagIn|ctmap.FlagService) != 0 {
-			s4 = append(s4, newSeenKey4(s, d, dport, sport, k.NextHdr()))
-		} else {
-			s4 = append(s4, newSeenKey4(d, s, sport, dport, k.NextHdr()))
+		if err := r.objs.RecGen.Update(slot, g+1, 0); err != nil {
+			errs = append(errs, err)
 		}
 	}
-	var s6 []seenKey6
-	for _, k := range k6 {
-		if k.Flags()&ctmap.FlagRelated != 0 {
-			continue
-		}
-		d, s, dport, sport := k[0:16], k[16:32], k[32:34], k[34:36]
-		if k.Flags()&(ctmap.FlagIn|ctmap.FlagService) != 0 {
-			s6 = append(s6, newSeenKey6(s, d, dport, sport, k.NextHdr()))
-		} else {
-			s6 = append(s6, newSeenKey6(d, s, sport, dport, k.NextHdr()))
-		}
-	}
-	if err := deleteBatch(r.objs.RecSeen4, s4); err != nil {
-		return err
-	}
-	return deleteBatch(r.objs.RecSeen6, s6)
-}
-
-// deleteBatch deletes keys with BPF_MAP_DELETE_BATCH. The kernel stops a
-// batch at the first key that is not there (evicted, or a flow recorded
-// twice); it is skipped and the batch goes on after it.
-func deleteBatch[K any](m *ebpf.Map, keys []K) error {
-	for len(keys) > 0 {
-		n, err := m.BatchDelete(keys, nil)
-		switch {
-		case err == nil:
-			return nil
-		case errors.Is(err, ebpf.ErrKeyNotExist):
-			keys = keys[min(n+1, len(keys)):]
-		default:
-			return fmt.Errorf("recorder: forget flows: %w", err)
-		}
+	if err := errors.Join(errs...); err != nil {
+		return fmt.Errorf("recorder: %w of %v: %w", ErrForget, ips, err)
 	}
 	return nil
 }
 
-// hooks keeps the seen caches in step with the index (see index.Hooks):
-// keys a scrub takes are forgotten before it deletes their entries, and an
-// IP declared complete (a sweep is about to remove all its entries, or a
-// fresh pod) has all its flows forgotten, so every entry created from then
-// on is recorded, including flows to service VIPs that mark it incomplete
-// again.
-func (r *Recorder) hooks() *index.Hooks {
+// hooks keeps the flow caches in step with the index (see index.Hooks): an
+// IP whose keys a scrub takes has its flows forgotten before the scrub
+// deletes the entries, and so does an IP declared complete (a sweep is about
+// to remove all its entries, or a fresh pod), so every entry created from
+// then on is recorded, including flows to service VIPs that mark it
+// incomplete again. When forgetting fails the IP is marked incomplete: a
+// flow still cached would not be recorded when its entry comes back.
+func (r *Recorder) hooks(ix *index.Index) *index.Hooks {
+	fail := func(ips []netip.Addr, err error) {
+		r.opts.Log.Error("recorder: forget cached flows failed; the IPs are marked incomplete", "ips", ips, "err", err)
+		for _, ip := range ips {
+			ix.MarkIncomplete(ip, ReasonForgetFailed)
+		}
+	}
 	return &index.Hooks{
-		Taken: func(ip netip.Addr, k4 []ctmap.CTKey4, k6 []ctmap.CTKey6) {
-			if err := r.ForgetKeys(k4, k6); err != nil {
-				r.opts.Log.Warn("recorder: forget the flows of taken keys", "ip", ip, "err", err)
+		Taken: func(ip netip.Addr, _ []ctmap.CTKey4, _ []ctmap.CTKey6) {
+			if err := r.ForgetIPs(ip); err != nil {
+				fail([]netip.Addr{ip}, err)
 			}
 		},
 		Tracked: func(ips []netip.Addr) {
-			if _, err := r.ForgetIPs(ips...); err != nil {
-				r.opts.Log.Warn("recorder: forget the flows of tracked IPs", "ips", ips, "err", err)
+			if err := r.ForgetIPs(ips...); err != nil {
+				fail(ips, err)
 			}
 		},
 	}

@@ -4,184 +4,310 @@ import (
 	"net/netip"
 	"os"
 	"path/filepath"
-	"sync"
 	"testing"
 	"time"
 
+	"github.com/cilium/ebpf"
+	"github.com/cilium/ebpf/ringbuf"
+
 	"github.com/ctscrub/ctscrub/scrubd/ctmap"
+	"github.com/ctscrub/ctscrub/scrubd/index"
 )
 
-// ForgetIPs over a full-size seen cache: exactly the flows with a given IP
-// as local or remote address go, the others stay.
+// loaded is a Recorder with private pins, fed frames with BPF_PROG_TEST_RUN.
+type loaded struct {
+	*Recorder
+	rd *ringbuf.Reader
+}
+
+func loadPinned(t *testing.T, opts Options) *loaded {
+	t.Helper()
+	requireRoot(t)
+	dir, err := os.MkdirTemp("/sys/fs/bpf", "ctscrub-test-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { os.RemoveAll(dir) })
+	opts.PinDir, opts.CTRoot = filepath.Join(dir, "ctscrub"), dir
+	r, err := Load(opts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { r.Close() })
+	l := &loaded{Recorder: r}
+	if l.rd, err = ringbuf.NewReader(r.objs.RecEvents); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { l.rd.Close() })
+	return l
+}
+
+// records runs one frame and returns how many records it emitted.
+func (l *loaded) records(t *testing.T, egress bool, frame []byte) int {
+	t.Helper()
+	prog := l.objs.RecorderIngress
+	if egress {
+		prog = l.objs.RecorderEgress
+	}
+	if _, _, err := prog.Test(frame); err != nil {
+		t.Fatal(err)
+	}
+	n := 0
+	for {
+		l.rd.SetDeadline(time.Now().Add(5 * time.Millisecond))
+		if _, err := l.rd.Read(); err != nil {
+			return n
+		}
+		n++
+	}
+}
+
+// ForgetIPs bumps generations: every cached flow of the address (its own,
+// and live peers' flows towards it; IPv4 and IPv6; TCP through the front
+// cache and UDP) is recorded again at its next packet, other flows are not,
+// whatever the cache holds.
 func TestForgetIPs(t *testing.T) {
-	requireRoot(t)
-	dir, err := os.MkdirTemp("/sys/fs/bpf", "ctscrub-test-")
-	if err != nil {
-		t.Fatal(err)
+	l := loadPinned(t, Options{})
+	other4 := netip.MustParseAddr("10.244.0.11")
+	other6 := netip.MustParseAddr("fd00:244::b")
+	if genSlot(other4) == genSlot(pod4) || genSlot(other6) == genSlot(pod6) {
+		t.Fatal("test addresses share a generation slot")
 	}
-	t.Cleanup(func() { os.RemoveAll(dir) })
-	r, err := Load(Options{PinDir: filepath.Join(dir, "ctscrub"), CTRoot: dir})
-	if err != nil {
-		t.Fatal(err)
+	flows := []struct {
+		name   string
+		egress bool
+		frame  []byte
+		of     netip.Addr // the address whose forgetting must re-record it
+	}{
+		{"own tcp4", true, eth(0x0800).add(ipv4(6, 0, pod4, peer4)...).add(ports(40000, 443, 20)...).b, pod4},
+		{"own udp4", true, eth(0x0800).add(ipv4(17, 0, pod4, peer4)...).add(ports(40001, 53, 8)...).b, pod4},
+		{"peer's tcp4 towards it", true, eth(0x0800).add(ipv4(6, 0, other4, pod4)...).add(ports(40002, 80, 20)...).b, pod4},
+		{"own tcp6", true, eth(0x86dd).add(ipv6(6, pod6, peer6)...).add(ports(40003, 443, 20)...).b, pod6},
+		{"peer's udp6 towards it", false, eth(0x86dd).add(ipv6(17, pod6, other6)...).add(ports(40004, 53, 8)...).b, pod6},
+		{"unrelated tcp4", true, eth(0x0800).add(ipv4(6, 0, other4, peer4)...).add(ports(40005, 443, 20)...).b, netip.Addr{}},
 	}
-	t.Cleanup(func() { r.Close() })
-
-	target := netip.MustParseAddr("10.244.0.10")
-	other := netip.MustParseAddr("10.244.0.11")
-	tg, ot := target.As4(), other.As4()
-	const fill = 200_000
-	var keys []seenKey4
-	vals := make([]uint64, 0, fill)
-	wantGone := 0
-	for i := range fill {
-		peer := [4]byte{192, byte(i >> 16), byte(i >> 8), byte(i)}
-		local, remote := ot[:], peer[:]
-		switch i % 100 {
-		case 0: // the target's own flows
-			local = tg[:]
-			wantGone++
-		case 1: // a live pod's flows towards the target
-			remote = tg[:]
-			wantGone++
+	for _, f := range flows {
+		if n := l.records(t, f.egress, f.frame); n != 1 {
+			t.Fatalf("%s: first packet made %d records, want 1", f.name, n)
 		}
-		p := [2]byte{byte(i >> 8), byte(i)}
-		keys = append(keys, newSeenKey4(local, remote, p[:], []byte{0, 53}, 17))
-		vals = append(vals, 0)
-	}
-	if _, err := r.objs.RecSeen4.BatchUpdate(keys, vals, nil); err != nil {
-		t.Fatal(err)
-	}
-	start := time.Now()
-	n, err := r.ForgetIPs(target, netip.MustParseAddr("fd00:244::a"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Logf("forgot %d of %d cached flows in %v", n, fill, time.Since(start))
-	if n != wantGone {
-		t.Fatalf("forgot %d flows, want %d", n, wantGone)
-	}
-	var k seenKey4
-	var v [8]byte
-	left := 0
-	it := r.objs.RecSeen4.Iterate()
-	for it.Next(&k, &v) {
-		left++
-		if [4]byte(k[0:4]) == tg || [4]byte(k[4:8]) == tg {
-			t.Fatalf("flow of %s left: %x", target, k)
-		}
-	}
-	if err := it.Err(); err != nil {
-		t.Fatal(err)
-	}
-	if left != fill-wantGone {
-		t.Fatalf("%d flows left, want %d", left, fill-wantGone)
-	}
-}
-
-// ForgetKeys forgets every cached flow of the keys, skipping keys whose
-// flow is not cached; its cost is quoted in docs/recorder.md (a scrub's
-// index path pays it through the Taken hook).
-func TestForgetKeysCost(t *testing.T) {
-	requireRoot(t)
-	dir, err := os.MkdirTemp("/sys/fs/bpf", "ctscrub-test-")
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { os.RemoveAll(dir) })
-	r, err := Load(Options{PinDir: filepath.Join(dir, "ctscrub"), CTRoot: dir})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { r.Close() })
-	pod := netip.MustParseAddr("10.244.0.10")
-	var k4 []ctmap.CTKey4
-	var seen []seenKey4
-	for i := range 1000 {
-		peer := netip.AddrFrom4([4]byte{192, 0, byte(i >> 8), byte(i)})
-		k := ctmap.NewKey4(pod, peer, 443, uint16(30000+i), ctmap.ProtoTCP, ctmap.FlagOut)
-		k4 = append(k4, k, k.Related())
-		seen = append(seen, newSeenKey4(k[0:4], k[4:8], k[10:12], k[8:10], ctmap.ProtoTCP))
-	}
-	if _, err := r.objs.RecSeen4.BatchUpdate(seen, make([]uint64, len(seen)), nil); err != nil {
-		t.Fatal(err)
-	}
-	// Keys whose flows are not cached (evicted, or already forgotten) in
-	// the middle and at the end: the batch skips them.
-	gone := ctmap.NewKey4(pod, netip.MustParseAddr("198.51.100.1"), 53, 5353, ctmap.ProtoUDP, ctmap.FlagOut)
-	k4 = append(k4[:500], append([]ctmap.CTKey4{gone, gone.WithFlags(ctmap.FlagIn)}, k4[500:]...)...)
-	k4 = append(k4, gone)
-	start := time.Now()
-	if err := r.ForgetKeys(k4, nil); err != nil {
-		t.Fatal(err)
-	}
-	t.Logf("ForgetKeys: %d keys (%d flows) in %v", len(k4), len(seen), time.Since(start))
-	var k seenKey4
-	var v [8]byte
-	if it := r.objs.RecSeen4.Iterate(); it.Next(&k, &v) {
-		t.Fatalf("flow %x still cached", k)
-	}
-}
-
-// Concurrent ForgetIPs calls share passes over the cache.
-func TestForgetIPsShared(t *testing.T) {
-	requireRoot(t)
-	dir, err := os.MkdirTemp("/sys/fs/bpf", "ctscrub-test-")
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { os.RemoveAll(dir) })
-	r, err := Load(Options{PinDir: filepath.Join(dir, "ctscrub"), CTRoot: dir})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { r.Close() })
-	// 50 pod IPs with 1,000 flows each, plus 100,000 flows of others.
-	const pods = 50
-	var keys []seenKey4
-	for i := range pods*1000 + 100_000 {
-		local := [4]byte{10, 244, 0, byte(i % pods)}
-		if i >= pods*1000 {
-			local = [4]byte{10, 245, byte(i >> 8), byte(i)}
-		}
-		remote := [4]byte{192, byte(i >> 16), byte(i >> 8), byte(i)}
-		keys = append(keys, newSeenKey4(local[:], remote[:], []byte{1, 1}, []byte{0, 80}, 6))
-	}
-	if _, err := r.objs.RecSeen4.BatchUpdate(keys, make([]uint64, len(keys)), nil); err != nil {
-		t.Fatal(err)
-	}
-	start := time.Now()
-	var wg sync.WaitGroup
-	errs := make(chan error, pods)
-	for p := range pods {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			if _, err := r.ForgetIPs(netip.AddrFrom4([4]byte{10, 244, 0, byte(p)})); err != nil {
-				errs <- err
+		for range 3 { // established: the front cache (TCP) or the LRU
+			if n := l.records(t, f.egress, f.frame); n != 0 {
+				t.Fatalf("%s: established packet made %d records", f.name, n)
 			}
-		}()
-	}
-	wg.Wait()
-	close(errs)
-	for err := range errs {
-		t.Fatal(err)
-	}
-	passes := r.forgetQ.passes.Load()
-	t.Logf("50 concurrent ForgetIPs over %d cached flows: %d passes, %v", len(keys), passes, time.Since(start))
-	if passes >= pods {
-		t.Fatalf("%d passes for %d concurrent callers: not shared", passes, pods)
-	}
-	var k seenKey4
-	var v [8]byte
-	left := 0
-	it := r.objs.RecSeen4.Iterate()
-	for it.Next(&k, &v) {
-		left++
-		if k[0] == 10 && k[1] == 244 {
-			t.Fatalf("flow of a forgotten IP left: %x", k)
 		}
 	}
-	if left != 100_000 {
-		t.Fatalf("%d flows left, want the 100,000 of other IPs", left)
+	// A full cache changes nothing: forgetting is one slot per address.
+	fill := make([]seenKeyValue4, 0, 100_000)
+	for i := range cap(fill) {
+		fill = append(fill, seenKeyValue4{local: [4]byte{10, 244, byte(i >> 8), byte(i)}, remote: [4]byte{192, 0, 2, byte(i)}})
+	}
+	keys, vals := seenBatch4(fill)
+	if _, err := l.objs.RecFlows4.BatchUpdate(keys, vals, nil); err != nil {
+		t.Fatal(err)
+	}
+	start := time.Now()
+	if err := l.ForgetIPs(pod4, pod6); err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("ForgetIPs of 2 addresses with %d cached flows: %v", len(fill)+len(flows), time.Since(start))
+	for _, f := range flows {
+		want := 0
+		if f.of.IsValid() {
+			want = 1
+		}
+		if n := l.records(t, f.egress, f.frame); n != want {
+			t.Errorf("%s: after forgetting: %d records, want %d", f.name, n, want)
+		}
+		if n := l.records(t, f.egress, f.frame); n != 0 {
+			t.Errorf("%s: recorded again twice", f.name)
+		}
+	}
+}
+
+type seenKeyValue4 struct{ local, remote [4]byte }
+
+// seenBatch4 builds rec_flows4 keys (struct seen_key4) and values (struct
+// seen_val, generation 0).
+func seenBatch4(fs []seenKeyValue4) ([][16]byte, [][16]byte) {
+	keys := make([][16]byte, len(fs))
+	vals := make([][16]byte, len(fs))
+	for i, f := range fs {
+		copy(keys[i][0:4], f.local[:])
+		copy(keys[i][4:8], f.remote[:])
+		keys[i][9], keys[i][11], keys[i][12] = 1, 2, 6
+	}
+	return keys, vals
+}
+
+// A failure to forget an IP's cached flows marks the IP incomplete (before:
+// it was only logged, and the IP stayed complete while flows re-created
+// after its scrub could go unrecorded). The failure is caused for real: the
+// generation map's descriptor is closed under the recorder.
+func TestForgetFailureMarksIncomplete(t *testing.T) {
+	l := loadPinned(t, Options{})
+	ix := index.New(index.Config{})
+	ix.SetHooks(l.hooks(ix))
+	taken := netip.MustParseAddr("10.244.0.20")
+	ix.Track(taken)
+	ix.Add4(ctmap.NewKey4(taken, peer4, 443, 40000, ctmap.ProtoTCP, ctmap.FlagOut))
+	if st := ix.State(taken); !st.Complete {
+		t.Fatalf("before: %+v", st)
+	}
+	l.objs.RecGen.Close()
+
+	tracked := netip.MustParseAddr("10.244.0.21")
+	ix.Track(tracked)
+	if st := ix.State(tracked); st.Incomplete != ReasonForgetFailed {
+		t.Errorf("Track with a failing forget: %+v, want incomplete (%s)", st, ReasonForgetFailed)
+	}
+	ix.Take(taken)
+	if st := ix.State(taken); st.Incomplete != ReasonForgetFailed {
+		t.Errorf("Take with a failing forget: %+v, want incomplete (%s)", st, ReasonForgetFailed)
+	}
+}
+
+// Losses are never missed: the per-IP counters live in a hash that never
+// evicts (before: an LRU, whose eviction reset an IP's count so that later
+// losses did not exceed the count already acted on), and a loss the hash
+// has no room for marks every IP incomplete. Real losses: new flows into a
+// one-page ring buffer nobody reads.
+func TestLostNeverMissed(t *testing.T) {
+	l := loadPinned(t, Options{RingBytes: os.Getpagesize(), LostEntries: 2})
+	ix := index.New(index.Config{})
+	a, b, c := netip.MustParseAddr("10.244.0.30"), netip.MustParseAddr("10.244.0.31"), netip.MustParseAddr("10.244.0.32")
+	port := uint16(1000)
+	lose := func(ip netip.Addr) {
+		t.Helper()
+		before := l.Lost()
+		for l.Lost() == before {
+			port++
+			frame := eth(0x0800).add(ipv4(17, 0, ip, peer4)...).add(ports(port, 53, 8)...).b
+			if _, _, err := l.objs.RecorderEgress.Test(frame); err != nil {
+				t.Fatal(err)
+			}
+			if port == 3000 {
+				t.Fatalf("no loss for %s after %d new flows into a one-page ring", ip, port-1000)
+			}
+		}
+	}
+	poll := func() {
+		t.Helper()
+		if err := l.PollLost(ix); err != nil {
+			t.Fatal(err)
+		}
+	}
+	want := func(step string, ip netip.Addr, incomplete bool) {
+		t.Helper()
+		st := ix.State(ip)
+		if incomplete && st.Incomplete != index.ReasonLost || !incomplete && !st.Complete {
+			t.Fatalf("%s: %s is %+v, want incomplete=%v", step, ip, st, incomplete)
+		}
+	}
+
+	lose(a)
+	poll()
+	want("loss of a", a, true)
+	ix.Track(a) // swept
+	want("a swept", a, false)
+	lose(b) // the counters are full now (2)
+	poll()
+	want("loss of b", b, true)
+	want("loss of b", a, false)
+
+	lose(c) // no room for c: every IP turns incomplete
+	poll()
+	if ix.State(c).Complete {
+		t.Fatalf("loss of c (overflow): c is complete")
+	}
+	want("loss of c (overflow)", a, true)
+	ix.Track(a)
+	ix.Track(b)
+
+	lose(a) // a's count is still there: it grows, a is marked
+	poll()
+	want("a's second loss", a, true)
+	want("a's second loss", b, false)
+}
+
+// Addresses of one /24 never share a generation slot, so forgetting a pod
+// IP never re-records the flows of another pod of the node's /24.
+func TestGenSlotsOfA24(t *testing.T) {
+	seen := map[uint32]netip.Addr{}
+	for d := range 256 {
+		ip := netip.AddrFrom4([4]byte{10, 244, 7, byte(d)})
+		s := genSlot(ip)
+		if s >= genSlots {
+			t.Fatalf("%s: slot %d out of range", ip, s)
+		}
+		if o, ok := seen[s]; ok {
+			t.Fatalf("%s and %s share slot %d", ip, o, s)
+		}
+		seen[s] = ip
+	}
+}
+
+// An upgrade from the recorder that kept its lost counts in an LRU pinned as
+// rec_lost: Load removes the previous layout's pins, and the old counter,
+// which the old programs keep counting into until Attach replaces them, is
+// still read: its counts found at start and its growth mark IPs incomplete.
+func TestUpgradeReadsLegacyLostCounter(t *testing.T) {
+	requireRoot(t)
+	dir, err := os.MkdirTemp("/sys/fs/bpf", "ctscrub-test-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { os.RemoveAll(dir) })
+	pins := filepath.Join(dir, "ctscrub")
+	if err := os.MkdirAll(pins, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	old, err := ebpf.NewMap(&ebpf.MapSpec{Type: ebpf.LRUHash, KeySize: 16, ValueSize: 8, MaxEntries: 16384})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer old.Close()
+	a, b := netip.MustParseAddr("10.244.0.40"), netip.MustParseAddr("10.244.0.41")
+	if err := old.Put(a.As16(), uint64(3)); err != nil {
+		t.Fatal(err)
+	}
+	if err := old.Pin(filepath.Join(pins, "rec_lost")); err != nil {
+		t.Fatal(err)
+	}
+	seen, err := ebpf.NewMap(&ebpf.MapSpec{Type: ebpf.LRUHash, KeySize: 16, ValueSize: 8, MaxEntries: 16})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer seen.Close()
+	if err := seen.Pin(filepath.Join(pins, "rec_seen4")); err != nil {
+		t.Fatal(err)
+	}
+
+	r, err := Load(Options{PinDir: pins, CTRoot: dir})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer r.Close()
+	for _, n := range []string{"rec_lost", "rec_seen4"} {
+		if _, err := os.Stat(filepath.Join(pins, n)); err == nil {
+			t.Errorf("legacy pin %s left", n)
+		}
+	}
+	ix := index.New(index.Config{})
+	ix.Track(a)
+	ix.Track(b)
+	if err := r.PollLost(ix); err != nil {
+		t.Fatal(err)
+	}
+	if st := ix.State(a); st.Incomplete != index.ReasonLost {
+		t.Errorf("%s with losses in the old counter: %+v", a, st)
+	}
+	if err := old.Put(b.As16(), uint64(1)); err != nil { // the old program loses one
+		t.Fatal(err)
+	}
+	if err := r.PollLost(ix); err != nil {
+		t.Fatal(err)
+	}
+	if st := ix.State(b); st.Incomplete != index.ReasonLost {
+		t.Errorf("%s lost in the old counter after Load: %+v", b, st)
 	}
 }

@@ -24,6 +24,7 @@ import (
 	"github.com/cilium/ebpf/link"
 	"github.com/cilium/ebpf/ringbuf"
 	"github.com/vishvananda/netlink"
+	"golang.org/x/sys/unix"
 
 	"github.com/ctscrub/ctscrub/bpf"
 	"github.com/ctscrub/ctscrub/scrubd/ctmap"
@@ -37,7 +38,13 @@ const DefaultPinDir = "/sys/fs/bpf/ctscrub"
 const (
 	DefaultRingBytes   = 8 << 20 // ~150k records of burst while user space is busy or down
 	DefaultReopenIdle  = 10 * time.Second
-	DefaultSeenEntries = 1 << 18 // flows remembered per node and family (88 bytes each for IPv4, 112 for IPv6 in the kernel, preallocated)
+	DefaultSeenEntries = 1 << 18 // flows remembered per node and family (96 bytes each for IPv4, 120 for IPv6 in the kernel, preallocated)
+	// DefaultFrontEntries: slots per CPU of the IPv4 TCP front cache (24
+	// bytes each: 384 KiB per CPU).
+	DefaultFrontEntries = 1 << 14
+	// DefaultLostEntries: pod IPs with a lost-record count (a node's pod
+	// IPs over the pins' lifetime; 1.5 MiB preallocated).
+	DefaultLostEntries = 1 << 14
 )
 
 // Names of Cilium's service maps, looked up under Options.CTRoot.
@@ -47,13 +54,17 @@ const (
 )
 
 // The recorder's pinned maps (under Options.PinDir). Their names are the
-// map names in bpf/recorder.c.
-var pinnedMaps = []string{"rec_events", "rec_seen4", "rec_seen6", "rec_lost", "rec_lost_total"}
+// map names in bpf/recorder.c. The front cache is not pinned: it is a copy
+// of rec_flows4 entries, checked against rec_gen.
+var pinnedMaps = []string{"rec_events", "rec_flows4", "rec_flows6", "rec_gen", "rec_lost_ip", "rec_lost_total", "rec_lost_overflow"}
+
+// Pins of an older recorder (LRU lost counter, flow caches without
+// generations), removed by Load. rec_lost's counts are carried over.
+var legacyMaps = []string{"rec_seen4", "rec_seen6", "rec_lost"}
 
 // Options configure Load.
 type Options struct {
-	// PinDir holds the recorder's pinned maps and, under links/, its
-	// pinned tcx links. Default DefaultPinDir.
+	// PinDir holds the recorder's pinned maps. Default DefaultPinDir.
 	PinDir string
 	// CTRoot is where Cilium pins its global maps; the service maps are
 	// read from there. Default ctmap.DefaultRoot.
@@ -64,6 +75,13 @@ type Options struct {
 	// SeenEntries sizes the per-node caches of recorded flows (one per
 	// family). Default DefaultSeenEntries.
 	SeenEntries int
+	// LostEntries sizes the per-IP lost counters (rec_lost_ip, a hash that
+	// never evicts; a loss it has no room for marks every IP incomplete).
+	// Default DefaultLostEntries.
+	LostEntries int
+	// FrontEntries sizes the per-CPU front cache of established IPv4 TCP
+	// flows: a power of two. Default DefaultFrontEntries.
+	FrontEntries int
 	// Log receives operational messages. Default slog.Default().
 	Log *slog.Logger
 	// ReopenIdle: a UDP/ICMP/SCTP flow idle this long whose next packet goes
@@ -91,8 +109,13 @@ type Recorder struct {
 	ifaces   [64]sync.Mutex // striped by interface: Attach/Detach of one interface in turn
 	lostMu   sync.Mutex
 	lostSeen map[[16]byte]uint64 // last lost count acted on, per IP
+	overflow uint64              // last overflow count acted on
+	// An older recorder's per-IP lost counter (LRU, pin removed): its
+	// programs count into it until Attach replaces them, so it is polled too.
+	legacy     *ebpf.Map
+	legacySeen map[[16]byte]uint64
 
-	forgetQ forgetQueue
+	genMu sync.Mutex // one generation bump at a time (read, add one, write)
 }
 
 // Load loads the recorder's programs. Its maps are pinned under PinDir; when
@@ -112,6 +135,12 @@ func Load(opts Options) (*Recorder, error) {
 	if opts.SeenEntries == 0 {
 		opts.SeenEntries = DefaultSeenEntries
 	}
+	if opts.LostEntries == 0 {
+		opts.LostEntries = DefaultLostEntries
+	}
+	if opts.FrontEntries == 0 {
+		opts.FrontEntries = DefaultFrontEntries
+	}
 	if opts.Log == nil {
 		opts.Log = slog.Default()
 	}
@@ -124,6 +153,9 @@ func Load(opts Options) (*Recorder, error) {
 	if opts.SeenEntries < 1 {
 		return nil, fmt.Errorf("recorder: seen-cache size %d: must be positive", opts.SeenEntries)
 	}
+	if opts.FrontEntries < 1 || opts.FrontEntries&(opts.FrontEntries-1) != 0 {
+		return nil, fmt.Errorf("recorder: front-cache size %d: must be a power of two", opts.FrontEntries)
+	}
 
 	spec, err := bpf.LoadRecorder()
 	if err != nil {
@@ -134,9 +166,14 @@ func Load(opts Options) (*Recorder, error) {
 	if err := spec.Variables["reopen_idle"].Set(idle); err != nil {
 		return nil, fmt.Errorf("recorder: set reopen_idle: %w", err)
 	}
+	if err := spec.Variables["front_mask"].Set(uint32(opts.FrontEntries - 1)); err != nil {
+		return nil, fmt.Errorf("recorder: set front_mask: %w", err)
+	}
 	spec.Maps["rec_events"].MaxEntries = uint32(opts.RingBytes)
-	spec.Maps["rec_seen4"].MaxEntries = uint32(opts.SeenEntries)
-	spec.Maps["rec_seen6"].MaxEntries = uint32(opts.SeenEntries)
+	spec.Maps["rec_flows4"].MaxEntries = uint32(opts.SeenEntries)
+	spec.Maps["rec_flows6"].MaxEntries = uint32(opts.SeenEntries)
+	spec.Maps["rec_front4"].MaxEntries = uint32(opts.FrontEntries)
+	spec.Maps["rec_lost_ip"].MaxEntries = uint32(max(opts.LostEntries, 1))
 	for _, n := range pinnedMaps {
 		spec.Maps[n].Pinning = ebpf.PinByName
 	}
@@ -187,14 +224,30 @@ func Load(opts Options) (*Recorder, error) {
 		var ve *ebpf.VerifierError
 		switch {
 		case errors.Is(err, ebpf.ErrMapIncompatible):
-			return nil, fmt.Errorf("recorder: pinned maps under %s were made with other sizes (RingBytes/SeenEntries changed?): %w; "+
+			return nil, fmt.Errorf("recorder: pinned maps under %s were made with other sizes (RingBytes, SeenEntries or LostEntries changed?): %w; "+
 				"keep the old sizes, or remove %s/rec_* to start fresh (the index then treats every IP as not tracked)", opts.PinDir, err, opts.PinDir)
 		case errors.As(err, &ve):
 			return nil, fmt.Errorf("recorder: load BPF programs: %+v", ve)
 		}
-		return nil, fmt.Errorf("recorder: load BPF programs (root, bpffs at /sys/fs/bpf, kernel 6.6+ for tcx?): %w", err)
+		return nil, fmt.Errorf("recorder: load BPF programs (root, bpffs at /sys/fs/bpf?): %w", err)
 	}
+	r.legacy = removeLegacyMaps(opts.PinDir, opts.Log)
+	r.legacySeen = make(map[[16]byte]uint64)
 	return r, nil
+}
+
+// removeLegacyMaps removes an older recorder's pins and returns its lost
+// counter, if there was one (PollLost reads it as it reads its own).
+func removeLegacyMaps(dir string, log *slog.Logger) (lost *ebpf.Map) {
+	if m, err := ebpf.LoadPinnedMap(filepath.Join(dir, "rec_lost"), nil); err == nil {
+		lost = m
+	}
+	for _, n := range legacyMaps {
+		if err := os.Remove(filepath.Join(dir, n)); err == nil {
+			log.Info("recorder: removed an older recorder's map pin", "pin", filepath.Join(dir, n))
+		}
+	}
+	return lost
 }
 
 // VIPDetection reports whether Cilium's service maps were found for IPv4
@@ -203,61 +256,80 @@ func (r *Recorder) VIPDetection() (v4, v6 bool) { return r.vip[0], r.vip[1] }
 
 // lockIface serialises Attach and Detach of one interface (different pods
 // attach in parallel); it returns the unlock function.
-func (r *Recorder) lockIface(pin string) func() {
+func (r *Recorder) lockIface(netnsPath, ifname string) func() {
 	h := fnv.New32a()
-	h.Write([]byte(pin))
+	h.Write([]byte(netnsPath + "\x00" + ifname))
 	mu := &r.ifaces[h.Sum32()%uint32(len(r.ifaces))]
 	mu.Lock()
 	return mu.Unlock
 }
 
-// linkPins returns the pin paths of the ingress and egress links of one
-// interface. The name is derived from the netns path and interface name
-// only, so Detach finds the pins after the netns is gone.
-func (r *Recorder) linkPins(netnsPath, ifname string) (ingress, egress string) {
-	sum := sha256.Sum256([]byte(netnsPath + "\x00" + ifname))
-	base := strings.NewReplacer("/", "_", ".", "_").Replace(filepath.Base(netnsPath))
-	name := fmt.Sprintf("%s_%s_%s", base, ifname, hex.EncodeToString(sum[:6]))
-	dir := filepath.Join(r.opts.PinDir, "links")
-	return filepath.Join(dir, name+"_ingress"), filepath.Join(dir, name+"_egress")
+// The recorder's tc filters: one direct-action cls_bpf filter on each of the
+// clsact qdisc's hooks, at FilterPriority with FilterHandle. Priority 1 runs
+// first among tc filters, so no other filter drops or redirects a packet
+// before it is recorded; the handle tells ctscrub's filters from others
+// (see docs/recorder.md, "Where it runs").
+const (
+	FilterPriority = 1
+	FilterHandle   = 0xc75c
+	filterName     = "ctscrub_recorder"
+)
+
+func recorderFilter(ifindex int, parent uint32, prog *ebpf.Program) *netlink.BpfFilter {
+	return &netlink.BpfFilter{
+		FilterAttrs: netlink.FilterAttrs{
+			LinkIndex: ifindex,
+			Parent:    parent,
+			Handle:    FilterHandle,
+			Priority:  FilterPriority,
+			Protocol:  unix.ETH_P_ALL,
+		},
+		Fd:           prog.FD(),
+		Name:         filterName,
+		DirectAction: true,
+	}
 }
 
 // Attach attaches the recorder to ifname inside the network namespace at
-// netnsPath (tcx ingress and egress, ahead of any other tcx program; they
-// return TCX_NEXT and never change a verdict). The links are pinned under
-// PinDir/links, so they survive a daemon restart. Attaching an interface
-// that is already attached is a no-op apart from moving the links to this
-// Recorder's programs.
+// netnsPath: a clsact qdisc (kept when one exists) and a direct-action
+// cls_bpf filter on its ingress and egress hooks. The programs return
+// TC_ACT_UNSPEC: the next filter runs and no verdict changes. The filters
+// live as long as the interface (they survive a daemon restart and hold the
+// program); attaching an interface already attached replaces the filters'
+// program in place (an upgrade), atomically.
 //
-// On a fresh attach it also drops from the seen caches every flow of the
-// interface's addresses (ForgetIPs): they may have belonged to a pod that is
-// gone, and its cached flows would hide the new pod's flows that reuse a
-// 5-tuple. The addresses must be configured when Attach runs, as they are
-// when the CNI chain calls it after the IP-assigning plugin.
+// It then bumps the generation of the interface's addresses (ForgetIPs),
+// O(1) per address: flows cached for a pod that held an address before
+// (or for live pods towards it) stop matching, so the new pod's flows that
+// reuse a 5-tuple are recorded. The addresses must be configured when
+// Attach runs, as they are when the CNI chain calls it after the
+// IP-assigning plugin. If that step fails the error says so and the caller
+// must treat the addresses as incomplete.
 func (r *Recorder) Attach(netnsPath, ifname string) (ifindex int, err error) {
-	fresh, addrs, ifindex, err := r.attachLinks(netnsPath, ifname)
+	addrs, ifindex, err := r.attachFilters(netnsPath, ifname)
 	if err != nil {
 		return 0, fmt.Errorf("recorder: attach to %s in netns %s: %w", ifname, netnsPath, err)
 	}
-	// Outside the attach lock: pods attached together share the passes.
-	if fresh {
-		if _, err := r.ForgetIPs(addrs...); err != nil {
-			return 0, fmt.Errorf("recorder: attach to %s in netns %s: %w", ifname, netnsPath, err)
-		}
+	if err := r.ForgetIPs(addrs...); err != nil {
+		return ifindex, fmt.Errorf("recorder: attach to %s in netns %s: %w", ifname, netnsPath, err)
 	}
+	// A pod attached by an older scrubd (tcx links pinned under
+	// PinDir/links): the filters record now, so the links can go.
+	r.removeLegacyLinks(netnsPath, ifname)
 	return ifindex, nil
 }
 
-// attachLinks attaches (or re-points) the pinned links of one interface and
-// returns whether it created them and the interface's addresses.
-func (r *Recorder) attachLinks(netnsPath, ifname string) (fresh bool, addrs []netip.Addr, ifindex int, err error) {
-	pinIn, pinEg := r.linkPins(netnsPath, ifname)
-	defer r.lockIface(pinIn)()
-	if err := os.MkdirAll(filepath.Dir(pinIn), 0o700); err != nil {
-		return false, nil, 0, fmt.Errorf("create %s: %w", filepath.Dir(pinIn), err)
-	}
+// attachFilters installs (or re-points) the filters of one interface and
+// returns the interface's addresses.
+func (r *Recorder) attachFilters(netnsPath, ifname string) (addrs []netip.Addr, ifindex int, err error) {
+	defer r.lockIface(netnsPath, ifname)()
 	err = InNetns(netnsPath, func() error {
-		l, err := netlink.LinkByName(ifname)
+		h, err := netlink.NewHandle()
+		if err != nil {
+			return fmt.Errorf("netlink: %w", err)
+		}
+		defer h.Close()
+		l, err := h.LinkByName(ifname)
 		if err != nil {
 			return fmt.Errorf("find interface %q: %w", ifname, err)
 		}
@@ -268,21 +340,24 @@ func (r *Recorder) attachLinks(netnsPath, ifname string) (fresh bool, addrs []ne
 			return fmt.Errorf("interface %q has link type %q, not Ethernet: the recorder parses Ethernet frames only (veth, netkit in L2 mode); this pod cannot be indexed, its scrubs will sweep", ifname, et)
 		}
 		ifindex = l.Attrs().Index
-		for _, a := range []struct {
-			pin  string
-			prog *ebpf.Program
-			typ  ebpf.AttachType
-		}{
-			{pinIn, r.objs.RecorderIngress, ebpf.AttachTCXIngress},
-			{pinEg, r.objs.RecorderEgress, ebpf.AttachTCXEgress},
-		} {
-			created, err := attachOne(a.pin, a.prog, a.typ, ifindex)
-			if err != nil {
-				return err
-			}
-			fresh = fresh || created
+		qd := &netlink.GenericQdisc{
+			QdiscAttrs: netlink.QdiscAttrs{LinkIndex: ifindex, Handle: netlink.MakeHandle(0xffff, 0), Parent: netlink.HANDLE_CLSACT},
+			QdiscType:  "clsact",
 		}
-		list, err := netlink.AddrList(l, netlink.FAMILY_ALL)
+		if err := h.QdiscAdd(qd); err != nil && !errors.Is(err, unix.EEXIST) {
+			return fmt.Errorf("add clsact qdisc to %s: %w", ifname, err)
+		}
+		for _, f := range []*netlink.BpfFilter{
+			recorderFilter(ifindex, netlink.HANDLE_MIN_INGRESS, r.objs.RecorderIngress),
+			recorderFilter(ifindex, netlink.HANDLE_MIN_EGRESS, r.objs.RecorderEgress),
+		} {
+			// Creates the filter, or swaps the program of ours in place.
+			if err := h.FilterReplace(f); err != nil {
+				return fmt.Errorf("add cls_bpf filter (priority %d, handle %#x) to %s: %w (another filter of another kind at priority %d?)",
+					FilterPriority, FilterHandle, ifname, err, FilterPriority)
+			}
+		}
+		list, err := h.AddrList(l, netlink.FAMILY_ALL)
 		if err != nil {
 			return fmt.Errorf("list addresses of %s: %w", ifname, err)
 		}
@@ -293,88 +368,99 @@ func (r *Recorder) attachLinks(netnsPath, ifname string) (fresh bool, addrs []ne
 		}
 		return nil
 	})
-	return fresh, addrs, ifindex, err
+	return addrs, ifindex, err
 }
 
-// attachOne attaches prog to ifindex and pins the link at pin, or moves an
-// existing pinned link of that interface to prog. It reports whether it
-// created a link.
-func attachOne(pin string, prog *ebpf.Program, typ ebpf.AttachType, ifindex int) (bool, error) {
-	if old, err := link.LoadPinnedLink(pin, nil); err == nil {
-		info, ierr := old.Info()
-		if ierr == nil && info.TCX() != nil && int(info.TCX().Ifindex) == ifindex {
-			// Still attached here (daemon restart): run this binary's
-			// program from now on, atomically.
-			err := old.Update(prog)
-			old.Close()
-			if err != nil {
-				return false, fmt.Errorf("update pinned link %s: %w", pin, err)
-			}
-			return false, nil
-		}
-		// A link of an interface that is gone (the netns path was
-		// reused): drop it.
-		old.Unpin()
-		old.Close()
-	} else if !errors.Is(err, os.ErrNotExist) {
-		os.Remove(pin)
-	}
-	l, err := link.AttachTCX(link.TCXOptions{Interface: ifindex, Program: prog, Attach: typ, Anchor: link.Head()})
-	if err != nil {
-		return false, fmt.Errorf("tcx attach %s (kernel 6.6+ needed): %w", typ, err)
-	}
-	defer l.Close()
-	if err := l.Pin(pin); err != nil {
-		return false, fmt.Errorf("pin link %s: %w", pin, err)
-	}
-	return true, nil
-}
-
-// Detach removes the recorder from ifname in netnsPath. It succeeds when the
-// netns, the interface or the links are already gone.
-func (r *Recorder) Detach(netnsPath, ifname string) error {
-	pinIn, pinEg := r.linkPins(netnsPath, ifname)
-	defer r.lockIface(pinIn)()
-	var errs []error
-	for _, pin := range []string{pinIn, pinEg} {
-		l, err := link.LoadPinnedLink(pin, nil)
-		if errors.Is(err, os.ErrNotExist) {
-			continue
-		}
+// Attached reports whether ctscrub's filters are on ifname in netnsPath
+// (both hooks): they are found by priority and handle, no pin needed.
+func Attached(netnsPath, ifname string) (bool, error) {
+	var n int
+	err := InNetns(netnsPath, func() error {
+		l, err := netlink.LinkByName(ifname)
 		if err != nil {
-			// Not a link (corrupt pin): removing the file is all we can do.
-			if rerr := os.Remove(pin); rerr != nil && !errors.Is(rerr, os.ErrNotExist) {
-				errs = append(errs, fmt.Errorf("remove pin %s: %w", pin, rerr))
+			return err
+		}
+		for _, parent := range []uint32{netlink.HANDLE_MIN_INGRESS, netlink.HANDLE_MIN_EGRESS} {
+			fs, err := netlink.FilterList(l, parent)
+			if err != nil {
+				return err
 			}
-			continue
+			for _, f := range fs {
+				if bf, ok := f.(*netlink.BpfFilter); ok && bf.Handle == FilterHandle && bf.Priority == FilterPriority {
+					n++
+					break
+				}
+			}
 		}
-		// The link goes away with its last reference: the pin and ours.
-		if err := l.Unpin(); err != nil {
-			errs = append(errs, fmt.Errorf("unpin %s: %w", pin, err))
-		}
-		l.Close()
+		return nil
+	})
+	if err != nil {
+		return false, fmt.Errorf("recorder: list filters of %s in netns %s: %w", ifname, netnsPath, err)
 	}
-	if err := errors.Join(errs...); err != nil {
+	return n == 2, nil
+}
+
+// Detach removes the recorder's filters from ifname in netnsPath (the
+// clsact qdisc stays: other programs may use it). It succeeds when the
+// netns, the interface or the filters are already gone. The daemon does not
+// call it at CNI DEL: the filters keep recording until the runtime removes
+// the interface, and go with it.
+func (r *Recorder) Detach(netnsPath, ifname string) error {
+	defer r.lockIface(netnsPath, ifname)()
+	r.removeLegacyLinks(netnsPath, ifname)
+	if _, err := os.Stat(netnsPath); errors.Is(err, os.ErrNotExist) {
+		return nil
+	}
+	err := InNetns(netnsPath, func() error {
+		l, err := netlink.LinkByName(ifname)
+		if err != nil {
+			var nf netlink.LinkNotFoundError
+			if errors.As(err, &nf) {
+				return nil
+			}
+			return fmt.Errorf("find interface %q: %w", ifname, err)
+		}
+		var errs []error
+		for _, f := range []*netlink.BpfFilter{
+			recorderFilter(l.Attrs().Index, netlink.HANDLE_MIN_INGRESS, r.objs.RecorderIngress),
+			recorderFilter(l.Attrs().Index, netlink.HANDLE_MIN_EGRESS, r.objs.RecorderEgress),
+		} {
+			f.Fd = -1
+			if err := netlink.FilterDel(f); err != nil && !errors.Is(err, unix.ENOENT) && !errors.Is(err, unix.EINVAL) {
+				errs = append(errs, fmt.Errorf("delete filter: %w", err))
+			}
+		}
+		return errors.Join(errs...)
+	})
+	if err != nil && !errors.Is(err, os.ErrNotExist) {
 		return fmt.Errorf("recorder: detach from %s in netns %s: %w", ifname, netnsPath, err)
 	}
 	return nil
 }
 
-// Attachments lists the pin names of attached links (one per direction and
-// interface), for a daemon that reconciles them after a restart.
-func (r *Recorder) Attachments() ([]string, error) {
-	ents, err := os.ReadDir(filepath.Join(r.opts.PinDir, "links"))
-	if errors.Is(err, os.ErrNotExist) {
-		return nil, nil
+// legacyLinkPins are the pin paths of the tcx links an older scrubd pinned
+// for one interface under PinDir/links.
+func (r *Recorder) legacyLinkPins(netnsPath, ifname string) []string {
+	sum := sha256.Sum256([]byte(netnsPath + "\x00" + ifname))
+	base := strings.NewReplacer("/", "_", ".", "_").Replace(filepath.Base(netnsPath))
+	name := fmt.Sprintf("%s_%s_%s", base, ifname, hex.EncodeToString(sum[:6]))
+	dir := filepath.Join(r.opts.PinDir, "links")
+	return []string{filepath.Join(dir, name+"_ingress"), filepath.Join(dir, name+"_egress")}
+}
+
+// removeLegacyLinks drops the tcx links an older scrubd pinned for one
+// interface (the link goes with its pin). One stat when there are none.
+func (r *Recorder) removeLegacyLinks(netnsPath, ifname string) {
+	for _, pin := range r.legacyLinkPins(netnsPath, ifname) {
+		if _, err := os.Lstat(pin); err != nil {
+			continue
+		}
+		if l, err := link.LoadPinnedLink(pin, nil); err == nil {
+			l.Unpin()
+			l.Close()
+		}
+		os.Remove(pin)
 	}
-	if err != nil {
-		return nil, fmt.Errorf("recorder: list links: %w", err)
-	}
-	var out []string
-	for _, e := range ents {
-		out = append(out, e.Name())
-	}
-	return out, nil
 }
 
 // InNetns runs fn on a locked OS thread inside the network namespace at
@@ -395,7 +481,7 @@ func (r *Recorder) Run(ctx context.Context, ix *index.Index) error {
 	if err != nil {
 		return fmt.Errorf("recorder: open ring buffer: %w", err)
 	}
-	ix.SetHooks(r.hooks())
+	ix.SetHooks(r.hooks(ix))
 	defer ix.SetHooks(nil)
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
@@ -499,17 +585,39 @@ func (r *Recorder) checkServiceMaps() {
 }
 
 // PollLost marks incomplete every IP whose lost count grew since the last
-// poll. Run calls it every second.
+// poll, and every IP of the index when rec_lost_ip had no room to count a
+// loss (its overflow counter grew). Run calls it every second.
 func (r *Recorder) PollLost(ix *index.Index) error {
 	r.lostMu.Lock()
 	defer r.lostMu.Unlock()
+	var over uint64
+	if err := r.objs.RecLostOverflow.Lookup(uint32(0), &over); err != nil {
+		return fmt.Errorf("recorder: read lost overflow counter: %w", err)
+	}
+	if over > r.overflow {
+		r.opts.Log.Error("recorder: the per-IP lost counter is full; every IP is marked incomplete", "overflow", over)
+		for _, ip := range ix.IPs() {
+			ix.MarkIncomplete(ip, index.ReasonLost)
+		}
+		r.overflow = over
+	}
+	if r.legacy != nil {
+		if err := pollCounts(r.legacy, r.legacySeen, ix); err != nil {
+			return fmt.Errorf("recorder: read an older recorder's lost counters: %w", err)
+		}
+	}
+	return pollCounts(r.objs.RecLostIp, r.lostSeen, ix)
+}
+
+// pollCounts marks incomplete every IP whose count in m grew past seen.
+func pollCounts(m *ebpf.Map, seen map[[16]byte]uint64, ix *index.Index) error {
 	var k [16]byte
 	var v uint64
-	it := r.objs.RecLost.Iterate()
+	it := m.Iterate()
 	for it.Next(&k, &v) {
-		if v > r.lostSeen[k] {
+		if v > seen[k] {
 			ix.MarkIncomplete(netip.AddrFrom16(k).Unmap(), index.ReasonLost)
-			r.lostSeen[k] = v
+			seen[k] = v
 		}
 	}
 	return it.Err()
@@ -525,71 +633,17 @@ func (r *Recorder) Lost() uint64 {
 	return v
 }
 
-// seenKey4 and seenKey6 are struct seen_key4/seen_key6 in bpf/recorder.c:
-// the flow from one pod's side (local address and port first).
-type (
-	seenKey4 [16]byte
-	seenKey6 [40]byte
-)
-
-func newSeenKey4(local, remote []byte, lport, rport []byte, proto uint8) seenKey4 {
-	var k seenKey4
-	copy(k[0:4], local)
-	copy(k[4:8], remote)
-	copy(k[8:10], lport)
-	copy(k[10:12], rport)
-	k[12] = proto
-	return k
-}
-
-func newSeenKey6(local, remote []byte, lport, rport []byte, proto uint8) seenKey6 {
-	var k seenKey6
-	copy(k[0:16], local)
-	copy(k[16:32], remote)
-	copy(k[32:34], lport)
-	copy(k[34:36], rport)
-	k[36] = proto
-	return k
-}
-
-// ForgetFlow4 drops the flow of a CT key from the recorder's cache of seen
-// flows, so that a new CT entry for it is recorded again. Index pruning
-// calls it for keys Cilium no longer holds. Both pods' views are dropped (a
-// same-node flow is cached once per side); related keys are ignored (their
-// flow's own key carries them).
-func (r *Recorder) ForgetFlow4(k ctmap.CTKey4) error {
-	if k.Flags()&ctmap.FlagRelated != 0 {
-		return nil
-	}
-	d, s, dport, sport := k[0:4], k[4:8], k[8:10], k[10:12]
-	// The initiator (daddr, sport) as the local side, then the responder.
-	return r.forget(r.objs.RecSeen4,
-		newSeenKey4(d, s, sport, dport, k.NextHdr()),
-		newSeenKey4(s, d, dport, sport, k.NextHdr()))
-}
-
-// ForgetFlow6 is ForgetFlow4 for IPv6 keys.
-func (r *Recorder) ForgetFlow6(k ctmap.CTKey6) error {
-	if k.Flags()&ctmap.FlagRelated != 0 {
-		return nil
-	}
-	d, s, dport, sport := k[0:16], k[16:32], k[32:34], k[34:36]
-	return r.forget(r.objs.RecSeen6,
-		newSeenKey6(d, s, sport, dport, k.NextHdr()),
-		newSeenKey6(s, d, dport, sport, k.NextHdr()))
-}
-
-func (r *Recorder) forget(m *ebpf.Map, keys ...any) error {
-	for _, k := range keys {
-		if err := m.Delete(k); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
-			return fmt.Errorf("recorder: forget flow: %w", err)
-		}
-	}
-	return nil
-}
-
-// Close releases the programs and maps. Pinned maps and links stay, so
+// Close releases the programs and maps. Pinned maps and the filters stay, so
 // attached interfaces keep recording until the next Load reads the ring.
 func (r *Recorder) Close() error {
+	if r.legacy != nil {
+		r.legacy.Close()
+	}
 	return r.objs.Close()
+}
+
+// Programs returns the loaded ingress and egress programs (benchmarks read
+// their run-time statistics).
+func (r *Recorder) Programs() (ingress, egress *ebpf.Program) {
+	return r.objs.RecorderIngress, r.objs.RecorderEgress
 }
