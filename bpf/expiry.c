@@ -39,8 +39,8 @@ volatile __u32 stop;
 
 /* The audit (scrubd/expiry/audit.go): the pass also copies out the keys of a
  * sample of IPs (audit_ips4/6, filled from user space), which user space then
- * compares with its index. A bit per folded address (audit_filter4/6, as in
- * bpf/sweep.c) rejects most entries with two plain memory reads. Keys go to
+ * compares with its index. A bit per hashed address (audit_filter4/6, like
+ * bpf/sweep.c's filter) rejects most entries with two plain memory reads. Keys go to
  * audit_keys4/6 in the order found; past AUDIT_MAX_KEYS they are counted as
  * overflow and not copied. */
 #define AUDIT_MAX_IPS 4096
@@ -228,9 +228,12 @@ static __always_inline int visit(struct state *st, struct ct_entry *val)
 	return 0;
 }
 
+/* A multiplicative hash of the address word, top 16 bits: unlike an xor fold,
+ * addresses that differ only in a few bytes (a node's peers in one subnet)
+ * spread over the whole filter, so few entries pass it by collision. */
 static __always_inline __u32 audit_fold(__u32 a)
 {
-	return (a ^ (a >> 16)) & 0xffff;
+	return (a * 2654435761U) >> 16;
 }
 
 static __always_inline int audit_maybe(__u64 *filter, __u32 a)

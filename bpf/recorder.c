@@ -314,6 +314,7 @@ static __always_inline void record4(struct __sk_buff *skb, const struct flow *f,
 		.lport = egress ? f->sport : f->dport,
 		.rport = egress ? f->dport : f->sport,
 		.proto = f->proto,
+		.pad = {f->related}, /* an ICMP error is not the pair's other ICMP flow */
 	};
 	struct seen_val val = {.dir = egress ? CT_F_OUT : CT_F_IN};
 	__u32 gl = gen_of(gen_slot4(k.local));
@@ -352,6 +353,7 @@ static __always_inline void record6(struct __sk_buff *skb, const struct flow *f,
 		.lport = egress ? f->sport : f->dport,
 		.rport = egress ? f->dport : f->sport,
 		.proto = f->proto,
+		.pad = {f->related}, /* an ICMP error is not the pair's other ICMP flow */
 	};
 	struct seen_val val = {.dir = egress ? CT_F_OUT : CT_F_IN};
 	__u32 gl, gr;

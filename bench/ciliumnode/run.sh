@@ -33,11 +33,12 @@ CT_GC_INTERVAL=${CT_GC_INTERVAL:-12h}
 POD_CIDR=${POD_CIDR:-10.244.0.0/16}
 WORK=$(mktemp -d /tmp/ctscrub-bench-node.XXXXXX)
 export KUBECONFIG=$WORK/kubeconfig
+trap 'rm -rf "$WORK"' EXIT
 log() { printf '%s bench-cilium-node: %s\n' "$(date -u +%H:%M:%S)" "$*" >&2; }
 die() { log "error: $*"; exit 1; }
 
 [[ $(id -u) == 0 ]] || die "run as root (the benchmark opens the node's CT maps in this kernel)"
-for t in docker kind kubectl helm nsenter curl; do
+for t in docker kind helm nsenter curl jq; do
 	command -v "$t" >/dev/null || die "$t not found: run e2e/kind/install.sh (make e2e-kind does) or put it on PATH"
 done
 docker info >/dev/null 2>&1 || die "no Docker engine answers: e2e/kind/install.sh starts one"
@@ -61,6 +62,12 @@ if [[ -z ${CILIUM_CHART:-} ]]; then
 fi
 [[ -f $CILIUM_CHART/Chart.yaml ]] || die "no Helm chart at $CILIUM_CHART (set CILIUM_CHART)"
 log "images: node $NODE_IMAGE, cilium $CILIUM_IMAGE, operator $CILIUM_OPERATOR_IMAGE, ctscrub $CTSCRUB_IMAGE, client $CLIENT_IMAGE"
+
+# kubectl of the cluster's own version, from the node image.
+mkdir -p "$WORK/bin"
+id=$(docker create "$NODE_IMAGE" /nonexistent)
+docker cp "$id:/usr/bin/kubectl" "$WORK/bin/kubectl" >/dev/null; docker rm "$id" >/dev/null
+export PATH=$WORK/bin:$PATH
 
 kind get clusters 2>/dev/null | grep -qx "$CLUSTER" && die "a kind cluster $CLUSTER exists already: delete it (kind delete cluster --name $CLUSTER) or set CLUSTER"
 cleanup() {

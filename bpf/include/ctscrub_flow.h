@@ -49,7 +49,7 @@ struct flow {
 	__u8 family;  /* 4 or 6 */
 	__u8 proto;
 	__u8 tcp_flags;
-	__u8 pad;
+	__u8 related; /* CT_F_RELATED for an ICMP error, else 0 */
 };
 
 /* Loads n (8 or 16) bytes of the L4 header at off: direct packet access on
@@ -77,9 +77,13 @@ static __always_inline int load_l4(struct __sk_buff *skb, __u32 off, void *buf, 
 }
 
 /* Fills f from the L4 header at off. Returns 0 when Cilium would create (or
- * match) a CT entry for the packet, -1 when it would not: ICMP errors (they
- * only match "related" entries), IPv6 neighbour discovery (Cilium answers it
- * without CT), protocols Cilium's CT does not handle, truncated headers. */
+ * match) a CT entry for the packet, -1 when it would not: IPv6 neighbour
+ * discovery (Cilium answers it without CT), protocols Cilium's CT does not
+ * handle, truncated headers. An ICMP error is a flow of its own with ports
+ * 0 and f->related set: when it matches no related entry (unsolicited, from
+ * a router on the path, or after the flow's related entry expired) Cilium
+ * creates one, keyed sender -> receiver, ports 0, direction | RELATED
+ * (e2e/conformance: icmp-error-*). */
 static __always_inline int flow_l4(struct __sk_buff *skb, __u32 off, struct flow *f)
 {
 	__u8 l4[16];
@@ -118,11 +122,11 @@ static __always_inline int flow_l4(struct __sk_buff *skb, __u32 off, struct flow
 		} else if (f->proto == PROTO_ICMP) {
 			/* dest unreachable, time exceeded, parameter problem */
 			if (type == 3 || type == 11 || type == 12)
-				return -1;
+				f->related = CT_F_RELATED;
 		} else {
 			/* unreachable, too big, time exceeded, param problem */
 			if (type >= 1 && type <= 4)
-				return -1;
+				f->related = CT_F_RELATED;
 			/* router/neighbour solicitation/advertisement, redirect */
 			if (type >= 133 && type <= 137)
 				return -1;
@@ -243,7 +247,7 @@ static __always_inline void flow_key4(const struct flow *f, struct ct_key4 *k, _
 	k->sport = f->sport;
 	k->dport = f->dport;
 	k->nexthdr = f->proto;
-	k->flags = flags;
+	k->flags = flags | f->related;
 }
 
 static __always_inline void flow_key6(const struct flow *f, struct ct_key6 *k, __u8 flags)
@@ -253,7 +257,7 @@ static __always_inline void flow_key6(const struct flow *f, struct ct_key6 *k, _
 	k->sport = f->sport;
 	k->dport = f->dport;
 	k->nexthdr = f->proto;
-	k->flags = flags;
+	k->flags = flags | f->related;
 }
 
 /* The key of the same flow when the receiver of this packet initiated it
@@ -265,7 +269,7 @@ static __always_inline void flow_reply_key4(const struct flow *f, struct ct_key4
 	k->sport = f->dport;
 	k->dport = f->sport;
 	k->nexthdr = f->proto;
-	k->flags = flags;
+	k->flags = flags | f->related;
 }
 
 static __always_inline void flow_reply_key6(const struct flow *f, struct ct_key6 *k, __u8 flags)
@@ -275,7 +279,7 @@ static __always_inline void flow_reply_key6(const struct flow *f, struct ct_key6
 	k->sport = f->dport;
 	k->dport = f->sport;
 	k->nexthdr = f->proto;
-	k->flags = flags;
+	k->flags = flags | f->related;
 }
 
 /* Cilium's service map layout (v1.16 bpf/lib/common.h, unchanged since). */

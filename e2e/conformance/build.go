@@ -34,9 +34,10 @@ type Objects struct {
 	Minor   int
 	Source  string // the module's directory in the Go module cache
 	// Object files: Cilium's bpf_lxc.c and bpf_host.c with the harness's
-	// configuration (see bpf/*.c), and bpf_host.c with DSR on.
-	LXC, Host, HostDSR string
-	BuildTime          time.Duration // zero when every object came from the cache
+	// configuration (see bpf/*.c), and the second node's pair with the
+	// host firewall and (bpf_host) NodePort DSR on.
+	LXC, Host, LXCHostFW, HostDSR string
+	BuildTime                     time.Duration // zero when every object came from the cache
 }
 
 // Clang is the compiler used (the one `make generate` pins).
@@ -123,16 +124,27 @@ func Build(version string) (*Objects, error) {
 	o := &Objects{Version: version, Minor: minor, Source: src}
 	start := time.Now()
 	built := false
-	for _, t := range []struct {
+	type job struct {
 		dst  *string
 		file string
-	}{{&o.LXC, "lxc.c"}, {&o.Host, "host.c"}, {&o.HostDSR, "host_dsr.c"}} {
-		p, fresh, err := compile(src, hdir, t.file, version, minor)
-		if err != nil {
-			return nil, err
+	}
+	jobs := []job{{&o.LXC, "lxc.c"}, {&o.Host, "host.c"}, {&o.LXCHostFW, "lxc_hostfw.c"}, {&o.HostDSR, "host_dsr.c"}}
+	errs := make([]error, len(jobs))
+	fresh := make([]bool, len(jobs))
+	var wg sync.WaitGroup
+	for i, j := range jobs {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			*j.dst, fresh[i], errs[i] = compile(src, hdir, j.file, version, minor)
+		}()
+	}
+	wg.Wait()
+	for i := range jobs {
+		if errs[i] != nil {
+			return nil, errs[i]
 		}
-		*t.dst = p
-		built = built || fresh
+		built = built || fresh[i]
 	}
 	if built {
 		o.BuildTime = time.Since(start)

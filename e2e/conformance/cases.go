@@ -104,6 +104,13 @@ func (e *Env) DeleteCT(k4 ctmap.CTKey4, k6 ctmap.CTKey6) {
 	if err != nil {
 		e.Fail("delete CT entry: %v", err)
 	}
+	// The same in the stand-in's maps, which the suite compares with
+	// Cilium's (absent there is fine: the comparison reports it).
+	if e.V6 {
+		e.N.SICT.Map(k6.Kind()).Delete(k6)
+	} else {
+		e.N.SICT.Map(k4.Kind()).Delete(k4)
+	}
 }
 
 // Key builds a CT key of the case's family.
@@ -119,8 +126,13 @@ func (e *Env) Key(daddr, saddr netip.Addr, dport, sport uint16, proto, flags uin
 // check accepts for them.
 type Case struct {
 	Name string
-	DSR  bool // needs bpf_host built with NodePort DSR
-	Run  func(e *Env) (pods []*Pod, reasons []string)
+	// DSR: runs on the second node (host firewall on, bpf_host with
+	// NodePort DSR).
+	DSR bool
+	// NotStandin says why the stand-in (which models only the pod's veth,
+	// not bpf_host) is not compared with Cilium on this case.
+	NotStandin string
+	Run        func(e *Env) (pods []*Pod, reasons []string)
 }
 
 func (e *Env) icmpProto() uint8 {
@@ -129,6 +141,11 @@ func (e *Env) icmpProto() uint8 {
 	}
 	return ProtoICMP
 }
+
+const (
+	notHost   = "bpf_host's NodePort entries: the stand-in models the pod's veth only"
+	notHostFW = "bpf_host's host-firewall entries: the stand-in models the pod's veth only"
+)
 
 // Cases is the suite. Each uses fresh pods and addresses, so cases share a
 // node without seeing each other's entries.
@@ -198,6 +215,29 @@ var Cases = []Case{
 		e.Expect("echo reply from pod", e.N.Send(b, e.Echo(e.IP(b), e.IP(a), false, 9)))
 		return []*Pod{a, b}, nil
 	}},
+	{Name: "icmp-error-live-flow", Run: func(e *Env) ([]*Pod, []string) {
+		a, w, router := e.Pod("a"), e.World(), e.World()
+		syn := TCPFrame(AP(e.IP(a), 40001), AP(w, 443), SYN)
+		e.Expect("SYN", e.N.Send(a, syn))
+		e.Expect("SYN-ACK", e.N.FromNetdev(TCPFrame(AP(w, 443), AP(e.IP(a), 40001), SYN|ACK)))
+		// Path MTU: a router on the way answers the pod's segment, and
+		// the peer itself too.
+		e.N.FromNetdev(ErrorFrame(router, e.IP(a), IPOf(syn)))
+		e.N.FromNetdev(ErrorFrame(w, e.IP(a), IPOf(syn)))
+		// The pod answers a peer's datagram with an error.
+		in := UDPFrame(AP(w, 5000), AP(e.IP(a), 9999))
+		e.N.FromNetdev(in)
+		e.N.Send(a, ErrorFrame(e.IP(a), w, IPOf(in)))
+		return []*Pod{a}, nil
+	}},
+	{Name: "icmp-error-unsolicited", Run: func(e *Env) ([]*Pod, []string) {
+		a, b, w := e.Pod("a"), e.Pod("b"), e.World()
+		never := TCPFrame(AP(e.IP(a), 40009), AP(w, 443), SYN)
+		e.N.FromNetdev(ErrorFrame(w, e.IP(a), IPOf(never)))
+		// Same node: b reports an error about a datagram a never sent.
+		e.N.Send(b, ErrorFrame(e.IP(b), e.IP(a), IPOf(UDPFrame(AP(e.IP(a), 1234), AP(e.IP(b), 4321)))))
+		return []*Pod{a, b}, nil
+	}},
 	{Name: "icmp-error-related-expired", Run: func(e *Env) ([]*Pod, []string) {
 		a, w := e.Pod("a"), e.World()
 		syn := TCPFrame(AP(e.IP(a), 40001), AP(w, 443), SYN)
@@ -236,18 +276,34 @@ var Cases = []Case{
 		e.N.FromNetdev(TCPFrame(AP(w, 443), AP(e.IP(a), 40001), ACK|PSH))
 		return []*Pod{a}, nil
 	}},
-	{Name: "nodeport-local-backend", Run: func(e *Env) ([]*Pod, []string) {
+	{Name: "nodeport-local-backend", NotStandin: notHost, Run: func(e *Env) ([]*Pod, []string) {
 		b, w := e.Pod("backend"), e.World()
 		e.N.AddService(ProtoTCP, AP(e.NodeIP(), 30080), AP(e.IP(b), 8080), SvcNodePort|SvcRoutable)
 		e.Expect("SYN to NodePort", e.N.FromNetdev(TCPFrame(AP(w, 50001), AP(e.NodeIP(), 30080), SYN)))
 		e.Expect("SYN-ACK", e.N.Send(b, TCPFrame(AP(e.IP(b), 8080), AP(w, 50001), SYN|ACK)))
 		return []*Pod{b}, nil
 	}},
-	{Name: "nodeport-dsr-backend", DSR: true, Run: func(e *Env) ([]*Pod, []string) {
+	{Name: "nodeport-dsr-backend", DSR: true, NotStandin: notHost, Run: func(e *Env) ([]*Pod, []string) {
 		b, w := e.Pod("backend"), e.World()
 		svc := AP(e.VIP(), 30080)
 		e.Expect("DSR SYN", e.N.FromNetdev(DSRFrame(AP(w, 50001), AP(e.IP(b), 8080), svc, SYN)))
 		e.Expect("SYN-ACK", e.N.Send(b, TCPFrame(AP(e.IP(b), 8080), AP(w, 50001), SYN|ACK)))
 		return []*Pod{b}, nil
+	}},
+	{Name: "host-firewall-pod-node", DSR: true, NotStandin: notHostFW, Run: func(e *Env) ([]*Pod, []string) {
+		a, node := e.Pod("a"), e.NodeIP()
+		e.N.AddRemote(node, HostID)
+		// The pod connects to the node: bpf_lxc, then the host firewall's
+		// ingress policy on cilium_host.
+		syn := e.N.Send(a, TCPFrame(AP(e.IP(a), 40001), AP(node, 22), SYN))
+		e.Expect("pod to node", syn)
+		e.Expect("host firewall ingress", e.N.ToHost(syn.Out))
+		e.Expect("node's SYN-ACK", e.N.FromHost(TCPFrame(AP(node, 22), AP(e.IP(a), 40001), SYN|ACK)))
+		// The node connects to the pod (kubelet probes do).
+		e.Expect("node to pod", e.N.FromHost(TCPFrame(AP(node, 50000), AP(e.IP(a), 8080), SYN)))
+		ack := e.N.Send(a, TCPFrame(AP(e.IP(a), 8080), AP(node, 50000), SYN|ACK))
+		e.Expect("pod's SYN-ACK", ack)
+		e.Expect("host firewall ingress of the reply", e.N.ToHost(ack.Out))
+		return []*Pod{a}, nil
 	}},
 }

@@ -2,6 +2,7 @@ package conformance
 
 import (
 	"os"
+	"os/exec"
 	"strings"
 	"testing"
 	"time"
@@ -31,6 +32,9 @@ func requireRoot(t *testing.T) {
 
 func TestConformance(t *testing.T) {
 	requireRoot(t)
+	if _, err := exec.LookPath(Clang); err != nil {
+		t.Skipf("%s not found (scripts/setup.sh installs it): Cilium's programs cannot be built", Clang)
+	}
 	for _, v := range versionsToRun() {
 		t.Run(v, func(t *testing.T) {
 			start := time.Now()
@@ -62,6 +66,15 @@ func TestConformance(t *testing.T) {
 						}
 						for _, w := range wrong {
 							t.Errorf("wrong reason: %s", w)
+						}
+						if c.NotStandin == "" {
+							oc, osi := n.CompareStandin(pods)
+							for _, k := range oc {
+								t.Errorf("STANDIN lacks Cilium's %s", k)
+							}
+							for _, k := range osi {
+								t.Errorf("STANDIN has %s, Cilium does not", k)
+							}
 						}
 						if t.Failed() || os.Getenv("CONFORMANCE_DUMP") != "" {
 							t.Logf("drop counters so far: %v", n.Drops())

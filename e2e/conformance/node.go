@@ -9,11 +9,13 @@ import (
 	"net/netip"
 	"os"
 	"path/filepath"
+	"sort"
 	"sync"
 	"testing"
 
 	"github.com/cilium/ebpf"
 
+	"github.com/ctscrub/ctscrub/internal/testsupport/standin"
 	"github.com/ctscrub/ctscrub/scrubd/ctmap"
 	"github.com/ctscrub/ctscrub/scrubd/index"
 	"github.com/ctscrub/ctscrub/scrubd/recorder"
@@ -50,6 +52,10 @@ type Node struct {
 	CT      *ctmap.Maps
 	Rec     *recorder.Recorder
 	Ix      *index.Index
+	// SI is ctscrub's test-only stand-in for Cilium's datapath, fed the
+	// same frames on its own CT maps (SICT), to be compared with Cilium.
+	SI   *standin.Datapath
+	SICT *ctmap.Maps
 
 	mu     sync.Mutex
 	pods   map[netip.Addr]*Pod
@@ -76,7 +82,8 @@ func (p *Pod) IP(v6 bool) netip.Addr {
 // PodCIDRs of the harness's node.
 var PodCIDRs = []netip.Prefix{netip.MustParsePrefix("10.244.0.0/16"), netip.MustParsePrefix("fd00:244::/48")}
 
-// NewNode loads a node: dsr selects bpf_host built with NodePort DSR.
+// NewNode loads a node: dsr selects the second configuration, bpf_lxc and
+// bpf_host with the host firewall and bpf_host with NodePort DSR.
 func NewNode(t testing.TB, o *Objects, dsr bool) *Node {
 	t.Helper()
 	dir, err := os.MkdirTemp("/sys/fs/bpf", "ctscrub-conformance-")
@@ -85,8 +92,13 @@ func NewNode(t testing.TB, o *Objects, dsr bool) *Node {
 	}
 	n := &Node{t: t, O: o, Dir: dir, pods: map[netip.Addr]*Pod{}, nextID: 100, revNAT: 1}
 	t.Cleanup(func() { n.close() })
-	cfg := configs{"interface_ifindex": nativeIf}
-	if n.LXC, err = loadObject(o.LXC, dir, o.Minor, cfg); err != nil {
+	lb := loopback4(o).As4()
+	cfg := configs{"interface_ifindex": nativeIf, "service_loopback_ipv4": uint64(binary.NativeEndian.Uint32(lb[:]))}
+	lxc := o.LXC
+	if dsr {
+		lxc = o.LXCHostFW
+	}
+	if n.LXC, err = loadObject(lxc, dir, o.Minor, cfg); err != nil {
 		t.Fatal(err)
 	}
 	host := o.Host
@@ -135,8 +147,28 @@ func NewNode(t testing.TB, o *Objects, dsr bool) *Node {
 		t.Fatalf("recorder did not find Cilium %s's service maps (v4 %v, v6 %v)", o.Version, v4, v6)
 	}
 	n.Ix = index.New(index.Config{PodCIDRs: PodCIDRs})
+	sdir := standin.TempDir(t)
+	if err := standin.CreateMaps(sdir, 65536); err != nil {
+		t.Fatal(err)
+	}
+	if n.SI, err = standin.LoadOptions(sdir, &standin.Options{ServiceLoopback4: loopback4(o)}); err != nil {
+		t.Fatal(err)
+	}
+	if n.SICT, err = ctmap.Open(sdir); err != nil {
+		t.Fatal(err)
+	}
 	n.setup(confArgs{Op: 0}, "conf_policy")
 	return n
+}
+
+// loopback4 is the node's IPv4 service loopback address (hairpin SNAT):
+// 1.16's test configuration compiles in 10.245.255.31 (bpf/node_config.h);
+// from 1.17 it is runtime configuration, set to Cilium's default.
+func loopback4(o *Objects) netip.Addr {
+	if o.Minor <= 16 {
+		return netip.MustParseAddr("10.245.255.31")
+	}
+	return netip.MustParseAddr("169.254.42.1")
 }
 
 func pinAlso(m *ebpf.Map, path string) error {
@@ -151,6 +183,12 @@ func pinAlso(m *ebpf.Map, path string) error {
 func (n *Node) close() {
 	if n.Rec != nil {
 		n.Rec.Close()
+	}
+	if n.SI != nil {
+		n.SI.Close()
+	}
+	if n.SICT != nil {
+		n.SICT.Close()
 	}
 	if n.CT != nil {
 		n.CT.Close()
@@ -266,6 +304,30 @@ func (n *Node) AddService(proto uint8, vip, backend netip.AddrPort, flags uint8)
 		a.VIP6, a.IP6, a.Family = vip.Addr().As16(), backend.Addr().As16(), 6
 	}
 	n.setup(a, "conf_setup")
+	if err := n.SI.AddService(proto, vip, backend); err != nil {
+		n.t.Fatal(err)
+	}
+}
+
+// HostID is Cilium's identity of the node itself.
+const HostID = 1
+
+// ToHost: a frame a pod sent to the node's own address reaches the host
+// stack through cilium_host, whose ingress runs bpf_host's cil_to_host
+// (the host firewall's ingress policy).
+func (n *Node) ToHost(frame []byte) Result {
+	n.t.Helper()
+	return n.run(n.Host, "cil_to_host", frame)
+}
+
+// FromHost: the node's own stack sends frame to a local pod; cilium_host's
+// egress runs bpf_host's cil_from_host (the host firewall's egress
+// policy), which delivers it to the pod.
+func (n *Node) FromHost(frame []byte) Result {
+	n.t.Helper()
+	r := n.run(n.Host, "cil_from_host", frame)
+	n.deliver(r)
+	return r
 }
 
 // Result is what one datapath program did with a packet.
@@ -318,6 +380,9 @@ func (n *Node) Send(p *Pod, frame []byte) Result {
 	if err := n.Rec.RunFrame(true, frame); err != nil {
 		n.t.Fatal(err)
 	}
+	if err := n.SI.RunFromPod(frame); err != nil {
+		n.t.Fatal(err)
+	}
 	r := n.run(n.LXC, "cil_from_container", frame)
 	n.deliver(r)
 	return r
@@ -340,9 +405,7 @@ func (n *Node) Receive(frame []byte) Result {
 	n.t.Helper()
 	r := n.run(n.LXC, "cil_to_container", frame)
 	if r.Verdict == VerdictOK || r.Verdict == VerdictRedirect {
-		if err := n.Rec.RunFrame(false, r.Out); err != nil {
-			n.t.Fatal(err)
-		}
+		n.received(r.Out)
 	}
 	return r
 }
@@ -357,11 +420,20 @@ func (n *Node) deliver(r Result) {
 	}
 	switch r.Verdict {
 	case VerdictRedirect:
-		if err := n.Rec.RunFrame(false, r.Out); err != nil {
-			n.t.Fatal(err)
-		}
+		n.received(r.Out)
 	case VerdictOK:
 		n.Receive(r.Out)
+	}
+}
+
+// received: the pod gets frame; its recorder (container side) and the
+// stand-in (host-side veth egress) see it.
+func (n *Node) received(frame []byte) {
+	if err := n.Rec.RunFrame(false, frame); err != nil {
+		n.t.Fatal(err)
+	}
+	if err := n.SI.RunToPod(frame); err != nil {
+		n.t.Fatal(err)
 	}
 }
 
@@ -512,4 +584,56 @@ func (n *Node) Drops() []string {
 		}
 	}
 	return out
+}
+
+// keysOf lists the keys of the CT maps holding one of ips.
+func keysOf(t testing.TB, m *ctmap.Maps, ips map[netip.Addr]bool) map[string]bool {
+	out := map[string]bool{}
+	for _, kind := range ctmap.Kinds {
+		it := m.Map(kind).Iterate()
+		if kind.IPv6() {
+			var k ctmap.CTKey6
+			var v ctmap.Entry
+			for it.Next(&k, &v) {
+				if ips[k.DAddr()] || ips[k.SAddr()] {
+					out[k.String()] = true
+				}
+			}
+		} else {
+			var k ctmap.CTKey4
+			var v ctmap.Entry
+			for it.Next(&k, &v) {
+				if ips[k.DAddr()] || ips[k.SAddr()] {
+					out[k.String()] = true
+				}
+			}
+		}
+		if err := it.Err(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	return out
+}
+
+// CompareStandin returns the CT keys holding one of the pods' addresses
+// that only Cilium created (onlyCilium) or only the stand-in did.
+func (n *Node) CompareStandin(pods []*Pod) (onlyCilium, onlyStandin []string) {
+	ips := map[netip.Addr]bool{}
+	for _, p := range pods {
+		ips[p.IP4], ips[p.IP6] = true, true
+	}
+	c, s := keysOf(n.t, n.CT, ips), keysOf(n.t, n.SICT, ips)
+	for k := range c {
+		if !s[k] {
+			onlyCilium = append(onlyCilium, k)
+		}
+	}
+	for k := range s {
+		if !c[k] {
+			onlyStandin = append(onlyStandin, k)
+		}
+	}
+	sort.Strings(onlyCilium)
+	sort.Strings(onlyStandin)
+	return onlyCilium, onlyStandin
 }

@@ -42,36 +42,48 @@ before=$WORK/host-before-$CLUSTER
 log() { printf '%s cluster: %s\n' "$(date -u +%H:%M:%S)" "$*" >&2; }
 die() { log "error: $*"; exit 1; }
 
-# The machine's own network state: what `down` must leave as it found it.
+# The machine's own network state, for `down` to check. Other programs on a
+# shared machine add and remove their own interfaces and rules meanwhile, so
+# `down` flags only what is new since `up` and Docker's or kind's: an
+# interface on kind's bridge, the bridge itself, an iptables rule or chain
+# naming Docker or that bridge (dockerd runs with ip-forward off, so
+# net.ipv4.ip_forward is not its to change; other tests here turn it on).
 host_state() {
 	{
-		echo "# interfaces"; ip -o link show | awk -F': ' '{print $2}' | sed 's/@.*//' | sort
-		echo "# iptables"; iptables-save 2>/dev/null | grep -v '^#' | sed 's/\[[0-9:]*\]//' | sort
-		echo "# ip6tables"; ip6tables-save 2>/dev/null | grep -v '^#' | sed 's/\[[0-9:]*\]//' | sort
-		echo "# ip_forward $(cat /proc/sys/net/ipv4/ip_forward)"
-	}
+		ip -o link show | awk -F': ' '{print "link " $2}' | sed 's/@.*//'
+		iptables-save 2>/dev/null | grep -v '^#' | sed 's/\[[0-9:]*\]//; s/^/ip4 /'
+		ip6tables-save 2>/dev/null | grep -v '^#' | sed 's/\[[0-9:]*\]//; s/^/ip6 /'
+		echo "ip_forward $(cat /proc/sys/net/ipv4/ip_forward)"
+	} | sort -u
 }
 
 down() {
+	local bridge=
+	if docker network inspect kind >/dev/null 2>&1; then
+		bridge=br-$(docker network inspect kind -f '{{.Id}}' | cut -c1-12)
+	fi
 	if kind get clusters 2>/dev/null | grep -qx "$CLUSTER"; then
 		log "deleting cluster $CLUSTER"
 		kind delete cluster --name "$CLUSTER" >/dev/null 2>&1 || log "kind delete cluster failed"
 	fi
 	# kind leaves its network; remove it when no other container uses it.
-	if docker network inspect kind >/dev/null 2>&1 &&
-		[[ $(docker network inspect kind -f '{{len .Containers}}') == 0 ]]; then
+	if [[ -n $bridge ]] && [[ $(docker network inspect kind -f '{{len .Containers}}') == 0 ]]; then
 		docker network rm kind >/dev/null || true
 	fi
 	rm -f "$envfile"
 	if [[ -f $before ]]; then
-		if ! diff <(cat "$before") <(host_state) >"$WORK/host-diff-$CLUSTER"; then
-			log "the machine's network state differs from before 'up':"
-			cat "$WORK/host-diff-$CLUSTER" >&2
-			rm -f "$before"
+		local left
+		left=$(comm -13 "$before" <(host_state) |
+			grep -E "DOCKER|docker|${bridge:-br-kindnone}" || true)
+		if [[ -n $bridge ]] && ip link show "$bridge" >/dev/null 2>&1; then left+=$'\n'"link $bridge (kind's bridge) still there"; fi
+		if [[ -n $bridge ]] && ip -o link show master "$bridge" 2>/dev/null | grep -q .; then left+=$'\n'"interfaces on $bridge still there"; fi
+		rm -f "$before"
+		if [[ -n ${left//[$'\n']/} ]]; then
+			log "left on the machine by the cluster or Docker (not there before 'up'):"
+			echo "$left" >&2
 			return 1
 		fi
-		rm -f "$before" "$WORK/host-diff-$CLUSTER"
-		log "interfaces, iptables and ip_forward are as before 'up'"
+		log "no interface or iptables rule of Docker's or kind's left"
 	fi
 }
 
@@ -88,7 +100,7 @@ up() {
 	# kubectl of the cluster's version, from the Kubernetes build.
 	if [[ ${CTSCRUB_KIND_UPSTREAM:-0} != 1 ]]; then
 		id=$(docker create "$KIND_NODE_IMAGE" /nonexistent)
-		docker cp "$id:/usr/bin/kubectl" "$PREFIX/bin/kubectl"; docker rm "$id" >/dev/null
+		docker cp "$id:/usr/bin/kubectl" "$PREFIX/bin/kubectl" >&2; docker rm "$id" >/dev/null
 	fi
 	trap 'rc=$?; if ((rc)); then log "up failed: deleting the cluster"; down || true; fi' EXIT
 	local conf=$WORK/kind-$CLUSTER.yaml
@@ -134,11 +146,8 @@ EOY
 		--set ipam.operator.clusterPoolIPv4MaskSize="$NODE_CIDR_MASK" \
 		--set kubeProxyReplacement=true --set k8sServiceHost="$cp_ip" --set k8sServicePort=6443 \
 		--set operator.replicas=1 \
-		--set image.repository="${CILIUM_IMAGE%:*}" --set image.tag="${CILIUM_IMAGE##*:}" \
-		--set image.useDigest=false --set image.pullPolicy=IfNotPresent \
-		--set operator.image.repository="${CILIUM_OPERATOR_IMAGE%-generic:*}" \
-		--set operator.image.tag="${CILIUM_OPERATOR_IMAGE##*:}" \
-		--set operator.image.useDigest=false --set operator.image.pullPolicy=IfNotPresent \
+		--set image.override="$CILIUM_IMAGE" --set image.pullPolicy=IfNotPresent \
+		--set operator.image.override="$CILIUM_OPERATOR_IMAGE" --set operator.image.pullPolicy=IfNotPresent \
 		--set envoy.enabled=false --set l7Proxy=false \
 		${CILIUM_HELM_ARGS:-} >&2
 	kubectl -n kube-system rollout status ds/cilium --timeout=10m >&2

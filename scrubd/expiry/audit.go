@@ -307,13 +307,13 @@ func auditKey(ip netip.Addr) any {
 	return ip.As16()
 }
 
-// auditFilter sets the bit of each IP as bpf/expiry.c folds the address word
+// auditFilter sets the bit of each IP as bpf/expiry.c hashes the address word
 // it loads (the last four bytes, in the CPU's byte order).
 func auditFilter(ips []netip.Addr) (f [1024]uint64) {
 	for _, ip := range ips {
 		b := ip.AsSlice()
 		w := binary.NativeEndian.Uint32(b[len(b)-4:])
-		bit := (w ^ w>>16) & 0xffff
+		bit := (w * 2654435761) >> 16
 		f[bit>>6] |= 1 << (bit & 63)
 	}
 	return f

@@ -27,13 +27,15 @@ func (ix *Index) ScrubKeys(ip netip.Addr) (k4 []ctmap.CTKey4, k6 []ctmap.CTKey6,
 // absent. A RELATED key adds its other-initiator form; a SERVICE key (its
 // daddr is a VIP) is only itself.
 //
-// An IN flow key (a peer initiated towards the pod) adds the same tuple
-// flagged OUT: when the connection came in as NodePort to a local backend,
-// or with DSR to a backend on this node, Cilium's bpf_host creates that
-// OUT entry beside the IN one the pod's ingress policy creates, and nothing
-// in the packets the pod sees tells such a connection from a direct one
-// (found by e2e/conformance at v1.16.5, v1.18.8 and v1.20.2). One failed
-// delete per inbound flow when absent.
+// Every flow key also adds its twin, the same tuple with the other
+// direction flag (OUT and IN flipped), with its RELATED twin: a second
+// program of Cilium's on the node tracks the same connection in the other
+// direction, and nothing in the packets the pod sees tells when. Found by
+// e2e/conformance at v1.16.5, v1.18.8 and v1.20.2: bpf_host's NodePort
+// path creates an OUT entry beside the pod's IN one for a NodePort
+// connection to a local backend and for DSR on the backend's node; the
+// host firewall creates IN (pod to node) and OUT (node to pod) twins with
+// their RELATED entries. Two failed deletes per flow when absent.
 func Covered(k4 []ctmap.CTKey4, k6 []ctmap.CTKey6) ([]ctmap.CTKey4, []ctmap.CTKey6) {
 	var out4 []ctmap.CTKey4
 	if len(k4) > 0 {
@@ -54,9 +56,9 @@ func Covered(k4 []ctmap.CTKey4, k6 []ctmap.CTKey6) ([]ctmap.CTKey4, []ctmap.CTKe
 			if k.Flags()&ctmap.FlagRelated == 0 {
 				add(k.Related())
 				add(m.Related())
-			}
-			if k.Flags() == ctmap.FlagIn {
-				add(k.WithFlags(ctmap.FlagOut))
+				tw := k.WithFlags(k.Flags() ^ ctmap.FlagIn)
+				add(tw)
+				add(tw.Related())
 			}
 		}
 	}
@@ -79,9 +81,9 @@ func Covered(k4 []ctmap.CTKey4, k6 []ctmap.CTKey6) ([]ctmap.CTKey4, []ctmap.CTKe
 			if k.Flags()&ctmap.FlagRelated == 0 {
 				add(k.Related())
 				add(m.Related())
-			}
-			if k.Flags() == ctmap.FlagIn {
-				add(k.WithFlags(ctmap.FlagOut))
+				tw := k.WithFlags(k.Flags() ^ ctmap.FlagIn)
+				add(tw)
+				add(tw.Related())
 			}
 		}
 	}

@@ -7,10 +7,11 @@ import (
 	"github.com/ctscrub/ctscrub/scrubd/ctmap"
 )
 
-// An inbound flow's scrub also deletes the OUT-flagged entry bpf_host
-// creates for a NodePort connection to a local backend or a DSR connection
-// to a backend on this node (e2e/conformance: nodeport-*-backend).
-func TestCoveredInboundAddsNodePortOut(t *testing.T) {
+// A flow's scrub also deletes the same tuple with the other direction flag
+// and its related entry: bpf_host's OUT entry for a NodePort or DSR
+// connection to a local backend, the host firewall's twins
+// (e2e/conformance: nodeport-*-backend, host-firewall-pod-node).
+func TestCoveredAddsDirectionTwin(t *testing.T) {
 	client, pod := netip.MustParseAddr("198.51.100.7"), netip.MustParseAddr("10.244.0.9")
 	in := ctmap.NewKey4(client, pod, 8080, 50001, ctmap.ProtoTCP, ctmap.FlagIn)
 	k4, _ := Covered([]ctmap.CTKey4{in}, nil)
@@ -24,9 +25,13 @@ func TestCoveredInboundAddsNodePortOut(t *testing.T) {
 	}
 	out := ctmap.NewKey4(pod, client, 50001, 8080, ctmap.ProtoTCP, ctmap.FlagOut)
 	k4, _ = Covered([]ctmap.CTKey4{out}, nil)
-	for _, k := range k4 {
-		if k == out.WithFlags(ctmap.FlagIn) {
-			t.Fatalf("Covered(%s) adds %s: only IN keys get the OUT twin", out, k)
+	for _, w := range []ctmap.CTKey4{out.WithFlags(ctmap.FlagIn), out.WithFlags(ctmap.FlagIn).Related()} {
+		found := false
+		for _, k := range k4 {
+			found = found || k == w
+		}
+		if !found {
+			t.Errorf("Covered(%s) = %v, lacks %s", out, k4, w)
 		}
 	}
 }

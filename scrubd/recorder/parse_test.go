@@ -123,6 +123,8 @@ var (
 	peer4 = netip.MustParseAddr("192.0.2.2")
 	pod6  = netip.MustParseAddr("fd00:244::a")
 	peer6 = netip.MustParseAddr("2001:db8:2::2")
+	// router4 sends nothing else in TestParseKeys: its flow is fresh.
+	router4 = netip.MustParseAddr("192.0.2.254")
 )
 
 func TestParseKeys(t *testing.T) {
@@ -149,8 +151,13 @@ func TestParseKeys(t *testing.T) {
 			k4(ctmap.NewKey4(pod4, peer4, 0, 0x1234, ctmap.ProtoICMP, ctmap.FlagOut))},
 		{"icmp4 echo request in", false, eth(0x0800).add(ipv4(1, 0, peer4, pod4)...).add(icmpMsg(8, 0x4321)...).b,
 			k4(ctmap.NewKey4(peer4, pod4, 0, 0x4321, ctmap.ProtoICMP, ctmap.FlagIn))},
-		{"icmp4 unreachable", false, eth(0x0800).add(ipv4(1, 0, peer4, pod4)...).add(icmpMsg(3, 0)...).b, nil},
-		{"icmp4 time exceeded", false, eth(0x0800).add(ipv4(1, 0, peer4, pod4)...).add(icmpMsg(11, 0)...).b, nil},
+		// An ICMP error that matches no related entry makes Cilium create
+		// one: sender -> receiver, ports 0, direction | RELATED
+		// (e2e/conformance: icmp-error-*).
+		{"icmp4 unreachable", false, eth(0x0800).add(ipv4(1, 0, peer4, pod4)...).add(icmpMsg(3, 0)...).b,
+			k4(ctmap.NewKey4(peer4, pod4, 0, 0, ctmap.ProtoICMP, ctmap.FlagIn|ctmap.FlagRelated))},
+		{"icmp4 time exceeded sent", true, eth(0x0800).add(ipv4(1, 0, pod4, router4)...).add(icmpMsg(11, 0)...).b,
+			k4(ctmap.NewKey4(pod4, router4, 0, 0, ctmap.ProtoICMP, ctmap.FlagOut|ctmap.FlagRelated))},
 		{"ipv4 first fragment", true, eth(0x0800).add(ipv4(17, 0x2000, pod4, peer4)...).add(ports(1111, 2222, 8)...).b,
 			k4(ctmap.NewKey4(pod4, peer4, 2222, 1111, ctmap.ProtoUDP, ctmap.FlagOut))},
 		{"ipv4 later fragment", true, eth(0x0800).add(ipv4(17, 0x0010, pod4, peer4)...).add(ports(3333, 4444, 8)...).b, nil},
@@ -175,7 +182,8 @@ func TestParseKeys(t *testing.T) {
 			k6(ctmap.NewKey6(peer6, pod6, 0x0808, 0, ctmap.ProtoICMPv6, ctmap.FlagIn))},
 		{"icmp6 neighbour solicitation", true, eth(0x86dd).add(ipv6(58, pod6, peer6)...).add(icmpMsg(135, 0)...).b, nil},
 		{"icmp6 router solicitation", true, eth(0x86dd).add(ipv6(58, pod6, peer6)...).add(icmpMsg(133, 0)...).b, nil},
-		{"icmp6 packet too big", false, eth(0x86dd).add(ipv6(58, peer6, pod6)...).add(icmpMsg(2, 0)...).b, nil},
+		{"icmp6 packet too big", false, eth(0x86dd).add(ipv6(58, peer6, pod6)...).add(icmpMsg(2, 0)...).b,
+			k6(ctmap.NewKey6(peer6, pod6, 0, 0, ctmap.ProtoICMPv6, ctmap.FlagIn|ctmap.FlagRelated))},
 		{"icmp6 MLD report", true, eth(0x86dd).add(ipv6(58, pod6, peer6)...).add(icmpMsg(143, 0)...).b,
 			k6(ctmap.NewKey6(pod6, peer6, 0, 0, ctmap.ProtoICMPv6, ctmap.FlagOut))},
 		{"gre", true, eth(0x0800).add(ipv4(47, 0, pod4, peer4)...).add(make([]byte, 8)...).b, nil},

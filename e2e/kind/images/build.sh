@@ -26,6 +26,11 @@ start=$(date +%s)
 K8S_VERSION=${K8S_VERSION:-v1.34.4}
 CILIUM_VERSION=${CILIUM_VERSION:-1.18.8}
 CILIUM_VERSION=${CILIUM_VERSION#v}
+# Cilium 1.16 needs two changes to run here, in the test's images only
+# (cilium-1.16-patch.sh; docs/kind.md, "Cilium versions").
+if [[ $CILIUM_VERSION == 1.16.* && -z ${CILIUM_PATCH:-} ]]; then
+	export CILIUM_PATCH=$IMAGES_DIR/cilium-1.16-patch.sh
+fi
 export K8S_VERSION CILIUM_VERSION
 out=$WORK/images.env
 mkdir -p "$WORK/logs"

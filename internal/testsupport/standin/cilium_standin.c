@@ -29,6 +29,11 @@ volatile const __u32 lifetime_tcp = 21600;
 volatile const __u32 lifetime_syn = 60;
 volatile const __u32 lifetime_nontcp = 60;
 
+/* Cilium's IPv4 service loopback address (network order; 0: none): a pod
+ * reaching itself through a service VIP (hairpin) is SNATed to it, so the
+ * OUT entry's initiator is this address. Cilium's default is 169.254.42.1. */
+volatile const __u32 service_loopback4 = 0;
+
 /* Cilium's global CT maps; replaced at load with the test's maps. */
 struct {
 	__uint(type, BPF_MAP_TYPE_LRU_HASH);
@@ -189,8 +194,11 @@ static __always_inline int service4(struct __sk_buff *skb, const struct flow *f)
 
 	be = backend_id ? bpf_map_lookup_elem(&cilium_lb4_backends_v3, &backend_id) : 0;
 	if (be) {
-		/* OUT entry as after DNAT: pod -> backend. */
+		/* OUT entry as after DNAT: pod -> backend; a hairpin (the
+		 * backend is the pod) is SNATed to the loopback address. */
 		k.daddr = f->src[3];
+		if (be->address == f->src[3] && service_loopback4)
+			k.daddr = service_loopback4;
 		k.saddr = be->address;
 		k.sport = f->sport;
 		k.dport = be->port;

@@ -117,6 +117,7 @@ const (
 	ciliumStandinVarLifetimeNontcp      = "lifetime_nontcp"
 	ciliumStandinVarLifetimeSyn         = "lifetime_syn"
 	ciliumStandinVarLifetimeTcp         = "lifetime_tcp"
+	ciliumStandinVarServiceLoopback4    = "service_loopback4"
 )
 
 // loadCiliumStandin returns the embedded CollectionSpec for ciliumStandin.
@@ -183,9 +184,10 @@ type ciliumStandinMapSpecs struct {
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type ciliumStandinVariableSpecs struct {
-	LifetimeNontcp *ebpf.VariableSpec `ebpf:"lifetime_nontcp"`
-	LifetimeSyn    *ebpf.VariableSpec `ebpf:"lifetime_syn"`
-	LifetimeTcp    *ebpf.VariableSpec `ebpf:"lifetime_tcp"`
+	LifetimeNontcp   *ebpf.VariableSpec `ebpf:"lifetime_nontcp"`
+	LifetimeSyn      *ebpf.VariableSpec `ebpf:"lifetime_syn"`
+	LifetimeTcp      *ebpf.VariableSpec `ebpf:"lifetime_tcp"`
+	ServiceLoopback4 *ebpf.VariableSpec `ebpf:"service_loopback4"`
 }
 
 // ciliumStandinObjects contains all objects after they have been loaded into the kernel.
@@ -235,9 +237,10 @@ func (m *ciliumStandinMaps) Close() error {
 //
 // It can be passed to loadCiliumStandinObjects or ebpf.CollectionSpec.LoadAndAssign.
 type ciliumStandinVariables struct {
-	LifetimeNontcp *ebpf.Variable `ebpf:"lifetime_nontcp"`
-	LifetimeSyn    *ebpf.Variable `ebpf:"lifetime_syn"`
-	LifetimeTcp    *ebpf.Variable `ebpf:"lifetime_tcp"`
+	LifetimeNontcp   *ebpf.Variable `ebpf:"lifetime_nontcp"`
+	LifetimeSyn      *ebpf.Variable `ebpf:"lifetime_syn"`
+	LifetimeTcp      *ebpf.Variable `ebpf:"lifetime_tcp"`
+	ServiceLoopback4 *ebpf.Variable `ebpf:"service_loopback4"`
 }
 
 // ciliumStandinPrograms contains all programs after they have been loaded into the kernel.

@@ -124,12 +124,33 @@ type Datapath struct {
 	nextRevNAT  uint16
 }
 
+// Options configure LoadOptions.
+type Options struct {
+	Lifetimes *Lifetimes
+	// ServiceLoopback4 is Cilium's IPv4 service loopback address (hairpin
+	// SNAT; Cilium's default 169.254.42.1). Unset: hairpin traffic is not
+	// SNATed.
+	ServiceLoopback4 netip.Addr
+}
+
 // Load loads the stand-in's programs over the maps pinned in dir (see
 // CreateMaps). lt may be nil.
 func Load(dir string, lt *Lifetimes) (*Datapath, error) {
+	return LoadOptions(dir, &Options{Lifetimes: lt})
+}
+
+// LoadOptions is Load with every option.
+func LoadOptions(dir string, o *Options) (*Datapath, error) {
 	spec, err := loadCiliumStandin()
 	if err != nil {
 		return nil, fmt.Errorf("standin: parse BPF object: %w", err)
+	}
+	lt := o.Lifetimes
+	if o.ServiceLoopback4.Is4() {
+		a := o.ServiceLoopback4.As4()
+		if err := spec.Variables["service_loopback4"].Set(binary.NativeEndian.Uint32(a[:])); err != nil {
+			return nil, fmt.Errorf("standin: set service_loopback4: %w", err)
+		}
 	}
 	if lt != nil {
 		for name, v := range map[string]uint32{"lifetime_tcp": lt.TCP, "lifetime_syn": lt.SYN, "lifetime_nontcp": lt.NonTCP} {
@@ -278,4 +299,20 @@ func (d *Datapath) Close() error {
 	d.links = nil
 	errs = append(errs, d.objs.Close())
 	return errors.Join(errs...)
+}
+
+// RunFromPod runs the stand-in's ingress program (the pod sends) on one
+// Ethernet frame with BPF_PROG_TEST_RUN, as if it crossed the host-side
+// veth. The conformance suite (e2e/conformance) feeds the stand-in and
+// Cilium's real programs the same frames this way and compares the keys.
+func (d *Datapath) RunFromPod(frame []byte) error {
+	_, err := d.objs.StandinFromPod.Run(&ebpf.RunOptions{Data: frame})
+	return err
+}
+
+// RunToPod runs the stand-in's egress program (the pod receives) on one
+// frame, as RunFromPod.
+func (d *Datapath) RunToPod(frame []byte) error {
+	_, err := d.objs.StandinToPod.Run(&ebpf.RunOptions{Data: frame})
+	return err
 }
