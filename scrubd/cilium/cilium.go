@@ -28,6 +28,10 @@ type Options struct {
 	// index path; ctx is checked between chunks. 0 means 1024 (about 0.2 ms
 	// of deletes, so a cancelled scrub stops within a fraction of a ms).
 	DeleteChunk int
+	// SyncTimeout bounds the wait for the recorder's reader to apply the
+	// records already in its ring buffer before a scrub trusts the index
+	// (index.Sync). Past it the scrub sweeps. 0 means 2 s.
+	SyncTimeout time.Duration
 }
 
 // Backend scrubs Cilium's global CT maps: through the index for IPs whose
@@ -64,6 +68,9 @@ func New(maps *ctmap.Maps, ix *index.Index, opts Options) (*Backend, error) {
 	}
 	if opts.DeleteChunk <= 0 {
 		opts.DeleteChunk = 1024
+	}
+	if opts.SyncTimeout <= 0 {
+		opts.SyncTimeout = 2 * time.Second
 	}
 	progs, ips4, ips6, countErr, err := loadProgs(maps)
 	if err != nil {
@@ -155,13 +162,18 @@ func (c *Backend) Scrub(ctx context.Context, req scrub.Request) (scrub.Result, e
 		k6 []ctmap.CTKey6
 	}
 	var taken []held
+	// The IPs' newest records may still sit in the recorder's ring buffer
+	// (its reader lags under load or after a burst of new flows): the index
+	// is trusted only once everything produced until now is applied, or
+	// the scrub deleted a set that misses those flows and called it complete.
+	synced := c.syncIndex(ctx) == nil
 	for _, ip := range ips {
 		if err := ctx.Err(); err != nil {
 			return finish(err)
 		}
 		// The index only holds keys of IPs in the pod CIDRs: any other IP
 		// always takes the sweep, whatever its slot says.
-		if !c.ix.Owns(ip) || !c.ix.State(ip).Complete {
+		if !synced || !c.ix.Owns(ip) || !c.ix.State(ip).Complete {
 			sweepIPs = append(sweepIPs, ip)
 			continue
 		}
@@ -239,6 +251,14 @@ func (c *Backend) Scrub(ctx context.Context, req scrub.Request) (scrub.Result, e
 		err = errors.New("sweep ended before every map was swept")
 	}
 	return finish(err)
+}
+
+// syncIndex waits, at most SyncTimeout, until the recorder has applied every
+// record produced before the call.
+func (c *Backend) syncIndex(ctx context.Context) error {
+	ctx, cancel := context.WithTimeout(ctx, c.opts.SyncTimeout)
+	defer cancel()
+	return c.ix.Sync(ctx)
 }
 
 // deleteKeys deletes keys from their maps with BPF_MAP_DELETE_BATCH, adding

@@ -17,6 +17,7 @@
 package index
 
 import (
+	"context"
 	"hash/maphash"
 	"net/netip"
 	"slices"
@@ -73,10 +74,25 @@ type Hooks struct {
 	// them must be recorded again from now on. TrackAll passes all its IPs
 	// in one call (the recorder then forgets them in shared passes).
 	Tracked func(ips []netip.Addr)
+	// Sync returns once every record the kernel produced before the call
+	// has been applied (the reader may lag behind the ring buffer).
+	Sync func(ctx context.Context) error
 }
 
 // SetHooks installs h (nil removes them). scrubd/recorder.Run sets them.
 func (ix *Index) SetHooks(h *Hooks) { ix.hooks.Store(h) }
+
+// Sync waits until the recorder has applied every record produced before the
+// call, so that an IP's set holds every flow the kernel reported until now.
+// A scrub calls it before it trusts the index. With no recorder running
+// (no hooks) there is nothing to wait for.
+func (ix *Index) Sync(ctx context.Context) error {
+	h := ix.hooks.Load()
+	if h == nil || h.Sync == nil {
+		return nil
+	}
+	return h.Sync(ctx)
+}
 
 type shard struct {
 	mu  sync.RWMutex

@@ -481,7 +481,10 @@ func (r *Recorder) Run(ctx context.Context, ix *index.Index) error {
 	if err != nil {
 		return fmt.Errorf("recorder: open ring buffer: %w", err)
 	}
-	ix.SetHooks(r.hooks(ix))
+	bar := &barrier{rd: rd}
+	hooks := r.hooks(ix)
+	hooks.Sync = bar.wait
+	ix.SetHooks(hooks)
 	defer ix.SetHooks(nil)
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
@@ -530,7 +533,12 @@ func (r *Recorder) Run(ctx context.Context, ix *index.Index) error {
 
 	var rec ringbuf.Record
 	for {
+		upTo := bar.noted()
 		if err := rd.ReadInto(&rec); err != nil {
+			if isFlushed(err) {
+				bar.flushed(upTo)
+				continue
+			}
 			if errors.Is(err, ringbuf.ErrClosed) {
 				// Records submitted just before a loss was counted
 				// are in the ring: one last poll after draining is not
