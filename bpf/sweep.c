@@ -262,3 +262,79 @@ int count_ct6(struct count_args *args)
 	args->count = bpf_map_sum_elem_count((const struct bpf_map *)&ct6);
 	return 0;
 }
+
+/* ---- Deleting a list of keys (the index path) ----
+ *
+ * BPF_MAP_DELETE_BATCH stops at the first key that is not in the map, so
+ * every absent key costs user space one more syscall; a scrub tries many
+ * keys that are usually absent (each flow's other-initiator forms,
+ * index.Covered). This program deletes a chunk of keys and skips absent
+ * ones in the kernel: two syscalls per chunk (fill the slot, run) whatever
+ * the share of absent keys. User space writes a chunk of keys into its own
+ * slot of del_keys4/6 (one slot per concurrent caller), then runs it. */
+#define DEL_CHUNK 1024
+#define DEL_SLOTS 16
+
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, DEL_CHUNK * DEL_SLOTS);
+	__type(key, __u32);
+	__type(value, struct ct_key4);
+} del_keys4 SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, DEL_CHUNK * DEL_SLOTS);
+	__type(key, __u32);
+	__type(value, struct ct_key6);
+} del_keys6 SEC(".maps");
+
+/* BPF_PROG_TEST_RUN context; mirrors scrubd/cilium.delArgs. */
+struct del_args {
+	__u32 base;    /* first index of the caller's slot */
+	__u32 n;       /* keys in the slot */
+	__u32 deleted; /* out: keys that were present and deleted */
+	__u32 pad;
+};
+
+SEC("syscall")
+int delete4(struct del_args *args)
+{
+	__u32 base = args->base, n = args->n, deleted = 0, i;
+
+	for (i = 0; i < DEL_CHUNK; i++) {
+		struct ct_key4 *k;
+		__u32 idx = base + i;
+
+		if (i >= n)
+			break;
+		k = bpf_map_lookup_elem(&del_keys4, &idx);
+		if (!k)
+			break;
+		if (bpf_map_delete_elem(&ct4, k) == 0)
+			deleted++;
+	}
+	args->deleted = deleted;
+	return 0;
+}
+
+SEC("syscall")
+int delete6(struct del_args *args)
+{
+	__u32 base = args->base, n = args->n, deleted = 0, i;
+
+	for (i = 0; i < DEL_CHUNK; i++) {
+		struct ct_key6 *k;
+		__u32 idx = base + i;
+
+		if (i >= n)
+			break;
+		k = bpf_map_lookup_elem(&del_keys6, &idx);
+		if (!k)
+			break;
+		if (bpf_map_delete_elem(&ct6, k) == 0)
+			deleted++;
+	}
+	args->deleted = deleted;
+	return 0;
+}

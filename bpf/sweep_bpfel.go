@@ -61,10 +61,14 @@ type SweepIp6 struct {
 const (
 	SweepMapCt4       = "ct4"
 	SweepMapCt6       = "ct6"
+	SweepMapDelKeys4  = "del_keys4"
+	SweepMapDelKeys6  = "del_keys6"
 	SweepMapIps4      = "ips4"
 	SweepMapIps6      = "ips6"
 	SweepProgCountCt4 = "count_ct4"
 	SweepProgCountCt6 = "count_ct6"
+	SweepProgDelete4  = "delete4"
+	SweepProgDelete6  = "delete6"
 	SweepProgSweep4   = "sweep4"
 	SweepProgSweep6   = "sweep6"
 	SweepVarFilter4   = "filter4"
@@ -116,6 +120,8 @@ type SweepSpecs struct {
 type SweepProgramSpecs struct {
 	CountCt4 *ebpf.ProgramSpec `ebpf:"count_ct4"`
 	CountCt6 *ebpf.ProgramSpec `ebpf:"count_ct6"`
+	Delete4  *ebpf.ProgramSpec `ebpf:"delete4"`
+	Delete6  *ebpf.ProgramSpec `ebpf:"delete6"`
 	Sweep4   *ebpf.ProgramSpec `ebpf:"sweep4"`
 	Sweep6   *ebpf.ProgramSpec `ebpf:"sweep6"`
 }
@@ -124,10 +130,12 @@ type SweepProgramSpecs struct {
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type SweepMapSpecs struct {
-	Ct4  *ebpf.MapSpec `ebpf:"ct4"`
-	Ct6  *ebpf.MapSpec `ebpf:"ct6"`
-	Ips4 *ebpf.MapSpec `ebpf:"ips4"`
-	Ips6 *ebpf.MapSpec `ebpf:"ips6"`
+	Ct4      *ebpf.MapSpec `ebpf:"ct4"`
+	Ct6      *ebpf.MapSpec `ebpf:"ct6"`
+	DelKeys4 *ebpf.MapSpec `ebpf:"del_keys4"`
+	DelKeys6 *ebpf.MapSpec `ebpf:"del_keys6"`
+	Ips4     *ebpf.MapSpec `ebpf:"ips4"`
+	Ips6     *ebpf.MapSpec `ebpf:"ips6"`
 }
 
 // SweepVariableSpecs contains global variables before they are loaded into the kernel.
@@ -159,16 +167,20 @@ func (o *SweepObjects) Close() error {
 //
 // It can be passed to LoadSweepObjects or ebpf.CollectionSpec.LoadAndAssign.
 type SweepMaps struct {
-	Ct4  *ebpf.Map `ebpf:"ct4"`
-	Ct6  *ebpf.Map `ebpf:"ct6"`
-	Ips4 *ebpf.Map `ebpf:"ips4"`
-	Ips6 *ebpf.Map `ebpf:"ips6"`
+	Ct4      *ebpf.Map `ebpf:"ct4"`
+	Ct6      *ebpf.Map `ebpf:"ct6"`
+	DelKeys4 *ebpf.Map `ebpf:"del_keys4"`
+	DelKeys6 *ebpf.Map `ebpf:"del_keys6"`
+	Ips4     *ebpf.Map `ebpf:"ips4"`
+	Ips6     *ebpf.Map `ebpf:"ips6"`
 }
 
 func (m *SweepMaps) Close() error {
 	return _SweepClose(
 		m.Ct4,
 		m.Ct6,
+		m.DelKeys4,
+		m.DelKeys6,
 		m.Ips4,
 		m.Ips6,
 	)
@@ -189,6 +201,8 @@ type SweepVariables struct {
 type SweepPrograms struct {
 	CountCt4 *ebpf.Program `ebpf:"count_ct4"`
 	CountCt6 *ebpf.Program `ebpf:"count_ct6"`
+	Delete4  *ebpf.Program `ebpf:"delete4"`
+	Delete6  *ebpf.Program `ebpf:"delete6"`
 	Sweep4   *ebpf.Program `ebpf:"sweep4"`
 	Sweep6   *ebpf.Program `ebpf:"sweep6"`
 }
@@ -197,6 +211,8 @@ func (p *SweepPrograms) Close() error {
 	return _SweepClose(
 		p.CountCt4,
 		p.CountCt6,
+		p.Delete4,
+		p.Delete6,
 		p.Sweep4,
 		p.Sweep6,
 	)

@@ -48,7 +48,9 @@ type Backend struct {
 	lockMu sync.Mutex
 	locks  map[netip.Addr]*ipLock
 
-	countErr error // why Count walks instead of reading the kernel's counter
+	countErr error    // why Count walks instead of reading the kernel's counter
+	del      *deleter // nil: the kernel refused the delete program, batch deletes instead
+	delErr   error    // why del is nil
 }
 
 type ipLock struct {
@@ -76,7 +78,10 @@ func New(maps *ctmap.Maps, ix *index.Index, opts Options) (*Backend, error) {
 	if err != nil {
 		return nil, err
 	}
+	del, delErr := loadDeleter(maps)
 	return &Backend{
+		del:      del,
+		delErr:   delErr,
 		maps:     maps,
 		ix:       ix,
 		opts:     opts,
@@ -95,6 +100,9 @@ func (c *Backend) Sweeper() *Sweeper { return c.sweeper }
 // Close unloads the sweep programs. The CT maps are left open.
 func (c *Backend) Close() error {
 	c.sweeper.close()
+	if c.del != nil {
+		c.del.close()
+	}
 	return nil
 }
 
@@ -292,7 +300,7 @@ func (c *Backend) deleteKeys(ctx context.Context, k4 []ctmap.CTKey4, k6 []ctmap.
 			left4 = append(left4, j.keys...)
 			continue
 		}
-		err = deleteFrom(ctx, c.maps.Map(j.k), j.k, j.keys, chunk, deleted, &left4)
+		err = deleteFrom(ctx, c.maps.Map(j.k), c.del, j.k, j.keys, chunk, deleted, &left4)
 	}
 	for _, j := range []struct {
 		k    ctmap.Kind
@@ -302,14 +310,14 @@ func (c *Backend) deleteKeys(ctx context.Context, k4 []ctmap.CTKey4, k6 []ctmap.
 			left6 = append(left6, j.keys...)
 			continue
 		}
-		err = deleteFrom(ctx, c.maps.Map(j.k), j.k, j.keys, chunk, deleted, &left6)
+		err = deleteFrom(ctx, c.maps.Map(j.k), c.del, j.k, j.keys, chunk, deleted, &left6)
 	}
 	return left4, left6, err
 }
 
 // deleteFrom deletes keys (all of kind k) from m, adds the count to
 // deleted[k.Name()] and appends the keys it did not attempt to *left.
-func deleteFrom[K ctmap.CTKey4 | ctmap.CTKey6](ctx context.Context, m *ebpf.Map, k ctmap.Kind, keys []K, chunk int, deleted map[string]int, left *[]K) error {
+func deleteFrom[K ctmap.CTKey4 | ctmap.CTKey6](ctx context.Context, m *ebpf.Map, d *deleter, k ctmap.Kind, keys []K, chunk int, deleted map[string]int, left *[]K) error {
 	if len(keys) == 0 {
 		return nil
 	}
@@ -319,7 +327,13 @@ func deleteFrom[K ctmap.CTKey4 | ctmap.CTKey6](ctx context.Context, m *ebpf.Map,
 		*left = append(*left, keys...)
 		return fmt.Errorf("delete %d keys from %s: map not present", len(keys), k.Name())
 	}
-	n, err := deleteBatch(ctx, m, keys, chunk)
+	var n batchCount
+	var err error
+	if d != nil && d.progs[k] != nil {
+		n, err = deleteProg(ctx, d, k, keys, chunk)
+	} else {
+		n, err = deleteBatch(ctx, m, keys, chunk)
+	}
 	deleted[k.Name()] += n.deleted
 	if err != nil {
 		*left = append(*left, keys[n.attempted:]...)

@@ -1,0 +1,146 @@
+package cilium
+
+import (
+	"context"
+	"net/netip"
+	"testing"
+
+	"github.com/ctscrub/ctscrub/scrubd/ctmap"
+	"github.com/ctscrub/ctscrub/scrubd/index"
+)
+
+// TestDeleteSkipsAbsentKeys: the index path deletes lists in which most keys
+// are absent (index.Covered's other-initiator forms). The delete program
+// must delete exactly the present ones, in both families, across chunk
+// boundaries, leave every other entry alone, and cost two syscalls per
+// chunk rather than one per absent key (the reason it exists: checked here
+// by the backend really using it).
+func TestDeleteSkipsAbsentKeys(t *testing.T) {
+	needRoot(t)
+	maps := pinnedMaps(t, 1<<16, true)
+	c := newCilium(t, maps, newIndex())
+	if c.del == nil {
+		t.Fatalf("delete program not loaded (batch deletes instead): %v", c.delErr)
+	}
+	pod4, peer4 := netip.MustParseAddr("10.244.0.7"), netip.MustParseAddr("192.0.2.9")
+	pod6, peer6 := netip.MustParseAddr("fd00:244::7"), netip.MustParseAddr("2001:db8::9")
+	var val ctmap.Entry
+	var k4, keep4 []ctmap.CTKey4
+	var k6, keep6 []ctmap.CTKey6
+	present := 0
+	for port := uint16(1); port <= 3000; port++ {
+		a := ctmap.NewKey4(pod4, peer4, 80, port, 6, ctmap.FlagOut)
+		b := ctmap.NewKey6(pod6, peer6, 80, port, 17, ctmap.FlagOut)
+		k4, k6 = append(k4, a), append(k6, b)
+		switch port % 3 {
+		case 0: // present and listed: deleted
+			if err := maps.Map(a.Kind()).Put(a, val); err != nil {
+				t.Fatal(err)
+			}
+			if err := maps.Map(b.Kind()).Put(b, val); err != nil {
+				t.Fatal(err)
+			}
+			present++
+		case 1: // present but not listed: must stay
+			x := ctmap.NewKey4(pod4, peer4, 81, port, 6, ctmap.FlagOut)
+			y := ctmap.NewKey6(pod6, peer6, 81, port, 17, ctmap.FlagOut)
+			if err := maps.Map(x.Kind()).Put(x, val); err != nil {
+				t.Fatal(err)
+			}
+			if err := maps.Map(y.Kind()).Put(y, val); err != nil {
+				t.Fatal(err)
+			}
+			keep4, keep6 = append(keep4, x), append(keep6, y)
+		}
+	}
+	deleted := map[string]int{}
+	left4, left6, err := c.deleteKeys(context.Background(), k4, k6, deleted)
+	if err != nil || len(left4)+len(left6) != 0 {
+		t.Fatalf("deleteKeys: err %v, %d+%d keys not attempted", err, len(left4), len(left6))
+	}
+	if deleted[ctmap.TCP4.Name()] != present || deleted[ctmap.Any6.Name()] != present {
+		t.Fatalf("deleted %v, want %d in %s and in %s", deleted, present, ctmap.TCP4.Name(), ctmap.Any6.Name())
+	}
+	for _, k := range k4 {
+		if maps.Map(k.Kind()).Lookup(k, &val) == nil {
+			t.Fatalf("%s left", k)
+		}
+	}
+	for _, k := range k6 {
+		if maps.Map(k.Kind()).Lookup(k, &val) == nil {
+			t.Fatalf("%s left", k)
+		}
+	}
+	for _, k := range keep4 {
+		if err := maps.Map(k.Kind()).Lookup(k, &val); err != nil {
+			t.Fatalf("%s deleted but not listed: %v", k, err)
+		}
+	}
+	for _, k := range keep6 {
+		if err := maps.Map(k.Kind()).Lookup(k, &val); err != nil {
+			t.Fatalf("%s deleted but not listed: %v", k, err)
+		}
+	}
+}
+
+// BenchmarkDeleteKeys: one scrub's delete step for 1,000 flows whose
+// index.Covered list is 4,000 keys, 2,000 of them present (the key and its
+// RELATED twin) and 2,000 absent (the other-initiator forms), through the
+// delete program and through BPF_MAP_DELETE_BATCH, which stops at every
+// absent key.
+func BenchmarkDeleteKeys(b *testing.B) {
+	needRoot(b)
+	maps := pinnedMaps(b, 1<<16, false)
+	c := newCilium(b, maps, newIndex())
+	pod := netip.MustParseAddr("10.244.0.7")
+	var keys, present []ctmap.CTKey4
+	for port := uint16(1); port <= 1000; port++ {
+		// One peer per flow: RELATED keys have no ports, so flows to one
+		// peer would share theirs.
+		peer := netip.AddrFrom4([4]byte{198, 18, byte(port >> 8), byte(port)})
+		k := ctmap.NewKey4(pod, peer, 80, port, 6, ctmap.FlagOut)
+		x4, _ := index.Covered([]ctmap.CTKey4{k, k.Related()}, nil)
+		keys = append(keys, x4...)
+		present = append(present, k, k.Related())
+	}
+	var val ctmap.Entry
+	fill := func() {
+		for _, k := range present {
+			if err := maps.Map(k.Kind()).Put(k, val); err != nil {
+				b.Fatal(err)
+			}
+		}
+	}
+	for _, mode := range []string{"program", "batch"} {
+		b.Run(mode, func(b *testing.B) {
+			d := c.del
+			if mode == "batch" {
+				d = nil
+			}
+			for b.Loop() {
+				b.StopTimer()
+				fill()
+				b.StartTimer()
+				deleted := map[string]int{}
+				var left []ctmap.CTKey4
+				var tcp, other []ctmap.CTKey4
+				for _, k := range keys {
+					if k.Kind() == ctmap.TCP4 {
+						tcp = append(tcp, k)
+					} else {
+						other = append(other, k)
+					}
+				}
+				if err := deleteFrom(context.Background(), maps.Map(ctmap.TCP4), d, ctmap.TCP4, tcp, 1024, deleted, &left); err != nil {
+					b.Fatal(err)
+				}
+				if err := deleteFrom(context.Background(), maps.Map(ctmap.Any4), d, ctmap.Any4, other, 1024, deleted, &left); err != nil {
+					b.Fatal(err)
+				}
+				if got := deleted[ctmap.TCP4.Name()] + deleted[ctmap.Any4.Name()]; got != len(present) {
+					b.Fatalf("%s: deleted %v, want %d in all", mode, deleted, len(present))
+				}
+			}
+		})
+	}
+}
