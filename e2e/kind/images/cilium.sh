@@ -57,7 +57,9 @@ awk '/^replace \(/{b=1; next} b && /^\)/{b=0; next}
 			log "warning: $to@$ver (Cilium's replacement of $from) is not on the module proxy: building with $from as Cilium's go.mod requires it"
 		fi
 	done
-ld="-s -w -X $mod/pkg/version.ciliumVersion=$CILIUM_VERSION ctscrub-kind"
+# The version string holds a space: quoted, or the linker takes its second
+# word for an argument of its own ("usage: link").
+ld="-s -w -X '$mod/pkg/version.ciliumVersion=$CILIUM_VERSION ctscrub-kind'"
 out=$dir/out
 mkdir -p "$out/usr/bin" "$out/opt/cni/bin" "$out/cni"
 go_build -tags osusergo -ldflags "$ld" -o "$out/usr/bin/" \
