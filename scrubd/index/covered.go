@@ -37,57 +37,46 @@ func (ix *Index) ScrubKeys(ip netip.Addr) (k4 []ctmap.CTKey4, k6 []ctmap.CTKey6,
 // host firewall creates IN (pod to node) and OUT (node to pod) twins with
 // their RELATED entries. Two failed deletes per flow when absent.
 func Covered(k4 []ctmap.CTKey4, k6 []ctmap.CTKey6) ([]ctmap.CTKey4, []ctmap.CTKey6) {
-	var out4 []ctmap.CTKey4
-	if len(k4) > 0 {
-		seen := make(map[ctmap.CTKey4]struct{}, 4*len(k4))
-		add := func(k ctmap.CTKey4) {
-			if _, ok := seen[k]; !ok {
-				seen[k] = struct{}{}
-				out4 = append(out4, k)
-			}
-		}
-		for _, k := range k4 {
-			add(k)
-			if k.Flags()&ctmap.FlagService != 0 {
-				continue
-			}
-			m := Mirror4(k)
-			add(m)
-			if k.Flags()&ctmap.FlagRelated == 0 {
-				add(k.Related())
-				add(m.Related())
-				tw := k.WithFlags(k.Flags() ^ ctmap.FlagIn)
-				add(tw)
-				add(tw.Related())
-			}
+	return covered(k4, Mirror4), covered(k6, Mirror6)
+}
+
+// ctKey is what covered needs of CTKey4 and CTKey6.
+type ctKey[K any] interface {
+	comparable
+	Flags() uint8
+	Related() K
+	WithFlags(uint8) K
+}
+
+// covered is Covered for one family, each key once.
+func covered[K ctKey[K]](keys []K, mirror func(K) K) []K {
+	if len(keys) == 0 {
+		return nil
+	}
+	var out []K
+	seen := make(map[K]struct{}, 4*len(keys))
+	add := func(k K) {
+		if _, ok := seen[k]; !ok {
+			seen[k] = struct{}{}
+			out = append(out, k)
 		}
 	}
-	var out6 []ctmap.CTKey6
-	if len(k6) > 0 {
-		seen := make(map[ctmap.CTKey6]struct{}, 4*len(k6))
-		add := func(k ctmap.CTKey6) {
-			if _, ok := seen[k]; !ok {
-				seen[k] = struct{}{}
-				out6 = append(out6, k)
-			}
+	for _, k := range keys {
+		add(k)
+		if k.Flags()&ctmap.FlagService != 0 {
+			continue
 		}
-		for _, k := range k6 {
-			add(k)
-			if k.Flags()&ctmap.FlagService != 0 {
-				continue
-			}
-			m := Mirror6(k)
-			add(m)
-			if k.Flags()&ctmap.FlagRelated == 0 {
-				add(k.Related())
-				add(m.Related())
-				tw := k.WithFlags(k.Flags() ^ ctmap.FlagIn)
-				add(tw)
-				add(tw.Related())
-			}
+		m := mirror(k)
+		add(m)
+		if k.Flags()&ctmap.FlagRelated == 0 {
+			add(k.Related())
+			add(m.Related())
+			tw := k.WithFlags(k.Flags() ^ ctmap.FlagIn)
+			add(tw)
+			add(tw.Related())
 		}
 	}
-	return out4, out6
+	return out
 }
 
 // Mirror4 is the key of the same flow with the other side as the initiator:
