@@ -18,6 +18,7 @@ import (
 
 	"github.com/cilium/ebpf"
 
+	"github.com/ctscrub/ctscrub/scrubd/api"
 	"github.com/ctscrub/ctscrub/scrubd/ctmap"
 	"github.com/ctscrub/ctscrub/scrubd/index"
 )
@@ -156,7 +157,9 @@ func (c *Backend) Scrub(ctx context.Context, req scrub.Request) (scrub.Result, e
 		return finish(err)
 	}
 
+	steps := api.StepsFrom(ctx) // nil when no caller times the scrub
 	unlock, err := c.lockIPs(ctx, ips)
+	steps.Mark("lock")
 	if err != nil {
 		return finish(err)
 	}
@@ -175,6 +178,7 @@ func (c *Backend) Scrub(ctx context.Context, req scrub.Request) (scrub.Result, e
 	// is trusted only once everything produced until now is applied, or
 	// the scrub deleted a set that misses those flows and called it complete.
 	synced := c.syncIndex(ctx) == nil
+	steps.Mark("sync")
 	for _, ip := range ips {
 		if err := ctx.Err(); err != nil {
 			return finish(err)
@@ -211,7 +215,9 @@ func (c *Backend) Scrub(ctx context.Context, req scrub.Request) (scrub.Result, e
 		// Every key the index holds, plus the forms Cilium may re-create
 		// them in (index.Covered): the one definition the audit checks.
 		x4, x6 := index.Covered(k4, k6)
+		steps.Mark("take")
 		left4, left6, err := c.deleteKeys(ctx, x4, x6, res.Deleted)
+		steps.Mark("delete")
 		c.ix.Return(ip, left4, left6)
 		if err != nil {
 			return finish(err)
@@ -242,7 +248,9 @@ func (c *Backend) Scrub(ctx context.Context, req scrub.Request) (scrub.Result, e
 	// One TrackAll: the recorder forgets the flows of all these IPs in
 	// shared passes over its seen caches rather than one pass per IP.
 	c.ix.TrackAll(track)
+	steps.Mark("take")
 	sr, err := c.sweeper.Sweep(ctx, sweepIPs, req.DryRun)
+	steps.Mark("sweep")
 	for k, n := range sr.Deleted {
 		if n > 0 {
 			res.Deleted[ctmap.Kind(k).Name()] += n
