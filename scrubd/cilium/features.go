@@ -24,7 +24,7 @@ const (
 	// the proxy's ports) create CT entries the pod's recorder never sees.
 	ReasonL7Proxy = "Cilium redirects the endpoint's traffic to the L7 proxy (proxy port in its policy map)"
 	// ReasonLocalCT: per-endpoint CT maps (cilium_ct4_<endpoint ID> etc.,
-	// the ConntrackLocal endpoint option of Cilium <= 1.16) hold the
+	// the ConntrackLocal endpoint option of Cilium 1.16 and 1.17) hold the
 	// entries of those endpoints, outside the global maps ctscrub scrubs.
 	ReasonLocalCT = "Cilium per-endpoint CT maps in use (cilium_ct*_<endpoint ID>): entries outside the global CT maps"
 	// ReasonPerClusterCT: per-cluster CT maps (cluster-aware addressing,

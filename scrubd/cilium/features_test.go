@@ -7,6 +7,7 @@ import (
 	"net/netip"
 	"path/filepath"
 	"testing"
+	"time"
 
 	"github.com/cilium/ebpf"
 
@@ -203,5 +204,40 @@ func TestNodeReasonNames(t *testing.T) {
 		if got := nodeReason(c.names); got != c.want {
 			t.Errorf("nodeReason(%v) = %q, want %q", c.names, got, c.want)
 		}
+	}
+}
+
+// The node-wide scan is cached by the directory's mtime: a pin made after a
+// cached scan must still be seen (bpffs updates the directory's mtime on
+// every pin and unpin).
+func TestNodeReasonRescansOnPin(t *testing.T) {
+	needRoot(t)
+	maps := pinnedMaps(t, 1<<10, false)
+	f := NewFeatures(maps.Root)
+	time.Sleep(racyWindow + 100*time.Millisecond) // past the racy window: the next scan is cached
+	if r := f.NodeReason(); r != "" {
+		t.Fatalf("global maps only: %q", r)
+	}
+	if f.stamp.IsZero() {
+		t.Fatal("scan of a directory unchanged for over a second was not cached")
+	}
+	spec := ctmap.Any4.Spec(1 << 10)
+	spec.Name = "cilium_ct_any4_00007"
+	m, err := ebpf.NewMap(spec)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer m.Close()
+	if err := m.Pin(filepath.Join(maps.Root, "cilium_ct_any4_00007")); err != nil {
+		t.Fatal(err)
+	}
+	if r := f.NodeReason(); r != ReasonLocalCT {
+		t.Fatalf("after pinning a per-endpoint CT map: %q, want %q", r, ReasonLocalCT)
+	}
+	if err := m.Unpin(); err != nil {
+		t.Fatal(err)
+	}
+	if r := f.NodeReason(); r != "" {
+		t.Fatalf("after unpinning it: %q", r)
 	}
 }
