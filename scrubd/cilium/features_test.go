@@ -92,7 +92,9 @@ func TestScrubMarksL7ProxyEndpoint(t *testing.T) {
 		valueSize      uint32
 	}{
 		{"1.16", "cilium_policy_", 24},
-		{"1.17-1.19", "cilium_policy_v2_", 8},
+		{"1.17", "cilium_policy_v2_", 24},
+		{"1.18", "cilium_policy_v2_", 8},
+		{"1.19", "cilium_policy_v2_", 12},
 		{"1.20", "cilium_policy_v3_", 12},
 	} {
 		t.Run(layout.cilium, func(t *testing.T) {
