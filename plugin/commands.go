@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"net/netip"
 	"slices"
+	"strings"
 	"time"
 
 	"github.com/containernetworking/cni/pkg/skel"
@@ -148,23 +149,42 @@ type stepError struct {
 }
 
 func add(ctx context.Context, cl *client.Client, conf *Config, args *skel.CmdArgs, ips []netip.Addr, ifname string) *stepError {
-	if conf.ScrubsOnAdd() {
+	start := api.IndexStartRequest{
+		Attachment: api.Attachment{ContainerID: args.ContainerID, IfName: ifname},
+		Netns:      args.Netns,
+		IPs:        ips,
+		Network:    conf.Name,
+		Scrub:      conf.ScrubsOnAdd(),
+	}
+	scrubWhat := fmt.Sprintf("scrub %v before container %s starts", ips, args.ContainerID)
+	startWhat := fmt.Sprintf("start indexing %s in %s (container %s)", ifname, args.Netns, args.ContainerID)
+	// One round trip: scrubd scrubs, then attaches.
+	err := cl.IndexStart(ctx, start)
+	if e, ok := client.APIError(err); ok && start.Scrub && e.Code == api.CodeBadRequest && strings.Contains(e.Message, `unknown field "scrub"`) {
+		// A scrubd older than this plugin (an upgrade in progress): the
+		// scrub and the start as two requests.
 		_, err := cl.Scrub(ctx, api.ScrubRequest{
 			IPs: ips, Reason: scrub.ReasonAdd,
 			ContainerID: args.ContainerID, Netns: args.Netns, IfName: ifname,
 		})
 		if err != nil {
-			return &stepError{fmt.Sprintf("scrub %v before container %s starts", ips, args.ContainerID), err}
+			return &stepError{scrubWhat, err}
 		}
+		start.Scrub = false
+		err = cl.IndexStart(ctx, start)
+		if err != nil {
+			return &stepError{startWhat, err}
+		}
+		return nil
 	}
-	err := cl.IndexStart(ctx, api.IndexStartRequest{
-		Attachment: api.Attachment{ContainerID: args.ContainerID, IfName: ifname},
-		Netns:      args.Netns,
-		IPs:        ips,
-		Network:    conf.Name,
-	})
 	if err != nil {
-		return &stepError{fmt.Sprintf("start indexing %s in %s (container %s)", ifname, args.Netns, args.ContainerID), err}
+		if e, ok := client.APIError(err); ok && e.Results != nil {
+			return &stepError{scrubWhat, err} // the scrub failed or was cancelled; nothing attached
+		}
+		if start.Scrub {
+			startWhat = scrubWhat + " and " + startWhat
+		}
+		return &stepError{startWhat, err}
 	}
 	return nil
 }

@@ -61,6 +61,11 @@ type IndexStartRequest struct {
 	// Network is the CNI network name (the conflist's "name"): a GC for a
 	// network drops only that network's attachments.
 	Network string `json:"network,omitempty"`
+	// Scrub makes scrubd first scrub IPs as an ADD's scrub (reason add) and
+	// attach only when that scrub completes: a CNI ADD in one round trip
+	// instead of two. A failed or cancelled scrub is answered as POST
+	// PathScrub answers it (Error.Results set) and nothing is attached.
+	Scrub bool `json:"scrub,omitempty"`
 }
 
 // IndexStopRequest detaches the recorder. Netns may be gone or empty (the

@@ -444,6 +444,9 @@ func (d *Daemon) handleIndexStart(w http.ResponseWriter, r *http.Request) {
 		writeError(w, e)
 		return
 	}
+	if req.Scrub && !d.scrubBeforeStart(w, r, req, ips) {
+		return
+	}
 	pod := api.IndexedPod{Attachment: req.Attachment, Netns: req.Netns, IPs: ips, Since: time.Now().UTC(), Network: req.Network}
 	if d.rec != nil {
 		ifindex, err := d.rec.Attach(req.Netns, req.IfName)
@@ -485,6 +488,33 @@ func (d *Daemon) handleIndexStart(w http.ResponseWriter, r *http.Request) {
 	d.log.Info("index start", "container_id", req.ContainerID, "ifname", req.IfName, "netns", req.Netns, "ips", ips, "ifindex", pod.Ifindex)
 	steps.Mark("log")
 	writeJSON(w, http.StatusOK, pod)
+}
+
+// scrubBeforeStart runs an index start's scrub (api.IndexStartRequest.Scrub)
+// as POST PathScrub would run the ADD's scrub. It reports whether the scrub
+// completed; when not, it has answered.
+func (d *Daemon) scrubBeforeStart(w http.ResponseWriter, r *http.Request, req api.IndexStartRequest, ips []netip.Addr) bool {
+	sreq := api.ScrubRequest{IPs: ips, Reason: scrub.ReasonAdd, ContainerID: req.ContainerID, Netns: req.Netns, IfName: req.IfName}
+	release, e := d.admit()
+	if e != nil {
+		d.log.Warn("scrub refused", "ips", ips, "reason", sreq.Reason, "container_id", req.ContainerID, "code", e.Code, "err", e.Message)
+		writeError(w, e)
+		return false
+	}
+	defer release()
+	steps := api.StepsFrom(r.Context())
+	d.beforeScrub(sreq, ips) // ownership.go
+	steps.Mark("ownership")
+	results := d.scrub(r.Context(), ips, sreq.Reason, false, req.ContainerID)
+	d.afterScrub(sreq.Reason, req.ContainerID, ips, results)
+	steps.Mark("release")
+	for _, res := range results {
+		if res.Outcome != scrub.Complete {
+			d.answerScrub(w, r.Context(), results)
+			return false
+		}
+	}
+	return true
 }
 
 func (d *Daemon) handleIndexStop(w http.ResponseWriter, r *http.Request) {

@@ -6,6 +6,7 @@ import (
 	"slices"
 	"testing"
 
+	"github.com/ctscrub/ctscrub/internal/testsupport/netpods"
 	"github.com/ctscrub/ctscrub/scrubd/api"
 	"github.com/ctscrub/ctscrub/scrubd/client"
 	"github.com/ctscrub/ctscrub/scrubd/scrub"
@@ -54,5 +55,38 @@ func TestAPIStepsTimed(t *testing.T) {
 	c.IndexIP(context.Background(), pod)
 	if n := counterValue(t, td, "ctscrub_api_step_seconds", map[string]string{"path": api.PathIndexIP, "step": "handler"}); n != 1 {
 		t.Errorf("index ip steps: %v observations, want 1", n)
+	}
+}
+
+// An index start with Scrub set is a whole CNI ADD in one request: the
+// previous owner's entries of the IP are gone before the recorder attaches.
+func TestIndexStartScrubsFirst(t *testing.T) {
+	root, _ := standinRoot(t, 1<<16)
+	node := netpods.NewNode(t)
+	pod := node.AddPod()
+	td := startDaemon(t, podConfig(t, root))
+	stale := podFlows(pod.Addr4, 30) // a previous owner's, never indexed
+	root.put4(t, stale)
+	c := client.New(td.cfg.Socket)
+	c.Trace = true
+	a := api.Attachment{ContainerID: "c0ffee", IfName: "eth0"}
+	err := c.IndexStart(context.Background(), api.IndexStartRequest{Attachment: a, Netns: pod.Path, IPs: []netip.Addr{pod.Addr4}, Scrub: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if n := root.present4(t, stale); n != 0 {
+		t.Errorf("%d of the previous owner's %d entries left after the ADD", n, len(stale))
+	}
+	if _, ok := td.pods.get(a); !ok {
+		t.Error("not attached after the ADD")
+	}
+	var names []string
+	for _, s := range c.Timings[0].Server {
+		names = append(names, s.Name)
+	}
+	// The scrub's steps, then the attach's.
+	i, j := slices.Index(names, "sweep"), slices.Index(names, "attach")
+	if i < 0 || j < i {
+		t.Errorf("steps %v: want the sweep before the attach", names)
 	}
 }
