@@ -160,7 +160,7 @@ func add(ctx context.Context, cl *client.Client, conf *Config, args *skel.CmdArg
 	startWhat := fmt.Sprintf("start indexing %s in %s (container %s)", ifname, args.Netns, args.ContainerID)
 	// One round trip: scrubd scrubs, then attaches.
 	err := cl.IndexStart(ctx, start)
-	if e, ok := client.APIError(err); ok && start.Scrub && e.Code == api.CodeBadRequest && strings.Contains(e.Message, `unknown field "scrub"`) {
+	if start.Scrub && olderScrubd(err, "scrub") {
 		// A scrubd older than this plugin (an upgrade in progress): the
 		// scrub and the start as two requests.
 		_, err := cl.Scrub(ctx, api.ScrubRequest{
@@ -248,6 +248,31 @@ func neverAdded(conf *Config) bool {
 
 func del(ctx context.Context, cl *client.Client, conf *Config, args *skel.CmdArgs, ips []netip.Addr) *stepError {
 	me := api.Attachment{ContainerID: args.ContainerID, IfName: args.IfName}
+	// One round trip: scrubd looks the attachment up, scrubs and stops it.
+	resp, err := cl.Del(ctx, api.IndexStopRequest{Attachment: me, Netns: args.Netns, Del: &api.CNIDel{IPs: ips, Scrub: conf.ScrubsOnDel()}})
+	if !olderScrubd(err, "del") {
+		if err != nil {
+			return &stepError{fmt.Sprintf("scrub the IPs of container %s and stop indexing %s", args.ContainerID, args.IfName), err}
+		}
+		for _, s := range resp.Skipped {
+			fmt.Fprintf(stderr, "ctscrub: DEL %s: not scrubbing %s: it belongs to container %s ifname %s now\n",
+				attachmentID(args), s.IP, s.Owner.ContainerID, s.Owner.IfName)
+		}
+		return nil
+	}
+	// A scrubd older than this plugin (mid-upgrade): the DEL as separate
+	// requests.
+	return delSteps(ctx, cl, conf, args, me, ips)
+}
+
+// olderScrubd reports whether err is a scrubd refusing a request field it
+// does not know yet (its decoder is strict): one older than the plugin.
+func olderScrubd(err error, field string) bool {
+	e, ok := client.APIError(err)
+	return ok && e.Code == api.CodeBadRequest && strings.Contains(e.Message, `unknown field "`+field+`"`)
+}
+
+func delSteps(ctx context.Context, cl *client.Client, conf *Config, args *skel.CmdArgs, me api.Attachment, ips []netip.Addr) *stepError {
 	rec, err := cl.IndexPod(ctx, me)
 	if e, ok := client.APIError(err); ok && e.Code == api.CodeNotFound {
 		rec, err = nil, nil

@@ -70,10 +70,9 @@ func (t *unixTransport) RoundTrip(req *http.Request) (*http.Response, error) {
 	if err != nil {
 		return nil, err
 	}
-	if dl, ok := ctx.Deadline(); ok {
-		conn.SetDeadline(dl)
-	}
-	// The caller's cancel unblocks the connection's reads and writes.
+	// The end of the caller's context (deadline or cancel) unblocks the
+	// connection's reads and writes; it runs once ctx.Err() is set, so the
+	// caller sees the context's error, not the connection's.
 	stop := context.AfterFunc(ctx, func() { conn.SetDeadline(time.Unix(1, 0)) })
 	fail := func(err error) (*http.Response, error) {
 		stop()
@@ -194,6 +193,12 @@ func (c *Client) IndexStart(ctx context.Context, req api.IndexStartRequest) erro
 // IndexStop detaches the recorder from a pod interface.
 func (c *Client) IndexStop(ctx context.Context, req api.IndexStopRequest) error {
 	return c.do(ctx, http.MethodPost, api.PathIndexStop, req, nil)
+}
+
+// Del is a whole CNI DEL in one request (req.Del set, see api.CNIDel).
+func (c *Client) Del(ctx context.Context, req api.IndexStopRequest) (*api.DelResponse, error) {
+	out := &api.DelResponse{}
+	return out, c.do(ctx, http.MethodPost, api.PathIndexStop, req, out)
 }
 
 // IndexList lists the indexed pod interfaces.

@@ -90,3 +90,54 @@ func TestIndexStartScrubsFirst(t *testing.T) {
 		t.Errorf("steps %v: want the sweep before the attach", names)
 	}
 }
+
+// An index stop with Del set is a whole CNI DEL in one request: the pod's
+// entries go, the attachment stops, a second DEL finds it stopped, and a
+// DEL of an attachment scrubd never indexed leaves alone an IP that
+// another attachment holds now.
+func TestIndexStopIsWholeDel(t *testing.T) {
+	root, _ := standinRoot(t, 1<<16)
+	node := netpods.NewNode(t)
+	pod := node.AddPod()
+	td := startDaemon(t, podConfig(t, root))
+	ctx := context.Background()
+	a := api.Attachment{ContainerID: "c0ffee", IfName: "eth0"}
+	if err := td.c.IndexStart(ctx, api.IndexStartRequest{Attachment: a, Netns: pod.Path, IPs: []netip.Addr{pod.Addr4}, Scrub: true}); err != nil {
+		t.Fatal(err)
+	}
+	keys := podFlows(pod.Addr4, 40)
+	root.put4(t, keys)
+	indexFlows(td.Daemon, pod.Addr4, keys)
+
+	// A repeated DEL of a pod scrubd never indexed, naming the live pod's IP.
+	other := api.Attachment{ContainerID: "gone", IfName: "eth0"}
+	resp, err := td.c.Del(ctx, api.IndexStopRequest{Attachment: other, Del: &api.CNIDel{IPs: []netip.Addr{pod.Addr4}, Scrub: true}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(resp.Skipped) != 1 || resp.Skipped[0].Owner != a || resp.Known {
+		t.Errorf("DEL of an unknown attachment: %+v, want %s skipped as %v's", resp, pod.Addr4, a)
+	}
+	if n := root.present4(t, keys); n != len(keys) {
+		t.Fatalf("the live pod lost %d entries to another attachment's DEL", len(keys)-n)
+	}
+
+	// The pod's DEL without prevResult: the IPs recorded at start.
+	resp, err = td.c.Del(ctx, api.IndexStopRequest{Attachment: a, Netns: pod.Path, Del: &api.CNIDel{Scrub: true}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !resp.Known || resp.AlreadyStopped || len(resp.Results) != 1 || resp.Results[0].Total < len(keys) {
+		t.Errorf("DEL: %+v, want the pod's %d entries deleted", resp, len(keys))
+	}
+	if n := root.present4(t, keys); n != 0 {
+		t.Errorf("%d of the pod's entries left after its DEL", n)
+	}
+	if rec, ok := td.pods.get(a); !ok || rec.Stopped.IsZero() {
+		t.Errorf("not stopped after the DEL: %+v", rec)
+	}
+	resp, err = td.c.Del(ctx, api.IndexStopRequest{Attachment: a, Del: &api.CNIDel{Scrub: true}})
+	if err != nil || !resp.AlreadyStopped || len(resp.Results) != 0 {
+		t.Errorf("second DEL: %+v, %v; want already stopped, no scrub", resp, err)
+	}
+}
