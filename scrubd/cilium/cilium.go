@@ -52,6 +52,8 @@ type Backend struct {
 	lockMu sync.Mutex
 	locks  map[netip.Addr]*ipLock
 
+	features *Features // Cilium features that put entries out of the index's reach
+
 	countErr error    // why Count walks instead of reading the kernel's counter
 	del      *deleter // nil: the kernel refused the delete program, batch deletes instead
 	delErr   error    // why del is nil
@@ -92,6 +94,7 @@ func New(maps *ctmap.Maps, ix *index.Index, opts Options) (*Backend, error) {
 		sweeper:  &Sweeper{progs: progs, ips4: ips4, ips6: ips6},
 		locks:    map[netip.Addr]*ipLock{},
 		countErr: countErr,
+		features: NewFeatures(maps.Root),
 	}, nil
 }
 
@@ -225,6 +228,23 @@ func (c *Backend) Scrub(ctx context.Context, req scrub.Request) (scrub.Result, e
 	// is trusted only once everything produced until now is applied, or
 	// the scrub deleted a set that misses those flows and called it complete.
 	synced := c.syncIndex(ctx) == nil
+	// Cilium features that put the IP's entries where the recorder or the
+	// global maps do not reach (L7 proxy, per-endpoint or per-cluster CT
+	// maps): the IP is marked incomplete, so it sweeps, and stays marked
+	// after the sweep (featured) while the feature is on.
+	var featured map[netip.Addr]string
+	for _, ip := range ips {
+		if !c.ix.Owns(ip) {
+			continue
+		}
+		if r := c.features.Reason(ip); r != "" {
+			if featured == nil {
+				featured = map[netip.Addr]string{}
+			}
+			featured[ip] = r
+			c.ix.MarkIncomplete(ip, r)
+		}
+	}
 	for _, ip := range ips {
 		if err := ctx.Err(); err != nil {
 			return finish(err)
@@ -292,6 +312,9 @@ func (c *Backend) Scrub(ctx context.Context, req scrub.Request) (scrub.Result, e
 	// One TrackAll: the recorder forgets the flows of all these IPs in
 	// shared passes over its seen caches rather than one pass per IP.
 	c.ix.TrackAll(track)
+	for ip, r := range featured {
+		c.ix.MarkIncomplete(ip, r)
+	}
 	sr, err := c.sweeper.Sweep(ctx, sweepIPs, req.DryRun)
 	for k, n := range sr.Deleted {
 		if n > 0 {

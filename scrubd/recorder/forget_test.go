@@ -64,7 +64,7 @@ func (l *loaded) records(t *testing.T, egress bool, frame []byte) int {
 
 // ForgetIPs bumps generations: every cached flow of the address (its own,
 // and live peers' flows towards it; IPv4 and IPv6; TCP through the front
-// cache and UDP) is recorded again at its next packet, other flows are not,
+// cache, UDP and ICMP errors) is recorded again at its next packet, other flows are not,
 // whatever the cache holds.
 func TestForgetIPs(t *testing.T) {
 	l := loadPinned(t, Options{})
@@ -84,6 +84,10 @@ func TestForgetIPs(t *testing.T) {
 		{"peer's tcp4 towards it", true, eth(0x0800).add(ipv4(6, 0, other4, pod4)...).add(ports(40002, 80, 20)...).b, pod4},
 		{"own tcp6", true, eth(0x86dd).add(ipv6(6, pod6, peer6)...).add(ports(40003, 443, 20)...).b, pod6},
 		{"peer's udp6 towards it", false, eth(0x86dd).add(ipv6(17, pod6, other6)...).add(ports(40004, 53, 8)...).b, pod6},
+		// ICMP errors are cached flows of their own (RELATED in the seen
+		// key): forgetting the address covers them too.
+		{"icmp4 error received", false, eth(0x0800).add(ipv4(1, 0, peer4, pod4)...).add(icmpMsg(3, 0)...).b, pod4},
+		{"icmp6 error sent", true, eth(0x86dd).add(ipv6(58, pod6, peer6)...).add(icmpMsg(1, 0)...).b, pod6},
 		{"unrelated tcp4", true, eth(0x0800).add(ipv4(6, 0, other4, peer4)...).add(ports(40005, 443, 20)...).b, netip.Addr{}},
 	}
 	for _, f := range flows {
