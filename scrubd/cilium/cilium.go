@@ -18,6 +18,7 @@ import (
 
 	"github.com/cilium/ebpf"
 
+	"github.com/ctscrub/ctscrub/scrubd/api"
 	"github.com/ctscrub/ctscrub/scrubd/ctmap"
 	"github.com/ctscrub/ctscrub/scrubd/index"
 )
@@ -37,6 +38,10 @@ type Options struct {
 // Backend scrubs Cilium's global CT maps: through the index for IPs whose
 // index is complete, through the shared sweep for the others.
 type Backend struct {
+	// mu guards maps and the programs loaded on them (sweeper, del, and
+	// their errors): every scrub and count holds it for reading, Reopen for
+	// writing while it moves the backend to re-created maps.
+	mu      sync.RWMutex
 	maps    *ctmap.Maps
 	ix      *index.Index
 	opts    Options
@@ -97,16 +102,59 @@ func New(maps *ctmap.Maps, ix *index.Index, opts Options) (*Backend, error) {
 // Name labels the backend's metrics and results.
 func (c *Backend) Name() string { return "cilium" }
 
-// Sweeper returns the backend's shared sweep.
-func (c *Backend) Sweeper() *Sweeper { return c.sweeper }
+// Sweeper returns the backend's shared sweep (a new one after Reopen).
+func (c *Backend) Sweeper() *Sweeper {
+	c.mu.RLock()
+	defer c.mu.RUnlock()
+	return c.sweeper
+}
+
+// Maps returns the CT maps the backend scrubs (other ones after Reopen).
+func (c *Backend) Maps() *ctmap.Maps {
+	c.mu.RLock()
+	defer c.mu.RUnlock()
+	return c.maps
+}
 
 // Close unloads the sweep programs. The CT maps are left open.
 func (c *Backend) Close() error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
 	c.sweeper.close()
 	if c.del != nil {
 		c.del.close()
 	}
 	return nil
+}
+
+// Reopen moves the backend to maps (Cilium re-created its CT maps): it loads
+// the sweep and delete programs on them, waits for the scrubs in flight on
+// the old maps to end, switches, runs during (nil allowed) before any scrub
+// sees the new maps, and unloads the old programs. It returns the old maps,
+// which stay the caller's to close. On error nothing changed.
+func (c *Backend) Reopen(maps *ctmap.Maps, during func()) (old *ctmap.Maps, err error) {
+	if maps == nil || (maps.Map(ctmap.TCP4) == nil && maps.Map(ctmap.TCP6) == nil) {
+		return nil, errors.New("scrub: Reopen needs CT maps")
+	}
+	progs, ips4, ips6, countErr, err := loadProgs(maps)
+	if err != nil {
+		return nil, err
+	}
+	del, delErr := loadDeleter(maps)
+	c.mu.Lock()
+	old, oldSweeper, oldDel := c.maps, c.sweeper, c.del
+	c.maps = maps
+	c.sweeper = &Sweeper{progs: progs, ips4: ips4, ips6: ips6}
+	c.del, c.delErr, c.countErr = del, delErr, countErr
+	if during != nil {
+		during()
+	}
+	c.mu.Unlock()
+	oldSweeper.close()
+	if oldDel != nil {
+		oldDel.close()
+	}
+	return old, nil
 }
 
 // Scrub deletes every CT entry of req.IPs. See the package comment for the
@@ -122,6 +170,9 @@ func (c *Backend) Scrub(ctx context.Context, req scrub.Request) (scrub.Result, e
 		Deleted: map[string]int{},
 		PerIP:   map[string]scrub.Method{},
 	}
+	// Held to the end: Reopen waits for scrubs on the old maps.
+	c.mu.RLock()
+	defer c.mu.RUnlock()
 	for _, k := range ctmap.Kinds {
 		if c.maps.Map(k) != nil {
 			res.Deleted[k.Name()] = 0
@@ -159,7 +210,9 @@ func (c *Backend) Scrub(ctx context.Context, req scrub.Request) (scrub.Result, e
 		return finish(err)
 	}
 
+	steps := api.StepsFrom(ctx) // nil when no caller times the scrub
 	unlock, err := c.lockIPs(ctx, ips)
+	steps.Mark("lock")
 	if err != nil {
 		return finish(err)
 	}
@@ -178,6 +231,7 @@ func (c *Backend) Scrub(ctx context.Context, req scrub.Request) (scrub.Result, e
 	// is trusted only once everything produced until now is applied, or
 	// the scrub deleted a set that misses those flows and called it complete.
 	synced := c.syncIndex(ctx) == nil
+	steps.Mark("sync")
 	// Cilium features that put the IP's entries where the recorder or the
 	// global maps do not reach (L7 proxy, per-endpoint or per-cluster CT
 	// maps): the IP is marked incomplete, so it sweeps, and stays marked
@@ -195,6 +249,7 @@ func (c *Backend) Scrub(ctx context.Context, req scrub.Request) (scrub.Result, e
 			c.ix.MarkIncomplete(ip, r)
 		}
 	}
+	steps.Mark("features")
 	for _, ip := range ips {
 		if err := ctx.Err(); err != nil {
 			return finish(err)
@@ -231,7 +286,9 @@ func (c *Backend) Scrub(ctx context.Context, req scrub.Request) (scrub.Result, e
 		// Every key the index holds, plus the forms Cilium may re-create
 		// them in (index.Covered): the one definition the audit checks.
 		x4, x6 := index.Covered(k4, k6)
+		steps.Mark("take")
 		left4, left6, err := c.deleteKeys(ctx, x4, x6, res.Deleted)
+		steps.Mark("delete")
 		c.ix.Return(ip, left4, left6)
 		if err != nil {
 			return finish(err)
@@ -265,7 +322,9 @@ func (c *Backend) Scrub(ctx context.Context, req scrub.Request) (scrub.Result, e
 	for ip, r := range featured {
 		c.ix.MarkIncomplete(ip, r)
 	}
+	steps.Mark("take")
 	sr, err := c.sweeper.Sweep(ctx, sweepIPs, req.DryRun)
+	steps.Mark("sweep")
 	for k, n := range sr.Deleted {
 		if n > 0 {
 			res.Deleted[ctmap.Kind(k).Name()] += n
@@ -470,6 +529,8 @@ func (c *Backend) lockIPs(ctx context.Context, ips []netip.Addr) (unlock func(),
 // back to a counting walk of the map in the kernel (O(entries), about 0.3 s
 // per million), skipped while a sweep runs.
 func (c *Backend) Count(k ctmap.Kind) (int64, error) {
+	c.mu.RLock()
+	defer c.mu.RUnlock()
 	if k < 0 || k >= ctmap.NumKinds || c.sweeper.progs[k] == nil {
 		return 0, fmt.Errorf("count %s: map not present", k.Name())
 	}
@@ -486,11 +547,17 @@ func (c *Backend) Count(k ctmap.Kind) (int64, error) {
 
 // CountError says why Count falls back to a walk (nil when it does not), for
 // the daemon's startup log.
-func (c *Backend) CountError() error { return c.countErr }
+func (c *Backend) CountError() error {
+	c.mu.RLock()
+	defer c.mu.RUnlock()
+	return c.countErr
+}
 
 // CountIsCheap reports whether Count uses the kernel's element counter
 // rather than a walk.
 func (c *Backend) CountIsCheap() bool {
+	c.mu.RLock()
+	defer c.mu.RUnlock()
 	for _, p := range c.sweeper.progs {
 		if p != nil && p.count == nil {
 			return false

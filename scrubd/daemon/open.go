@@ -61,7 +61,12 @@ func Open(cfg Config, log *slog.Logger, version string) (*Daemon, error) {
 				opts.Tasks = append(opts.Tasks, Task{Name: "expiry", Run: exp.Run})
 				opts.EntriesSplit = append(opts.EntriesSplit, "cilium")
 			}
-			opts.Backends = append(opts.Backends, ciliumBackend{c, maps, exp})
+			watch, err := newCTWatch(c, exp, rec, ix, log, opts.Registry)
+			if err != nil {
+				return fail(err)
+			}
+			opts.Tasks = append(opts.Tasks, Task{Name: "ct-maps-watch", Run: watch.run})
+			opts.Backends = append(opts.Backends, ciliumBackend{c, watch, exp})
 			opts.Expiry = exp
 			opts.Stats = append(opts.Stats, CiliumStats(maps, c))
 			opts.Recorder = rec
@@ -103,18 +108,6 @@ func Open(cfg Config, log *slog.Logger, version string) (*Daemon, error) {
 		return nil, err
 	}
 	return d, nil
-}
-
-// ciliumBackend closes the expiry pass and the CT maps with the backend
-// that uses them.
-type ciliumBackend struct {
-	*cilium.Backend
-	maps *ctmap.Maps
-	exp  *expiry.Runner
-}
-
-func (c ciliumBackend) Close() error {
-	return errors.Join(c.exp.Close(), c.Backend.Close(), c.maps.Close())
 }
 
 // openExpiry builds the expiry pass; its metrics go on the daemon's registry
