@@ -107,6 +107,7 @@ func attachmentID(args *skel.CmdArgs) string {
 // starts indexing the pod's interface, and only then passes prevResult on:
 // the pod gets no traffic before its IPs are clean and its flows recorded.
 func cmdAdd(args *skel.CmdArgs) error {
+	tr := newTrace("ADD")
 	conf, err := parseConfig(args.StdinData)
 	if err != nil {
 		return err
@@ -123,16 +124,21 @@ func cmdAdd(args *skel.CmdArgs) error {
 			"(cilium-cni, or bridge with host-local), not after one that only sets up links", ifname)
 	}
 
+	tr.mark("parse")
 	ctx, cancel := withTimeout(conf)
 	defer cancel()
-	cl := client.New(conf.Socket)
+	cl := tr.client(conf.Socket)
 	id := attachmentID(args)
 	if err := add(ctx, cl, conf, args, ips, ifname); err != nil {
 		if err := failure(conf, "ADD", id, err.what, err.err); err != nil {
 			return err
 		}
 	}
-	return printPrevResult(conf)
+	tr.mark("requests")
+	err = printPrevResult(conf)
+	tr.mark("print")
+	tr.print(cl)
+	return err
 }
 
 // stepError names the step of a command that failed.
@@ -181,6 +187,7 @@ func printPrevResult(conf *Config) error {
 // IP: no new pod gets an IP whose stale entries are still in the table. The
 // runtime retries the DEL.
 func cmdDel(args *skel.CmdArgs) error {
+	tr := newTrace("DEL")
 	conf, err := parseConfig(args.StdinData)
 	if err != nil {
 		return err
@@ -189,9 +196,11 @@ func cmdDel(args *skel.CmdArgs) error {
 	if err != nil {
 		return err
 	}
+	tr.mark("parse")
 	ctx, cancel := withTimeout(conf)
 	defer cancel()
-	cl := client.New(conf.Socket)
+	cl := tr.client(conf.Socket)
+	defer tr.print(cl)
 	id := attachmentID(args)
 	if err := del(ctx, cl, conf, args, ips); err != nil {
 		if client.IsUnavailable(err.err) && neverAdded(conf) {

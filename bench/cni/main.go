@@ -10,6 +10,8 @@
 //	PAIRS    timed ADD/DEL pairs (default 1000)
 //	RANGE    addresses host-local hands out; each is reused every RANGE pairs (default 4)
 //	DEMO_BIN where scrubd and ctscrub are (default bin; `make bench-cni` builds them)
+//	TRACE    0: no per-step breakdown of the plugin's ADD and DEL (default on)
+//	STATE_DIR where scrubd keeps its state file (default: a tmpfs, as /run on a real node)
 //
 // The last line of output is one JSON object.
 package main
@@ -52,6 +54,7 @@ func main() {
 		RangeSize:  envInt("RANGE", 4, 2, 200),
 		BinDir:     "bin",
 		RefPlugins: "/usr/lib/cni",
+		NoTrace:    os.Getenv("TRACE") == "0",
 	}
 	if v := os.Getenv("DEMO_BIN"); v != "" {
 		cfg.BinDir = v

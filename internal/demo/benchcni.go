@@ -23,6 +23,7 @@ type BenchCNIConfig struct {
 	RangeSize  int    // addresses host-local hands out (IP reuse every RangeSize pairs)
 	BinDir     string // bin/scrubd and bin/ctscrub
 	RefPlugins string // Debian's reference plugins
+	NoTrace    bool   // TRACE=0: no per-step trace of the plugin's calls
 }
 
 // BenchCNIResult is the JSON line (seconds).
@@ -46,6 +47,11 @@ type BenchCNIResult struct {
 	ChecksLeft   int     `json:"entries_left_at_checks"`
 	Checks       int     `json:"checks"`
 	Load1        string  `json:"load"`
+	// Each step's median (seconds) of the ctscrub ADD and DEL calls
+	// (stepSamples.addCall names them); absent with TRACE=0.
+	AddSteps map[string]float64 `json:"add_steps_p50_s,omitempty"`
+	DelSteps map[string]float64 `json:"del_steps_p50_s,omitempty"`
+	StateFS  string             `json:"state_fs"`
 }
 
 // BenchCNI is `make bench-cni`: the demo's node (its CT maps filled to
@@ -112,6 +118,8 @@ func BenchCNI(ctx context.Context, cfg BenchCNIConfig, cleanup *Cleanup, w io.Wr
 	if err != nil {
 		return res, err
 	}
+	res.StateFS = d.StateFS
+	p.f("scrubd's state file on %s\n", d.StateFS)
 	node, err := addNode(cleanup, nodeNS)
 	if err != nil {
 		return res, err
@@ -140,22 +148,38 @@ func BenchCNI(ctx context.Context, cfg BenchCNIConfig, cleanup *Cleanup, w io.Wr
 		return res, err
 	}
 	binDir := filepath.Join(WorkDir, "cni-bin")
+	var addSteps, delSteps stepSamples
+	timedCall := false // the calls of a warm-up pair are not broken down either
 	run := func(plugin, command, containerID, netns string, conf []byte) ([]byte, time.Duration, error) {
 		cmd := exec.Command(filepath.Join(binDir, plugin))
 		cmd.Env = []string{"CNI_COMMAND=" + command, "CNI_CONTAINERID=" + containerID, "CNI_NETNS=" + netns,
 			"CNI_IFNAME=eth0", "CNI_PATH=" + binDir, "PATH=/usr/sbin:/usr/bin:/sbin:/bin"}
+		traced := plugin == "ctscrub" && (command == "ADD" || command == "DEL") && !cfg.NoTrace
+		if traced {
+			cmd.Env = append(cmd.Env, pluginTraceEnv+"=1")
+		}
 		cmd.Stdin = bytes.NewReader(conf)
 		var stdout, stderr bytes.Buffer
 		cmd.Stdout, cmd.Stderr = &stdout, &stderr
-		var el time.Duration
+		var start, end time.Time
 		err := inNetns(node, func() error {
-			start := time.Now()
+			start = time.Now()
 			err := cmd.Run()
-			el = time.Since(start)
+			end = time.Now()
 			return err
 		})
+		el := end.Sub(start)
 		if err != nil {
 			return nil, el, fmt.Errorf("%s %s: %v: %s %s", plugin, command, err, bytes.TrimSpace(stdout.Bytes()), bytes.TrimSpace(stderr.Bytes()))
+		}
+		if traced && timedCall {
+			steps := &addSteps
+			if command == "DEL" {
+				steps = &delSteps
+			}
+			if err := steps.addCall(stderr.Bytes(), start, end); err != nil {
+				return nil, el, fmt.Errorf("%s %s: %w", plugin, command, err)
+			}
 		}
 		return stdout.Bytes(), el, nil
 	}
@@ -172,6 +196,7 @@ func BenchCNI(ctx context.Context, cfg BenchCNIConfig, cleanup *Cleanup, w io.Wr
 			return res, ctx.Err()
 		}
 		timed := i >= cfg.RangeSize
+		timedCall = timed
 		nsName := fmt.Sprintf("%s-bc%d", namePrefix, i)
 		path, err := addNetns(nsName)
 		if err != nil {
@@ -265,6 +290,11 @@ func BenchCNI(ctx context.Context, cfg BenchCNIConfig, cleanup *Cleanup, w io.Wr
 	res.BridgeDelP50 = q(bdel, 0.5).Seconds()
 	res.AddOverExec, res.DelOverExec = res.AddP50-res.ExecP50, res.DelP50-res.ExecP50
 	res.FlowsPerPod = float64(flows) / float64(total)
+	if !cfg.NoTrace {
+		res.AddSteps, res.DelSteps = addSteps.p50(), delSteps.p50()
+		addSteps.print(w, "ctscrub ADD", add)
+		delSteps.print(w, "ctscrub DEL", del)
+	}
 	if b, err := os.ReadFile("/proc/loadavg"); err == nil {
 		res.Load1 = string(bytes.TrimSpace(b))
 	}

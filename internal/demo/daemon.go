@@ -25,6 +25,7 @@ type daemon struct {
 	Socket  string
 	Metrics string // host:port
 	LogPath string
+	StateFS string // the file system of its state file: tmpfs, unless STATE_DIR says otherwise
 	Client  *client.Client
 	exited  chan struct{}
 	waitErr error
@@ -59,6 +60,10 @@ func startDaemon(ctx context.Context, c *Cleanup, cfg daemonConfig) (*daemon, er
 	if _, err := os.Stat(cfg.Bin); err != nil {
 		return nil, fmt.Errorf("scrubd binary %s: %w (run `make build`)", cfg.Bin, err)
 	}
+	stateDir, stateFS, err := prepareStateDir(c)
+	if err != nil {
+		return nil, err
+	}
 	port, err := freePort()
 	if err != nil {
 		return nil, fmt.Errorf("find a free port for scrubd's metrics: %w", err)
@@ -67,13 +72,14 @@ func startDaemon(ctx context.Context, c *Cleanup, cfg daemonConfig) (*daemon, er
 		Socket:  filepath.Join(cfg.WorkDir, "scrubd.sock"),
 		Metrics: fmt.Sprintf("127.0.0.1:%d", port),
 		LogPath: filepath.Join(cfg.WorkDir, "scrubd.log"),
+		StateFS: stateFS,
 		exited:  make(chan struct{}),
 	}
 	args := []string{
 		"--socket", d.Socket,
 		"--ct-root", cfg.CTRoot,
 		"--pin-dir", cfg.PinDir,
-		"--state-file", filepath.Join(cfg.WorkDir, "attachments.json"),
+		"--state-file", filepath.Join(stateDir, "attachments.json"),
 		"--metrics-addr", d.Metrics,
 		"--backends", "cilium",
 	}

@@ -78,6 +78,12 @@ func removeLeftovers(w io.Writer) error {
 			removed = append(removed, "netns "+e.Name())
 		}
 	}
+	if _, err := os.Stat(stateDirPath()); err == nil {
+		if err := removeStateDir(stateDirPath()); err != nil {
+			return fmt.Errorf("remove leftover %s: %w", stateDirPath(), err)
+		}
+		removed = append(removed, stateDirPath())
+	}
 	for _, d := range []string{BPFDir, WorkDir} {
 		if _, err := os.Stat(d); err == nil {
 			if err := os.RemoveAll(d); err != nil {
@@ -102,7 +108,7 @@ func Leftovers() []string {
 			out = append(out, filepath.Join(netnsDir, e.Name()))
 		}
 	}
-	for _, d := range []string{BPFDir, WorkDir} {
+	for _, d := range []string{BPFDir, WorkDir, stateDirPath()} {
 		if _, err := os.Stat(d); err == nil {
 			out = append(out, d)
 		}

@@ -18,6 +18,7 @@ import (
 
 	"github.com/cilium/ebpf"
 
+	"github.com/ctscrub/ctscrub/scrubd/api"
 	"github.com/ctscrub/ctscrub/scrubd/ctmap"
 	"github.com/ctscrub/ctscrub/scrubd/index"
 )
@@ -209,7 +210,9 @@ func (c *Backend) Scrub(ctx context.Context, req scrub.Request) (scrub.Result, e
 		return finish(err)
 	}
 
+	steps := api.StepsFrom(ctx) // nil when no caller times the scrub
 	unlock, err := c.lockIPs(ctx, ips)
+	steps.Mark("lock")
 	if err != nil {
 		return finish(err)
 	}
@@ -228,6 +231,7 @@ func (c *Backend) Scrub(ctx context.Context, req scrub.Request) (scrub.Result, e
 	// is trusted only once everything produced until now is applied, or
 	// the scrub deleted a set that misses those flows and called it complete.
 	synced := c.syncIndex(ctx) == nil
+	steps.Mark("sync")
 	// Cilium features that put the IP's entries where the recorder or the
 	// global maps do not reach (L7 proxy, per-endpoint or per-cluster CT
 	// maps): the IP is marked incomplete, so it sweeps, and stays marked
@@ -245,6 +249,7 @@ func (c *Backend) Scrub(ctx context.Context, req scrub.Request) (scrub.Result, e
 			c.ix.MarkIncomplete(ip, r)
 		}
 	}
+	steps.Mark("features")
 	for _, ip := range ips {
 		if err := ctx.Err(); err != nil {
 			return finish(err)
@@ -281,7 +286,9 @@ func (c *Backend) Scrub(ctx context.Context, req scrub.Request) (scrub.Result, e
 		// Every key the index holds, plus the forms Cilium may re-create
 		// them in (index.Covered): the one definition the audit checks.
 		x4, x6 := index.Covered(k4, k6)
+		steps.Mark("take")
 		left4, left6, err := c.deleteKeys(ctx, x4, x6, res.Deleted)
+		steps.Mark("delete")
 		c.ix.Return(ip, left4, left6)
 		if err != nil {
 			return finish(err)
@@ -315,7 +322,9 @@ func (c *Backend) Scrub(ctx context.Context, req scrub.Request) (scrub.Result, e
 	for ip, r := range featured {
 		c.ix.MarkIncomplete(ip, r)
 	}
+	steps.Mark("take")
 	sr, err := c.sweeper.Sweep(ctx, sweepIPs, req.DryRun)
+	steps.Mark("sweep")
 	for k, n := range sr.Deleted {
 		if n > 0 {
 			res.Deleted[ctmap.Kind(k).Name()] += n

@@ -13,6 +13,7 @@ import (
 	"net/http"
 	"net/netip"
 	"net/url"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -22,7 +23,20 @@ import (
 // Client talks to scrubd over its unix socket.
 type Client struct {
 	Socket string
-	hc     *http.Client
+	// Trace makes the client keep a Timing of every request in Timings.
+	Trace   bool
+	Timings []Timing
+	hc      *http.Client
+	dialed  atomic.Int64 // the last request's connect, ns
+}
+
+// Timing is one request as the client saw it: the connect, the whole round
+// trip (connect included) and the steps scrubd reported (api.TimingHeader).
+type Timing struct {
+	Path   string        `json:"path"`
+	Dial   time.Duration `json:"dial_ns"`
+	Total  time.Duration `json:"total_ns"`
+	Server []api.Step    `json:"server"`
 }
 
 // New returns a client for the socket (api.DefaultSocket when empty).
@@ -30,16 +44,18 @@ func New(socket string) *Client {
 	if socket == "" {
 		socket = api.DefaultSocket
 	}
-	return &Client{
-		Socket: socket,
-		hc: &http.Client{Transport: &http.Transport{
-			DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {
-				var d net.Dialer
-				return d.DialContext(ctx, "unix", socket)
-			},
-			DisableKeepAlives: true,
-		}},
-	}
+	c := &Client{Socket: socket}
+	c.hc = &http.Client{Transport: &http.Transport{
+		DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {
+			start := time.Now()
+			var d net.Dialer
+			conn, err := d.DialContext(ctx, "unix", socket)
+			c.dialed.Store(int64(time.Since(start)))
+			return conn, err
+		},
+		DisableKeepAlives: true,
+	}}
+	return c
 }
 
 // ErrUnavailable wraps every failure to reach the daemon (socket missing,
@@ -73,7 +89,17 @@ func (c *Client) do(ctx context.Context, method, path string, in, out any) error
 	if dl, ok := ctx.Deadline(); ok {
 		req.Header.Set(api.DeadlineHeader, dl.UTC().Format(time.RFC3339Nano))
 	}
+	start := time.Now()
 	resp, err := c.hc.Do(req)
+	if c.Trace {
+		defer func() {
+			t := Timing{Path: path, Dial: time.Duration(c.dialed.Load()), Total: time.Since(start)}
+			if resp != nil {
+				t.Server = api.ParseTiming(resp.Header.Get(api.TimingHeader))
+			}
+			c.Timings = append(c.Timings, t)
+		}()
+	}
 	if err != nil {
 		if ctx.Err() != nil {
 			return fmt.Errorf("scrubd at %s: %w", c.Socket, ctx.Err())

@@ -245,7 +245,7 @@ func (d *Daemon) Run(ctx context.Context) error {
 	apiSrv := &http.Server{
 		Handler:           d.rootOnly(d.apiHandler()),
 		BaseContext:       func(net.Listener) context.Context { return d.workCtx },
-		ConnContext:       peerCredContext,
+		ConnContext:       func(ctx context.Context, c net.Conn) context.Context { return peerCredContext(acceptContext(ctx), c) },
 		ReadHeaderTimeout: 10 * time.Second,
 	}
 

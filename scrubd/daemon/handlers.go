@@ -44,7 +44,7 @@ func (d *Daemon) apiHandler() http.Handler {
 	mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
 		writeError(w, &api.Error{Code: api.CodeBadRequest, Message: fmt.Sprintf("no API at %s %s (see scrubd/api for the paths and methods)", r.Method, r.URL.Path)})
 	})
-	return withDeadline(mux)
+	return d.withTiming(withDeadline(mux))
 }
 
 func (d *Daemon) metricsHandler() http.Handler {
@@ -214,13 +214,16 @@ func (d *Daemon) admit() (release func(), e *api.Error) {
 }
 
 func (d *Daemon) handleScrub(w http.ResponseWriter, r *http.Request) {
+	steps := api.StepsFrom(r.Context())
 	var req api.ScrubRequest
-	if e := decode(r, "scrub", &req); e != nil {
+	e := decode(r, "scrub", &req)
+	steps.Mark("decode")
+	if e != nil {
 		d.m.refused.WithLabelValues(e.Code).Inc()
 		writeError(w, e)
 		return
 	}
-	e := parseReason(req.Reason)
+	e = parseReason(req.Reason)
 	var ips []netip.Addr
 	if e == nil {
 		ips, e = d.checkIPs(req.IPs)
@@ -238,11 +241,14 @@ func (d *Daemon) handleScrub(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	defer release()
+	steps.Mark("check")
 	d.beforeScrub(req, ips) // ownership.go
+	steps.Mark("ownership")
 	results := d.scrub(r.Context(), ips, req.Reason, req.DryRun, req.ContainerID)
 	if !req.DryRun {
 		d.afterScrub(req.Reason, req.ContainerID, ips, results)
 	}
+	steps.Mark("release")
 	d.answerScrub(w, r.Context(), results)
 }
 
@@ -279,7 +285,9 @@ func (d *Daemon) scrub(ctx context.Context, ips []netip.Addr, reason scrub.Reaso
 	fs := make([]*flight, len(ips))
 	sharedAny := false
 	for i, ip := range ips {
-		f, shared := d.flights.join(d.workCtx, flightKey{ip: ip, dry: dry}, reason, d.runFlight)
+		// The flight carries the first caller's steps: its backends mark
+		// theirs there (a caller that joins a running flight sees "wait").
+		f, shared := d.flights.join(api.WithSteps(d.workCtx, api.StepsFrom(ctx)), flightKey{ip: ip, dry: dry}, reason, d.runFlight)
 		if shared {
 			d.m.shared.Inc()
 			sharedAny = true
@@ -293,6 +301,7 @@ func (d *Daemon) scrub(ctx context.Context, ips []netip.Addr, reason scrub.Reaso
 	var workStart, workEnd time.Time
 	for i, f := range fs {
 		res, finished := d.flights.wait(ctx, f)
+		api.StepsFrom(ctx).Mark("wait") // the flight's end to this goroutine running again
 		if finished && !f.start.IsZero() {
 			if workStart.IsZero() || f.start.Before(workStart) {
 				workStart = f.start
@@ -330,6 +339,7 @@ func (d *Daemon) scrub(ctx context.Context, ips []netip.Addr, reason scrub.Reaso
 			"shared", sharedAny, "dry_run", dry, "container_id", containerID, "error", r.Error,
 			"work_start", workStart, "work_end", workEnd)
 	}
+	api.StepsFrom(ctx).Mark("log")
 	return merged
 }
 
@@ -337,6 +347,8 @@ func (d *Daemon) scrub(ctx context.Context, ips []netip.Addr, reason scrub.Reaso
 // waiting for one of MaxInFlight slots.
 func (d *Daemon) runFlight(f *flight) {
 	f.results = make([]scrub.Result, len(d.backends))
+	steps := api.StepsFrom(f.ctx)
+	steps.Mark("handoff") // the flight's goroutine starting
 	select {
 	case d.slots <- struct{}{}:
 		defer func() { <-d.slots }()
@@ -347,6 +359,7 @@ func (d *Daemon) runFlight(f *flight) {
 		return
 	}
 	f.start = time.Now()
+	steps.Mark("queue")
 	req := scrub.Request{IPs: []netip.Addr{f.key.ip}, Reason: f.reason, DryRun: f.key.dry}
 	var wg sync.WaitGroup
 	for i, b := range d.backends {
@@ -357,6 +370,7 @@ func (d *Daemon) runFlight(f *flight) {
 	}
 	wg.Wait()
 	f.end = time.Now()
+	steps.Mark("backends")
 	if !f.key.dry {
 		for _, res := range f.results {
 			d.m.count(res)
@@ -412,8 +426,11 @@ func mergeResult(dst *scrub.Result, r scrub.Result) {
 }
 
 func (d *Daemon) handleIndexStart(w http.ResponseWriter, r *http.Request) {
+	steps := api.StepsFrom(r.Context())
 	var req api.IndexStartRequest
-	if e := decode(r, "index start", &req); e != nil {
+	e := decode(r, "index start", &req)
+	steps.Mark("decode")
+	if e != nil {
 		writeError(w, e)
 		return
 	}
@@ -422,6 +439,7 @@ func (d *Daemon) handleIndexStart(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	ips, e := d.checkIPs(req.IPs)
+	steps.Mark("check")
 	if e != nil {
 		writeError(w, e)
 		return
@@ -429,6 +447,7 @@ func (d *Daemon) handleIndexStart(w http.ResponseWriter, r *http.Request) {
 	pod := api.IndexedPod{Attachment: req.Attachment, Netns: req.Netns, IPs: ips, Since: time.Now().UTC(), Network: req.Network}
 	if d.rec != nil {
 		ifindex, err := d.rec.Attach(req.Netns, req.IfName)
+		steps.Mark("attach")
 		if errors.Is(err, recorder.ErrForget) {
 			// Recording, but flows cached for an earlier holder of these
 			// IPs may hide the new pod's: their scrubs must sweep.
@@ -449,6 +468,7 @@ func (d *Daemon) handleIndexStart(w http.ResponseWriter, r *http.Request) {
 		d.own.forget(ip) // owned now: no longer released
 	}
 	displaced, err := d.pods.start(pod)
+	steps.Mark("journal")
 	if err != nil {
 		writeError(w, &api.Error{Code: api.CodeInternal, Message: err.Error()})
 		return
@@ -463,12 +483,16 @@ func (d *Daemon) handleIndexStart(w http.ResponseWriter, r *http.Request) {
 		}
 	}
 	d.log.Info("index start", "container_id", req.ContainerID, "ifname", req.IfName, "netns", req.Netns, "ips", ips, "ifindex", pod.Ifindex)
+	steps.Mark("log")
 	writeJSON(w, http.StatusOK, pod)
 }
 
 func (d *Daemon) handleIndexStop(w http.ResponseWriter, r *http.Request) {
+	steps := api.StepsFrom(r.Context())
 	var req api.IndexStopRequest
-	if e := decode(r, "index stop", &req); e != nil {
+	e := decode(r, "index stop", &req)
+	steps.Mark("decode")
+	if e != nil {
 		writeError(w, e)
 		return
 	}
@@ -477,6 +501,7 @@ func (d *Daemon) handleIndexStop(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	pod, known, err := d.pods.stop(req.Attachment)
+	steps.Mark("journal")
 	if err != nil {
 		writeError(w, &api.Error{Code: api.CodeInternal, Message: err.Error()})
 		return
@@ -493,6 +518,7 @@ func (d *Daemon) handleIndexStop(w http.ResponseWriter, r *http.Request) {
 	// endpoint, and flows in that window create entries the index must
 	// hold. The filters go with the interface.
 	d.log.Info("index stop", "container_id", req.ContainerID, "ifname", req.IfName, "netns", netns, "known", known, "ips", pod.IPs)
+	api.StepsFrom(r.Context()).Mark("log")
 	writeJSON(w, http.StatusOK, pod)
 }
 

@@ -14,10 +14,17 @@ var durationBuckets = []float64{
 	0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 50, 100,
 }
 
+// stepBuckets span a map lookup (1 µs) to a sweep under load (10 s).
+var stepBuckets = []float64{
+	0.000001, 0.0000025, 0.000005, 0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005,
+	0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 10,
+}
+
 type metrics struct {
 	reg *prometheus.Registry
 
 	duration   *prometheus.HistogramVec
+	steps      *prometheus.HistogramVec
 	deleted    *prometheus.CounterVec
 	refused    *prometheus.CounterVec
 	shared     prometheus.Counter
@@ -38,6 +45,11 @@ func newMetrics(d *Daemon, reg *prometheus.Registry) *metrics {
 			Help:    "Time a scrub request took per backend, as its caller saw it (including a wait in the queue or on a shared scrub).",
 			Buckets: durationBuckets,
 		}, []string{"backend", "method", "reason", "result"}),
+		steps: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name:    "ctscrub_api_step_seconds",
+			Help:    "Time each step of an API request took (read: accept to handler; decode, check, attach, journal, sync, delete, ...; write: the answer), per path: where a CNI ADD or DEL spends its time in scrubd.",
+			Buckets: stepBuckets,
+		}, []string{"path", "step"}),
 		deleted: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "ctscrub_scrub_deleted_entries_total",
 			Help: "CT entries deleted by scrubs (each deletion counted once, however many callers shared the scrub).",
@@ -60,7 +72,7 @@ func newMetrics(d *Daemon, reg *prometheus.Registry) *metrics {
 			Help: "Failed reads of a backend's CT table occupancy.",
 		}, []string{"backend"}),
 	}
-	reg.MustRegister(m.duration, m.deleted, m.refused, m.shared, m.ctMax, m.statsError)
+	reg.MustRegister(m.duration, m.steps, m.deleted, m.refused, m.shared, m.ctMax, m.statsError)
 	// The entries gauge may be shared with (and registered by) the expiry pass.
 	if err := reg.Register(m.ctEntries); err != nil {
 		if _, ok := err.(prometheus.AlreadyRegisteredError); !ok {

@@ -1,0 +1,80 @@
+package main
+
+import (
+	"encoding/json"
+	"fmt"
+	"os"
+	"time"
+
+	"github.com/ctscrub/ctscrub/scrubd/client"
+)
+
+// started is when the Go runtime had started and this package's variables
+// were set: the time before it is exec and runtime start-up.
+var started = time.Now()
+
+// TraceEnv, when set in the plugin's environment, makes ADD and DEL print
+// one line to stderr with each step's time (TracePrefix + JSON): what
+// `make bench-cni` breaks a pod's ADD and DEL down by. Off by default: a
+// runtime logs a plugin's stderr.
+const (
+	TraceEnv    = "CTSCRUB_TRACE"
+	TracePrefix = "ctscrub-trace "
+)
+
+// trace is one command's steps. Times are wall-clock nanoseconds, so a
+// caller that timed the fork and the exit can place them around the steps.
+type trace struct {
+	on       bool
+	Cmd      string          `json:"cmd"`
+	StartNS  int64           `json:"start_unix_ns"` // runtime started
+	EntryNS  int64           `json:"entry_unix_ns"` // skel called the command
+	Steps    []traceStep     `json:"steps"`         // the plugin's own steps, in order
+	Requests []client.Timing `json:"requests"`      // each call to scrubd
+	EndNS    int64           `json:"end_unix_ns"`
+	last     time.Time
+}
+
+type traceStep struct {
+	Name string        `json:"name"`
+	Dur  time.Duration `json:"dur_ns"`
+}
+
+func newTrace(cmd string) *trace {
+	now := time.Now()
+	return &trace{on: os.Getenv(TraceEnv) != "", Cmd: cmd, StartNS: started.UnixNano(), EntryNS: now.UnixNano(), last: now}
+}
+
+func (t *trace) mark(name string) {
+	if !t.on {
+		return
+	}
+	now := time.Now()
+	t.Steps = append(t.Steps, traceStep{name, now.Sub(t.last)})
+	t.last = now
+}
+
+// client returns a client for socket that keeps its requests' timings when
+// tracing.
+func (t *trace) client(socket string) *client.Client {
+	cl := client.New(socket)
+	cl.Trace = t.on
+	return cl
+}
+
+// print writes the trace (when on) with cl's requests.
+func (t *trace) print(cl *client.Client) {
+	if !t.on {
+		return
+	}
+	t.mark("finish")
+	if cl != nil {
+		t.Requests = cl.Timings
+	}
+	t.EndNS = time.Now().UnixNano()
+	b, err := json.Marshal(t)
+	if err != nil {
+		return
+	}
+	fmt.Fprintf(stderr, "%s%s\n", TracePrefix, b)
+}
