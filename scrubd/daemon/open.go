@@ -47,7 +47,7 @@ func Open(cfg Config, log *slog.Logger, version string) (*Daemon, error) {
 				return fail(fmt.Errorf("cilium backend: load the sweep programs: %w", err))
 			}
 			closers = append(closers, c.Close)
-			rec, err := recorder.Load(recorder.Options{PinDir: cfg.PinDir, CTRoot: cfg.CTRoot, Log: log, CT: maps})
+			rec, err := recorder.Load(recorder.Options{PinDir: cfg.PinDir, CTRoot: cfg.CTRoot, Log: log, CT: maps, RingBytes: cfg.RingBytes})
 			if err != nil {
 				return fail(err)
 			}
