@@ -151,6 +151,7 @@ func runConfig(args []string) (daemon.Config, error) {
 	fs.Var(durationFlag{&flagCfg.Expiry.Interval}, "expiry-interval", "fixed interval between expiry passes")
 	fs.StringVar(&flagCfg.Expiry.Clock, "expiry-clock", flagCfg.Expiry.Clock, "clock of Cilium's CT lifetimes: auto, ktime or jiffies")
 	fs.StringVar(&flagCfg.CNIConfDir, "cni-conf-dir", flagCfg.CNIConfDir, "the runtime's CNI config dir: watch that it chains ctscrub (empty: off)")
+	fs.IntVar(&flagCfg.RingBytes, "ring-bytes", flagCfg.RingBytes, "recorder ring buffer size in bytes, a power of two (0: 8 MiB)")
 	fs.StringVar(&flagCfg.NFCTFallback, "nfct-fallback", flagCfg.NFCTFallback, "nf_conntrack scrub of incomplete IPs: auto (empty), flush or dump")
 	if err := fs.Parse(args); err != nil {
 		return daemon.Config{}, err
@@ -207,6 +208,8 @@ func runConfig(args []string) (daemon.Config, error) {
 			cfg.NFCTFallback = flagCfg.NFCTFallback
 		case "cni-conf-dir":
 			cfg.CNIConfDir = flagCfg.CNIConfDir
+		case "ring-bytes":
+			cfg.RingBytes = flagCfg.RingBytes
 		}
 	})
 	return cfg, nil

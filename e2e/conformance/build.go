@@ -26,7 +26,7 @@ import (
 // first. The newest is the newest github.com/cilium/cilium the Go module
 // proxy serves (checked with `go list -m -versions github.com/cilium/cilium`
 // on 2026-11-30).
-var Versions = []string{"v1.16.5", "v1.18.8", "v1.20.2"}
+var Versions = []string{"v1.16.5", "v1.17.6", "v1.18.8", "v1.19.4", "v1.20.2"}
 
 // Objects are the compiled programs of one Cilium version.
 type Objects struct {

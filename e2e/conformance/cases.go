@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"net/netip"
 
+	"github.com/ctscrub/ctscrub/scrubd/cilium"
 	"github.com/ctscrub/ctscrub/scrubd/ctmap"
 	"github.com/ctscrub/ctscrub/scrubd/index"
 )
@@ -113,6 +114,45 @@ func (e *Env) DeleteCT(k4 ctmap.CTKey4, k6 ctmap.CTKey6) {
 	}
 }
 
+// proxyRedirect is struct ct_entry's proxy_redirect flag bit (1.16-1.20).
+const proxyRedirect = 1 << 6
+
+// Redirected counts the TCP entries holding ip that Cilium flagged as
+// redirected to the L7 proxy, and all TCP entries holding ip.
+func (e *Env) Redirected(ip netip.Addr) (redirected, all int) {
+	m := e.N.CT.Map(ctmap.TCP4)
+	if e.V6 {
+		m = e.N.CT.Map(ctmap.TCP6)
+	}
+	it := m.Iterate()
+	var v ctmap.Entry
+	if e.V6 {
+		var k ctmap.CTKey6
+		for it.Next(&k, &v) {
+			if k.DAddr() == ip || k.SAddr() == ip {
+				all++
+				if v.Decode().Flags&proxyRedirect != 0 {
+					redirected++
+				}
+			}
+		}
+	} else {
+		var k ctmap.CTKey4
+		for it.Next(&k, &v) {
+			if k.DAddr() == ip || k.SAddr() == ip {
+				all++
+				if v.Decode().Flags&proxyRedirect != 0 {
+					redirected++
+				}
+			}
+		}
+	}
+	if err := it.Err(); err != nil {
+		e.Fail("read CT: %v", err)
+	}
+	return redirected, all
+}
+
 // Key builds a CT key of the case's family.
 func (e *Env) Key(daddr, saddr netip.Addr, dport, sport uint16, proto, flags uint8) (ctmap.CTKey4, ctmap.CTKey6) {
 	if e.V6 {
@@ -132,7 +172,10 @@ type Case struct {
 	// NotStandin says why the stand-in (which models only the pod's veth,
 	// not bpf_host) is not compared with Cilium on this case.
 	NotStandin string
-	Run        func(e *Env) (pods []*Pod, reasons []string)
+	// Marks: the case's pods must end incomplete with this reason (a
+	// feature the daemon detects because the harness cannot run its path).
+	Marks string
+	Run   func(e *Env) (pods []*Pod, reasons []string)
 }
 
 func (e *Env) icmpProto() uint8 {
@@ -306,4 +349,25 @@ var Cases = []Case{
 		e.Expect("host firewall ingress of the reply", e.N.ToHost(ack.Out))
 		return []*Pod{a}, nil
 	}},
+	// The L7 proxy (Envoy) cannot run here: its own connections to and from
+	// the pod are what the recorder never sees. The case runs Cilium's real
+	// redirect (a policy entry with a proxy port, as the agent writes for
+	// an L7 rule) and checks that the daemon marks the pod incomplete.
+	{Name: "l7-proxy-redirect", Marks: cilium.ReasonL7Proxy, Run: func(e *Env) ([]*Pod, []string) {
+		a, w := e.Pod("a"), e.World()
+		id := l7ID + uint32(e.next()) // the entries match this case's peer only
+		e.N.AddRemote(w, id)
+		e.N.AddL7(false, id, ProtoTCP, 80, 15001)  // ingress TCP/80 from w
+		e.N.AddL7(true, id, ProtoTCP, 8080, 15002) // egress TCP/8080 to w
+		e.N.PinPolicy(a)
+		e.Expect("SYN to the L7 port", e.N.FromNetdev(TCPFrame(AP(w, 50001), AP(e.IP(a), 80), SYN)))
+		e.Expect("SYN out to the L7 port", e.N.Send(a, TCPFrame(AP(e.IP(a), 40001), AP(w, 8080), SYN)))
+		if r, all := e.Redirected(e.IP(a)); r != 2 || all != 2 {
+			e.Fail("Cilium flagged %d of %d TCP entries proxy_redirect, want 2 of 2 (the L7 rules did not take)", r, all)
+		}
+		return []*Pod{a}, []string{cilium.ReasonL7Proxy}
+	}},
 }
+
+// l7ID is the first identity of the L7 case's peers.
+const l7ID = 70000

@@ -1,6 +1,7 @@
 package conformance
 
 import (
+	"net/netip"
 	"os"
 	"os/exec"
 	"strings"
@@ -66,6 +67,13 @@ func TestConformance(t *testing.T) {
 						}
 						for _, w := range wrong {
 							t.Errorf("wrong reason: %s", w)
+						}
+						if c.Marks != "" {
+							for _, ip := range ips {
+								if st := n.Ix.State(netip.MustParseAddr(ip)); st.Incomplete != c.Marks {
+									t.Errorf("%s: state %+v, want incomplete (%s)", ip, st, c.Marks)
+								}
+							}
 						}
 						if c.NotStandin == "" {
 							oc, osi := n.CompareStandin(pods)

@@ -22,7 +22,7 @@ type Collection struct {
 	// ctmap.Kinds), found by name.
 	CT [4]*ebpf.Map
 	// PolicyProg is the endpoint's ingress policy program (bpf_lxc.c's
-	// handle_policy in 1.16, cil_lxc_policy from 1.17): local delivery
+	// handle_policy up to 1.17, cil_lxc_policy from 1.18): local delivery
 	// tail-calls it through cilium_call_policy, keyed by endpoint ID.
 	PolicyProg *ebpf.Program
 }
@@ -122,7 +122,11 @@ func loadObject(path, pinDir string, minor int, cfg configs) (*Collection, error
 			}
 			calls.Contents = append(calls.Contents, ebpf.MapKV{Key: slot, Value: name})
 		}
-		if name == "cil_lxc_policy" {
+		switch {
+		case name == "cil_lxc_policy":
+			policyName = name
+		case name == "handle_policy" && policyName == "":
+			// 1.17: the policy program keeps 1.16's name in a "tc" section.
 			policyName = name
 		}
 	}

@@ -10,12 +10,14 @@ import (
 	"os"
 	"path/filepath"
 	"sort"
+	"strings"
 	"sync"
 	"testing"
 
 	"github.com/cilium/ebpf"
 
 	"github.com/ctscrub/ctscrub/internal/testsupport/standin"
+	"github.com/ctscrub/ctscrub/scrubd/cilium"
 	"github.com/ctscrub/ctscrub/scrubd/ctmap"
 	"github.com/ctscrub/ctscrub/scrubd/index"
 	"github.com/ctscrub/ctscrub/scrubd/recorder"
@@ -50,8 +52,11 @@ type Node struct {
 	// what ctmap.Open and the recorder's CTRoot expect.
 	Globals string
 	CT      *ctmap.Maps
-	Rec     *recorder.Recorder
-	Ix      *index.Index
+	// Feat is the daemon's detection of Cilium features that put entries
+	// out of the index's reach, over Globals.
+	Feat *cilium.Features
+	Rec  *recorder.Recorder
+	Ix   *index.Index
 	// SI is ctscrub's test-only stand-in for Cilium's datapath, fed the
 	// same frames on its own CT maps (SICT), to be compared with Cilium.
 	SI   *standin.Datapath
@@ -132,6 +137,16 @@ func NewNode(t testing.TB, o *Objects, dsr bool) *Node {
 			}
 		}
 	}
+	// cilium_lxc under its production name (1.16's test config:
+	// test_cilium_lxc), for the daemon's feature detection.
+	for name, m := range n.LXC.Maps {
+		if name == "cilium_lxc" || name == "test_cilium_lxc" {
+			if err := pinAlso(m, filepath.Join(n.Globals, "cilium_lxc")); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	n.Feat = cilium.NewFeatures(n.Globals)
 	if n.CT, err = ctmap.Open(n.Globals); err != nil {
 		t.Fatal(err)
 	}
@@ -162,10 +177,11 @@ func NewNode(t testing.TB, o *Objects, dsr bool) *Node {
 }
 
 // loopback4 is the node's IPv4 service loopback address (hairpin SNAT):
-// 1.16's test configuration compiles in 10.245.255.31 (bpf/node_config.h);
-// from 1.17 it is runtime configuration, set to Cilium's default.
+// the test configuration of 1.16 and 1.17 compiles in 10.245.255.31
+// (bpf/node_config.h IPV4_LOOPBACK); from 1.18 it is runtime configuration,
+// set to Cilium's default.
 func loopback4(o *Objects) netip.Addr {
-	if o.Minor <= 16 {
+	if o.Minor <= 17 {
 		return netip.MustParseAddr("10.245.255.31")
 	}
 	return netip.MustParseAddr("169.254.42.1")
@@ -307,6 +323,48 @@ func (n *Node) AddService(proto uint8, vip, backend netip.AddrPort, flags uint8)
 	if err := n.SI.AddService(proto, vip, backend); err != nil {
 		n.t.Fatal(err)
 	}
+}
+
+// AddL7 writes a policy entry that redirects the flows of identity,
+// direction (egress: identity is the destination's), protocol and port to
+// the L7 proxy on proxyPort, the way the agent writes an L7 rule. The
+// harness's endpoints share one policy map (Cilium's test configuration):
+// the entry's identity keeps it to the case that adds it.
+func (n *Node) AddL7(egress bool, identity uint32, proto uint8, port, proxyPort uint16) {
+	n.t.Helper()
+	a := confArgs{Op: 4, SecID: identity, Proto: proto}
+	if egress {
+		a.Family = 1
+	}
+	binary.BigEndian.PutUint16(a.VPort[:], port)
+	binary.BigEndian.PutUint16(a.BPort[:], proxyPort)
+	n.setup(a, "conf_setup")
+}
+
+// PinPolicy pins the harness's policy map as p's own under the agent's name
+// (cilium_policy_<id> 1.16, cilium_policy_v2_<id> 1.17-1.19,
+// cilium_policy_v3_<id> 1.20), where the daemon looks for L7 redirects.
+func (n *Node) PinPolicy(p *Pod) {
+	n.t.Helper()
+	prefix := "cilium_policy_"
+	switch {
+	case n.O.Minor >= 20:
+		prefix = "cilium_policy_v3_"
+	case n.O.Minor >= 17:
+		prefix = "cilium_policy_v2_"
+	}
+	for name, m := range n.LXC.Maps {
+		// 1.16/1.17 test config: test_cilium_policy_65535; 1.18-1.19:
+		// cilium_policy_v2; 1.20: cilium_policy (not the egress gateway's
+		// or SRv6's policy tries).
+		if m.Type() == ebpf.LPMTrie && (strings.HasPrefix(name, "cilium_policy") || strings.HasPrefix(name, "test_cilium_policy")) {
+			if err := pinAlso(m, filepath.Join(n.Globals, fmt.Sprintf("%s%05d", prefix, p.ID))); err != nil {
+				n.t.Fatal(err)
+			}
+			return
+		}
+	}
+	n.t.Fatalf("no policy map (LPM trie) in bpf_lxc of %s", n.O.Version)
 }
 
 // HostID is Cilium's identity of the node itself.
@@ -456,6 +514,15 @@ func (n *Node) Check(pods []*Pod, reasons ...string) (misses []Miss, wrong []str
 	n.t.Helper()
 	if _, err := n.Rec.Drain(n.Ix); err != nil {
 		n.t.Fatal(err)
+	}
+	// What a scrub does first (cilium.Backend.Scrub): a Cilium feature that
+	// puts the IP's entries out of the index's reach marks it incomplete.
+	for _, p := range pods {
+		for _, ip := range []netip.Addr{p.IP4, p.IP6} {
+			if r := n.Feat.Reason(ip); r != "" {
+				n.Ix.MarkIncomplete(ip, r)
+			}
+		}
 	}
 	mine := map[netip.Addr]bool{}
 	for _, p := range pods {

@@ -55,6 +55,32 @@ func createCTMaps(dir string, entries int) (*ctMaps, error) {
 	return m, nil
 }
 
+// recreate does what a Cilium agent restart that re-creates its CT maps
+// does: each map is unpinned and a new, empty one with the same spec pinned
+// in its place. The old maps are closed.
+func (m *ctMaps) recreate(entries int) error {
+	for _, k := range ctmap.Kinds {
+		spec := k.Spec(mapSize(k, entries))
+		mp, err := ebpf.NewMap(spec)
+		if err != nil {
+			return fmt.Errorf("re-create CT map %s: %w", k.Name(), err)
+		}
+		path := filepath.Join(m.dir, k.Name())
+		if old := m.maps[k]; old != nil {
+			if err := old.Unpin(); err != nil {
+				mp.Close()
+				return fmt.Errorf("unpin CT map %s: %w", path, err)
+			}
+			old.Close()
+		}
+		m.maps[k] = mp
+		if err := mp.Pin(path); err != nil {
+			return fmt.Errorf("pin CT map at %s: %w", path, err)
+		}
+	}
+	return nil
+}
+
 // share is the fraction of all entries each map holds with the fill's mix
 // (see fill): v4 3/4 of flows, half TCP; every flow also has a related entry
 // in the "any" map of its family.

@@ -42,6 +42,8 @@ type daemonConfig struct {
 	PinDir   string
 	CTRoot   string
 	PodCIDRs []netip.Prefix
+	// RingBytes: the recorder's ring buffer (0: scrubd's default).
+	RingBytes int
 }
 
 // freePort asks the kernel for a free loopback port for the metrics server.
@@ -83,6 +85,9 @@ func startDaemon(ctx context.Context, c *Cleanup, cfg daemonConfig) (*daemon, er
 	}
 	for _, p := range cfg.PodCIDRs {
 		args = append(args, "--pod-cidr", p.String())
+	}
+	if cfg.RingBytes > 0 {
+		args = append(args, "--ring-bytes", fmt.Sprint(cfg.RingBytes))
 	}
 	logf, err := os.Create(d.LogPath)
 	if err != nil {

@@ -26,6 +26,12 @@ func newDatapath(m *ctMaps) (datapath, error) {
 	if err := standin.CreateServiceMaps(m.dir); err != nil {
 		return nil, err
 	}
+	return loadDatapath(m)
+}
+
+// loadDatapath loads the stand-in over the CT and service maps pinned in
+// m.dir now (after newDatapath made the service maps).
+func loadDatapath(m *ctMaps) (datapath, error) {
 	dp, err := standin.Load(m.dir, nil)
 	if err != nil {
 		return nil, err

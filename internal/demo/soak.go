@@ -176,6 +176,29 @@ type soak struct {
 	checker *cilium.Sweeper
 	node    string
 	dp      datapath
+	others  []*pod // the long-lived pods
+
+	// The other pods' entries whose survival is checked at the end (reset
+	// when the CT maps are re-created).
+	plan     fillPlan
+	bgBefore int
+	keep     map[anyKey]uint32
+}
+
+// setChecker makes the soak's own count pass over the CT maps pinned now.
+func (s *soak) setChecker(ctRoot string) error {
+	cm, err := ctmap.Open(ctRoot)
+	if err != nil {
+		return err
+	}
+	cb, err := cilium.New(cm, index.New(index.Config{}), cilium.Options{})
+	if err != nil {
+		cm.Close()
+		return err
+	}
+	s.cleanup.Push("close the check's sweep programs", func() error { cb.Close(); cm.Close(); return nil })
+	s.checker = cb.Sweeper()
+	return nil
 }
 
 // add creates a pod through the chain and puts the Cilium stand-in on its
@@ -245,26 +268,18 @@ func runSoak(ctx context.Context, cfg SoakConfig, cleanup *Cleanup, w io.Writer)
 	cleanup.Push("unpin CT maps", maps.Close)
 	nbg := min(max(64, cfg.Entries/256), 16384)
 	nbg -= nbg % 4
-	bg := backgroundPods(bgPods4, bgPods6, nbg)
-	put, took, err := fill(ctx, maps, fillPlan{Entries: cfg.Entries, Background: bg})
+	s.plan = fillPlan{Entries: cfg.Entries, Background: backgroundPods(bgPods4, bgPods6, nbg)}
+	put, took, err := fill(ctx, maps, s.plan)
 	if err != nil {
 		return nil, err
 	}
 	s.logf("filled %d entries (%d synthetic pods) in %s", put, nbg, took.Round(time.Millisecond))
-	bgBefore, err := countRange(maps, bgPods4, bgPods6)
-	if err != nil {
+	if s.bgBefore, err = countRange(maps, bgPods4, bgPods6); err != nil {
 		return nil, err
 	}
-	cm, err := ctmap.Open(ctRoot)
-	if err != nil {
+	if err := s.setChecker(ctRoot); err != nil {
 		return nil, err
 	}
-	cb, err := cilium.New(cm, index.New(index.Config{}), cilium.Options{})
-	if err != nil {
-		return nil, err
-	}
-	cleanup.Push("close the check's sweep programs", func() error { cb.Close(); cm.Close(); return nil })
-	s.checker = cb.Sweeper()
 	dp, err := newDatapath(maps)
 	if err != nil {
 		return nil, err
@@ -272,7 +287,7 @@ func runSoak(ctx context.Context, cfg SoakConfig, cleanup *Cleanup, w io.Writer)
 	cleanup.Push("unload the datapath stand-in", dp.Close)
 	s.dp = dp
 	s.dcfg = daemonConfig{Bin: filepath.Join(cfg.BinDir, "scrubd"), WorkDir: WorkDir, PinDir: filepath.Join(BPFDir, "scrubd"),
-		CTRoot: ctRoot, PodCIDRs: []netip.Prefix{podCIDR4, podCIDR6}}
+		CTRoot: ctRoot, PodCIDRs: []netip.Prefix{podCIDR4, podCIDR6}, RingBytes: soakRingBytes}
 	if s.d, err = startDaemon(ctx, cleanup, s.dcfg); err != nil {
 		return nil, err
 	}
@@ -333,12 +348,12 @@ func runSoak(ctx context.Context, cfg SoakConfig, cleanup *Cleanup, w io.Writer)
 		}
 	})
 	defer func() { stopBG(); bgWG.Wait() }()
+	s.others = others
 	time.Sleep(time.Second)
-	keep, err := keysOf(maps, append(others[0].IPs(), others[1].IPs()...))
-	if err != nil {
+	if s.keep, err = keysOf(maps, append(others[0].IPs(), others[1].IPs()...)); err != nil {
 		return nil, err
 	}
-	s.logf("long-lived pods %s, %s: %d CT entries so far; cycles start", others[0].V4, others[1].V4, len(keep))
+	s.logf("long-lived pods %s, %s: %d CT entries so far; cycles start", others[0].V4, others[1].V4, len(s.keep))
 
 	faults := s.schedule()
 	tenth := max(1, cfg.Cycles/10)
@@ -374,9 +389,9 @@ func runSoak(ctx context.Context, cfg SoakConfig, cleanup *Cleanup, w io.Writer)
 	if err != nil {
 		return &s.res, err
 	}
-	s.res.WrongDeletions = max(0, bgBefore-bgAfter)
+	s.res.WrongDeletions = max(0, s.bgBefore-bgAfter)
 	now := monotonicSeconds()
-	for k, lt := range keep {
+	for k, lt := range s.keep {
 		if !present(maps, k) && lt >= now {
 			s.res.WrongDeletions++
 		}
@@ -390,7 +405,7 @@ func runSoak(ctx context.Context, cfg SoakConfig, cleanup *Cleanup, w io.Writer)
 	for _, f := range s.res.Faults {
 		s.res.Pass = s.res.Pass && (f.OK || f.Skipped)
 	}
-	s.logf("background: %d entries before, %d after; long-lived pods' entries checked: %d", bgBefore, bgAfter, len(keep))
+	s.logf("background: %d entries before, %d after; long-lived pods' entries checked: %d", s.bgBefore, bgAfter, len(s.keep))
 	return &s.res, nil
 }
 
@@ -540,10 +555,17 @@ func (s *soak) faultDeadline(ctx context.Context, _ int) FaultResult {
 	return r
 }
 
+// soakRingBytes is the recorder's ring buffer in the soak: 1 MiB, about
+// 18,700 records, so the ring-buffer fault's burst (tens of thousands of new
+// flows) overruns it for certain at every ENTRIES, while the cycles' and the
+// background's few flows a second never come near it.
+const soakRingBytes = 1 << 20
+
 // faultRingOverrun: scrubd is stopped (SIGSTOP) so its reader drains
 // nothing, a pod makes more new flows than the ring buffer holds, scrubd is
-// continued. The records lost are counted; the pod's IP must come out
-// incomplete and its DEL sweep.
+// continued. The kernel must count the records lost, scrubd must show them
+// (ctscrub_index_lost_total) and mark the pod's IP incomplete, and its DEL
+// must leave nothing (it sweeps).
 func (s *soak) faultRingOverrun(ctx context.Context, cycle int) FaultResult {
 	r := FaultResult{Name: "ring buffer overrun by a burst of new flows"}
 	closeWin := s.openWindow()
@@ -556,15 +578,26 @@ func (s *soak) faultRingOverrun(ctx context.Context, cycle int) FaultResult {
 	d := s.daemon()
 	lostBefore := s.metric("ctscrub_index_lost_total")
 	_ = d.cmd.Process.Signal(syscall.SIGSTOP)
-	flows := min(200000, s.cfg.Entries/2)
+	// Four times the ring's records, within what the maps have room for.
+	flows := min(4*soakRingBytes/56, s.cfg.Entries/2)
 	sent, berr := burst(p.Netns, outsideAddr[0].Addr(), flows)
 	_ = d.cmd.Process.Signal(syscall.SIGCONT)
-	time.Sleep(time.Second)
-	lost := s.metric("ctscrub_index_lost_total") - lostBefore
-	st, _ := d.Client.IndexIP(ctx, p.V4)
+	// scrubd polls the kernel's lost counters every second.
+	var lost float64
+	var st *api.IPState
+	t0 := time.Now()
+	for time.Since(t0) < 15*time.Second {
+		lost = s.metric("ctscrub_index_lost_total") - lostBefore
+		st, _ = d.Client.IndexIP(ctx, p.V4)
+		if lost > 0 && st != nil && st.Incomplete != "" {
+			break
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
 	keys := 0
+	incomplete := ""
 	if st != nil {
-		keys = st.Keys
+		keys, incomplete = st.Keys, st.Incomplete
 	}
 	_, derr := s.ch.Del(ctx, p)
 	left, werr := s.leftOf(ctx, p.IPs())
@@ -579,15 +612,11 @@ func (s *soak) faultRingOverrun(ctx context.Context, cycle int) FaultResult {
 	}
 	r.WindowS = closeWin()
 	s.res.StaleEntriesLeft += left
-	incomplete := ""
-	if st != nil {
-		incomplete = st.Incomplete
-	}
-	r.OK = berr == nil && derr == nil && werr == nil && left == 0 && (lost == 0 || incomplete != "")
-	r.Outcome = fmt.Sprintf("%d flows sent while scrubd was stopped; records lost %.0f; index then held %d keys of the pod, incomplete %q; DEL %s; entries left after the DEL %d; left after the next pod's ADD on the same address %d (-1: other address)",
-		sent, lost, keys, incomplete, errString(derr), left, inherited)
+	r.OK = berr == nil && derr == nil && werr == nil && left == 0 && lost > 0 && incomplete != ""
+	r.Outcome = fmt.Sprintf("%d flows sent while scrubd was stopped (ring %d KiB); records lost %.0f; index then held %d keys of the pod, incomplete %q; DEL %s; entries left after the DEL %d; left after the next pod's ADD on the same address %d (-1: other address)",
+		sent, soakRingBytes>>10, lost, keys, incomplete, errString(derr), left, inherited)
 	if lost == 0 {
-		r.Outcome += " (the ring buffer held the burst: no overrun at this size)"
+		r.Outcome += " (no record lost: the ring was not overrun)"
 	}
 	return r
 }
@@ -655,13 +684,102 @@ func (s *soak) faultSocketRemoved(ctx context.Context, _ int) FaultResult {
 }
 
 // faultCTMapsRecreated: Cilium's CT maps are unpinned and re-created empty
-// under the daemon, as an agent restart that re-creates its maps does. The
-// background's entries go with the old maps; they are written again into the
-// new ones, and the count of "other pods' entries" restarts from there.
-func (s *soak) faultCTMapsRecreated(ctx context.Context, _ int) FaultResult {
+// under the daemon, as an agent restart that re-creates its maps does: the
+// datapath stand-in is detached, the maps replaced, the stand-in loaded
+// again on the new maps and re-attached to the long-lived pods. scrubd must
+// notice on its own (ctscrub_ct_maps_reopened_total), mark the indexed IPs
+// incomplete (ctscrub_index_marked_incomplete_total), and scrub the new maps: a
+// pod made after it is scrubbed clean. The background's entries went with
+// the old maps; they are written again into the new ones, and the count of
+// "other pods' entries" checked at the end restarts from there.
+func (s *soak) faultCTMapsRecreated(ctx context.Context, cycle int) FaultResult {
 	r := FaultResult{Name: "Cilium's CT maps unpinned and re-created"}
-	r.Outcome = "not run: the soak's datapath stand-in holds the old maps and scrubd does not yet re-open re-created maps (see docs/soak.md)"
-	r.Skipped = true
+	closeWin := s.openWindow()
+	fail := func(what string, err error) FaultResult {
+		r.WindowS = closeWin()
+		r.Outcome = what + ": " + err.Error()
+		return r
+	}
+	reopened := s.metric("ctscrub_ct_maps_reopened_total")
+	marked := s.metric("ctscrub_index_marked_incomplete_total")
+	if err := s.dp.Close(); err != nil {
+		return fail("detach the datapath stand-in", err)
+	}
+	t0 := time.Now()
+	if err := s.maps.recreate(2 * s.cfg.Entries); err != nil {
+		return fail("re-create the CT maps", err)
+	}
+	dp, err := loadDatapath(s.maps)
+	if err != nil {
+		return fail("reload the datapath stand-in", err)
+	}
+	s.cleanup.Push("unload the datapath stand-in", dp.Close)
+	s.dp = dp
+	for _, p := range s.others {
+		if err := inNetns(s.node, func() error { return s.dp.Attach(p.HostVeth) }); err != nil {
+			return fail("re-attach the datapath stand-in", err)
+		}
+	}
+	if err := s.setChecker(s.maps.dir); err != nil {
+		return fail("the soak's count pass on the new maps", err)
+	}
+	noticed := false
+	for time.Since(t0) < 30*time.Second {
+		if s.metric("ctscrub_ct_maps_reopened_total") > reopened {
+			noticed = true
+			break
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	took := time.Since(t0)
+	nMarked := s.metric("ctscrub_index_marked_incomplete_total") - marked
+	st, _ := s.daemon().Client.IndexIP(ctx, s.others[0].V4)
+	why := ""
+	if st != nil {
+		why = st.Incomplete
+	}
+	// The other pods' entries, again: the synthetic ones written into the
+	// new maps, the long-lived pods' after a second of their traffic.
+	put, ftook, err := fill(ctx, s.maps, s.plan)
+	if err != nil {
+		return fail("refill the new maps", err)
+	}
+	if s.bgBefore, err = countRange(s.maps, bgPods4, bgPods6); err != nil {
+		return fail("count the refilled maps", err)
+	}
+	time.Sleep(time.Second)
+	ips := append(s.others[0].IPs(), s.others[1].IPs()...)
+	if s.keep, err = keysOf(s.maps, ips); err != nil {
+		return fail("read the long-lived pods' entries", err)
+	}
+	// Two pods through the whole cycle on the new maps.
+	left := 0
+	var errs []string
+	for j := range 2 {
+		p, err := s.add(ctx, fmt.Sprintf("ctmaps-%d-%d", cycle, j))
+		if err != nil {
+			errs = append(errs, err.Error())
+			continue
+		}
+		_, _ = sendTraffic(ctx, p.Netns, outsideAddr[0].Addr(), trafficCounts{TCP: 2, UDP: 2, Ping: 1})
+		_, _ = sendTraffic(ctx, netnsPath(outsideNS), p.V4, trafficCounts{TCP: 1})
+		if _, err := s.ch.Del(ctx, p); err != nil {
+			errs = append(errs, err.Error())
+		}
+		n, err := s.leftOf(ctx, p.IPs())
+		if err != nil {
+			errs = append(errs, err.Error())
+		}
+		left += n
+	}
+	s.res.StaleEntriesLeft += left
+	r.WindowS = closeWin()
+	// An IP keeps the first reason it was marked for (the SIGKILL fault's
+	// restart may have marked the long-lived pods before): incomplete is
+	// what counts, and the marks of this fault are in nMarked.
+	r.OK = noticed && nMarked > 0 && why != "" && left == 0 && len(errs) == 0
+	r.Outcome = fmt.Sprintf("re-created; scrubd re-opened them: %v after %.2fs; IPs marked incomplete %.0f (long-lived pod %s: %q); refilled %d entries in %s, long-lived pods' entries now %d; 2 pods after it: %d entries left, errors %v",
+		noticed, took.Seconds(), nMarked, s.others[0].V4, why, put, ftook.Round(time.Millisecond), len(s.keep), left, errs)
 	return r
 }
 
@@ -723,9 +841,10 @@ func burst(from string, dst netip.Addr, n int) (int, error) {
 		}
 		defer c.Close()
 		for i := range n {
+			// 50,000 ports per address: distinct flows up to 100,000.
 			port := 10000 + i%50000
 			ip := dst
-			if i >= 50000 {
+			if i/50000%2 == 1 {
 				ip = outsideAddr[1].Addr()
 			}
 			if _, err := c.WriteTo([]byte("x"), net.UDPAddrFromAddrPort(netip.AddrPortFrom(ip, uint16(port)))); err == nil {

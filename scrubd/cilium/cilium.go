@@ -38,6 +38,10 @@ type Options struct {
 // Backend scrubs Cilium's global CT maps: through the index for IPs whose
 // index is complete, through the shared sweep for the others.
 type Backend struct {
+	// mu guards maps and the programs loaded on them (sweeper, del, and
+	// their errors): every scrub and count holds it for reading, Reopen for
+	// writing while it moves the backend to re-created maps.
+	mu      sync.RWMutex
 	maps    *ctmap.Maps
 	ix      *index.Index
 	opts    Options
@@ -98,16 +102,63 @@ func New(maps *ctmap.Maps, ix *index.Index, opts Options) (*Backend, error) {
 // Name labels the backend's metrics and results.
 func (c *Backend) Name() string { return "cilium" }
 
-// Sweeper returns the backend's shared sweep.
-func (c *Backend) Sweeper() *Sweeper { return c.sweeper }
+// Features returns the backend's detection of Cilium features that keep
+// entries out of the index's reach (and its counts, for the metrics).
+func (c *Backend) Features() *Features { return c.features }
+
+// Sweeper returns the backend's shared sweep (a new one after Reopen).
+func (c *Backend) Sweeper() *Sweeper {
+	c.mu.RLock()
+	defer c.mu.RUnlock()
+	return c.sweeper
+}
+
+// Maps returns the CT maps the backend scrubs (other ones after Reopen).
+func (c *Backend) Maps() *ctmap.Maps {
+	c.mu.RLock()
+	defer c.mu.RUnlock()
+	return c.maps
+}
 
 // Close unloads the sweep programs. The CT maps are left open.
 func (c *Backend) Close() error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
 	c.sweeper.close()
 	if c.del != nil {
 		c.del.close()
 	}
 	return nil
+}
+
+// Reopen moves the backend to maps (Cilium re-created its CT maps): it loads
+// the sweep and delete programs on them, waits for the scrubs in flight on
+// the old maps to end, switches, runs during (nil allowed) before any scrub
+// sees the new maps, and unloads the old programs. It returns the old maps,
+// which stay the caller's to close. On error nothing changed.
+func (c *Backend) Reopen(maps *ctmap.Maps, during func()) (old *ctmap.Maps, err error) {
+	if maps == nil || (maps.Map(ctmap.TCP4) == nil && maps.Map(ctmap.TCP6) == nil) {
+		return nil, errors.New("scrub: Reopen needs CT maps")
+	}
+	progs, ips4, ips6, countErr, err := loadProgs(maps)
+	if err != nil {
+		return nil, err
+	}
+	del, delErr := loadDeleter(maps)
+	c.mu.Lock()
+	old, oldSweeper, oldDel := c.maps, c.sweeper, c.del
+	c.maps = maps
+	c.sweeper = &Sweeper{progs: progs, ips4: ips4, ips6: ips6}
+	c.del, c.delErr, c.countErr = del, delErr, countErr
+	if during != nil {
+		during()
+	}
+	c.mu.Unlock()
+	oldSweeper.close()
+	if oldDel != nil {
+		oldDel.close()
+	}
+	return old, nil
 }
 
 // Scrub deletes every CT entry of req.IPs. See the package comment for the
@@ -123,6 +174,9 @@ func (c *Backend) Scrub(ctx context.Context, req scrub.Request) (scrub.Result, e
 		Deleted: map[string]int{},
 		PerIP:   map[string]scrub.Method{},
 	}
+	// Held to the end: Reopen waits for scrubs on the old maps.
+	c.mu.RLock()
+	defer c.mu.RUnlock()
 	for _, k := range ctmap.Kinds {
 		if c.maps.Map(k) != nil {
 			res.Deleted[k.Name()] = 0
@@ -197,6 +251,7 @@ func (c *Backend) Scrub(ctx context.Context, req scrub.Request) (scrub.Result, e
 			}
 			featured[ip] = r
 			c.ix.MarkIncomplete(ip, r)
+			c.features.counted(r)
 		}
 	}
 	steps.Mark("features")
@@ -479,6 +534,8 @@ func (c *Backend) lockIPs(ctx context.Context, ips []netip.Addr) (unlock func(),
 // back to a counting walk of the map in the kernel (O(entries), about 0.3 s
 // per million), skipped while a sweep runs.
 func (c *Backend) Count(k ctmap.Kind) (int64, error) {
+	c.mu.RLock()
+	defer c.mu.RUnlock()
 	if k < 0 || k >= ctmap.NumKinds || c.sweeper.progs[k] == nil {
 		return 0, fmt.Errorf("count %s: map not present", k.Name())
 	}
@@ -495,11 +552,17 @@ func (c *Backend) Count(k ctmap.Kind) (int64, error) {
 
 // CountError says why Count falls back to a walk (nil when it does not), for
 // the daemon's startup log.
-func (c *Backend) CountError() error { return c.countErr }
+func (c *Backend) CountError() error {
+	c.mu.RLock()
+	defer c.mu.RUnlock()
+	return c.countErr
+}
 
 // CountIsCheap reports whether Count uses the kernel's element counter
 // rather than a walk.
 func (c *Backend) CountIsCheap() bool {
+	c.mu.RLock()
+	defer c.mu.RUnlock()
 	for _, p := range c.sweeper.progs {
 		if p != nil && p.count == nil {
 			return false

@@ -72,6 +72,7 @@ type Maps struct {
 	Root string
 	maps [NumKinds]*ebpf.Map
 	max  [NumKinds]uint32
+	ids  [NumKinds]ebpf.MapID // kernel IDs of the maps held (0: absent or unknown)
 }
 
 // Open opens the global CT maps under root (DefaultRoot when empty) and checks
@@ -93,6 +94,7 @@ func Open(root string) (*Maps, error) {
 		}
 		m.maps[k] = mp
 		m.max[k] = mp.MaxEntries()
+		m.ids[k] = mapID(mp)
 	}
 	if (m.maps[TCP6] == nil) != (m.maps[Any6] == nil) {
 		m.Close()
@@ -157,6 +159,7 @@ func FromMaps(maps [NumKinds]*ebpf.Map) (*Maps, error) {
 		}
 		m.maps[k] = maps[k]
 		m.max[k] = maps[k].MaxEntries()
+		m.ids[k] = mapID(maps[k])
 	}
 	if m.maps[TCP4] == nil && m.maps[TCP6] == nil {
 		return nil, errors.New("no CT map given")
@@ -183,4 +186,47 @@ func (m *Maps) Close() error {
 		}
 	}
 	return errors.Join(errs...)
+}
+
+func mapID(mp *ebpf.Map) ebpf.MapID {
+	info, err := mp.Info()
+	if err != nil {
+		return 0
+	}
+	id, _ := info.ID()
+	return id
+}
+
+// ID is the kernel ID of the map of kind k held (0 when absent).
+func (m *Maps) ID(k Kind) ebpf.MapID { return m.ids[k] }
+
+// Replaced reports whether the maps pinned under Root now are other maps than
+// the ones held: Cilium re-created them (an agent restart that changed their
+// layout or size, a downgrade, an operator's cleanup) and the held ones are
+// orphans its datapath no longer writes. It costs one BPF_OBJ_GET and one map
+// info query per map. A pin that is missing (between Cilium's unpin and its
+// re-create) does not count as replaced: the caller checks again later.
+// Maps made by FromMaps (no Root) are never replaced.
+func (m *Maps) Replaced() (bool, error) {
+	if m.Root == "" {
+		return false, nil
+	}
+	var errs []error
+	for _, k := range Kinds {
+		path := filepath.Join(m.Root, k.Name())
+		mp, err := ebpf.LoadPinnedMap(path, &ebpf.LoadPinOptions{ReadOnly: true})
+		if errors.Is(err, os.ErrNotExist) {
+			continue
+		}
+		if err != nil {
+			errs = append(errs, fmt.Errorf("%s: %w", path, err))
+			continue
+		}
+		id := mapID(mp)
+		mp.Close()
+		if id != 0 && id != m.ids[k] {
+			return true, nil
+		}
+	}
+	return false, errors.Join(errs...)
 }

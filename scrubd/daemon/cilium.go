@@ -24,11 +24,12 @@ type ciliumStats struct {
 func (s ciliumStats) CTStats(ctx context.Context) ([]api.MapStats, error) {
 	var out []api.MapStats
 	var errs []error
+	maps := s.c.Maps() // the backend's: other ones once Cilium re-created them
 	for _, k := range ctmap.Kinds {
-		if s.maps.Map(k) == nil {
+		if maps.Map(k) == nil {
 			continue
 		}
-		st := api.MapStats{Backend: s.c.Name(), Map: k.Name(), MaxEntries: int64(s.maps.MaxEntries(k)), Entries: -1}
+		st := api.MapStats{Backend: s.c.Name(), Map: k.Name(), MaxEntries: int64(maps.MaxEntries(k)), Entries: -1}
 		if ctx.Err() == nil {
 			n, err := s.c.Count(k)
 			if err != nil {

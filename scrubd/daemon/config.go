@@ -69,6 +69,12 @@ type Config struct {
 	// NFCTFallback is how the nf_conntrack backend scrubs incomplete IPs:
 	// "" (auto), flush or dump.
 	NFCTFallback string `yaml:"nfct_fallback"`
+	// RingBytes sizes the recorder's ring buffer (a power of two, at least a
+	// page; 0: recorder.DefaultRingBytes, 8 MiB, about 150,000 records). A
+	// burst of new flows bigger than the ring while the reader is behind
+	// loses records: the IPs concerned sweep. Changing it needs the old
+	// ring's pin removed (the recorder says so).
+	RingBytes int `yaml:"ring_bytes"`
 }
 
 // ExpiryConfig configures the expiry pass (scrubd/expiry).
@@ -173,6 +179,9 @@ func (c *Config) Validate() ([]netip.Prefix, error) {
 	}
 	if _, err := ParseBackends(c.Backends); err != nil {
 		return nil, err
+	}
+	if c.RingBytes != 0 && (c.RingBytes < os.Getpagesize() || c.RingBytes&(c.RingBytes-1) != 0) {
+		return nil, fmt.Errorf("ring_bytes %d: must be a power of two of at least %d (a page), or 0 for the default", c.RingBytes, os.Getpagesize())
 	}
 	return out, nil
 }

@@ -747,6 +747,20 @@ func TestConfigFile(t *testing.T) {
 			t.Errorf("cidrs %v: %v, want %q", tc.cidrs, err, tc.want)
 		}
 	}
+	for _, n := range []int{1000, 1 << 10, 3 << 20, -4096} {
+		c := DefaultConfig()
+		c.PodCIDRs = []string{testCIDR}
+		c.RingBytes = n
+		if _, err := c.Validate(); err == nil || !strings.Contains(err.Error(), "ring_bytes") {
+			t.Errorf("ring_bytes %d: %v, want an error naming it", n, err)
+		}
+	}
+	c := DefaultConfig()
+	c.PodCIDRs = []string{testCIDR}
+	c.RingBytes = 1 << 20
+	if _, err := c.Validate(); err != nil {
+		t.Errorf("ring_bytes 1 MiB: %v", err)
+	}
 }
 
 func httpGet(t *testing.T, url string) (int, string) {

@@ -47,7 +47,7 @@ func Open(cfg Config, log *slog.Logger, version string) (*Daemon, error) {
 				return fail(fmt.Errorf("cilium backend: load the sweep programs: %w", err))
 			}
 			closers = append(closers, c.Close)
-			rec, err := recorder.Load(recorder.Options{PinDir: cfg.PinDir, CTRoot: cfg.CTRoot, Log: log, CT: maps})
+			rec, err := recorder.Load(recorder.Options{PinDir: cfg.PinDir, CTRoot: cfg.CTRoot, Log: log, CT: maps, RingBytes: cfg.RingBytes})
 			if err != nil {
 				return fail(err)
 			}
@@ -61,7 +61,15 @@ func Open(cfg Config, log *slog.Logger, version string) (*Daemon, error) {
 				opts.Tasks = append(opts.Tasks, Task{Name: "expiry", Run: exp.Run})
 				opts.EntriesSplit = append(opts.EntriesSplit, "cilium")
 			}
-			opts.Backends = append(opts.Backends, ciliumBackend{c, maps, exp})
+			watch, err := newCTWatch(c, exp, rec, ix, log, opts.Registry)
+			if err != nil {
+				return fail(err)
+			}
+			opts.Tasks = append(opts.Tasks, Task{Name: "ct-maps-watch", Run: watch.run})
+			if err := registerFeatureMarks(opts.Registry, c.Features()); err != nil {
+				return fail(err)
+			}
+			opts.Backends = append(opts.Backends, ciliumBackend{c, watch, exp})
 			opts.Expiry = exp
 			opts.Stats = append(opts.Stats, CiliumStats(maps, c))
 			opts.Recorder = rec
@@ -105,18 +113,6 @@ func Open(cfg Config, log *slog.Logger, version string) (*Daemon, error) {
 	return d, nil
 }
 
-// ciliumBackend closes the expiry pass and the CT maps with the backend
-// that uses them.
-type ciliumBackend struct {
-	*cilium.Backend
-	maps *ctmap.Maps
-	exp  *expiry.Runner
-}
-
-func (c ciliumBackend) Close() error {
-	return errors.Join(c.exp.Close(), c.Backend.Close(), c.maps.Close())
-}
-
 // openExpiry builds the expiry pass; its metrics go on the daemon's registry
 // and it writes the live/expired split of ctscrub_ct_entries.
 func openExpiry(cfg Config, maps *ctmap.Maps, opts Options, log *slog.Logger) (*expiry.Runner, error) {
@@ -147,3 +143,22 @@ func openExpiry(cfg Config, maps *ctmap.Maps, opts Options, log *slog.Logger) (*
 	}
 	return r, nil
 }
+
+// registerFeatureMarks exports, per Cilium feature that keeps entries out of
+// the index's reach, how many times a scrub marked an IP incomplete for it.
+func registerFeatureMarks(reg prometheus.Registerer, f *cilium.Features) error {
+	for _, r := range cilium.FeatureReasons {
+		c := prometheus.NewCounterFunc(prometheus.CounterOpts{
+			Name:        "ctscrub_index_feature_marks_total",
+			Help:        HelpFeatureMarks,
+			ConstLabels: prometheus.Labels{"backend": "cilium", "reason": r.Label},
+		}, func() float64 { return float64(f.Marks(r.Label)) })
+		if err := reg.Register(c); err != nil {
+			return fmt.Errorf("feature marks metric: %w", err)
+		}
+	}
+	return nil
+}
+
+// HelpFeatureMarks is the help of ctscrub_index_feature_marks_total.
+const HelpFeatureMarks = "IPs a scrub marked incomplete because a Cilium feature keeps their CT entries out of the index's reach, per reason (l7_proxy: the endpoint's traffic goes to the L7 proxy; endpoint_ct_maps, per_cluster_ct_maps: CT maps other than the four global ones are in use); they sweep while it lasts."

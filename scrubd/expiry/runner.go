@@ -138,6 +138,45 @@ func New(maps *ctmap.Maps, cfg Config, opts Options) (*Runner, error) {
 	return r, nil
 }
 
+// Reopen moves the pass to maps (Cilium re-created its CT maps): it waits
+// for a pass in progress, loads the programs on maps and unloads the old
+// ones. The old maps stay the caller's. On error the pass keeps the old maps.
+func (r *Runner) Reopen(maps *ctmap.Maps) error {
+	if maps == nil {
+		return errors.New("expiry: no CT maps given")
+	}
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.cfg.Mode == ModeOff {
+		r.maps = maps
+		return nil
+	}
+	var passes [ctmap.NumKinds]*mapPass
+	for _, k := range ctmap.Kinds {
+		m := maps.Map(k)
+		if m == nil {
+			continue
+		}
+		p, err := loadPass(k, m)
+		if err != nil {
+			for _, p := range passes {
+				if p != nil {
+					p.Close()
+				}
+			}
+			return err
+		}
+		passes[k] = p
+	}
+	for _, p := range r.passes {
+		if p != nil {
+			p.Close()
+		}
+	}
+	r.passes, r.maps = passes, maps
+	return nil
+}
+
 // Config is the effective configuration.
 func (r *Runner) Config() Config { return r.cfg }
 

@@ -37,6 +37,7 @@ const (
 	ReasonRestart   = "daemon restarted without a consistent snapshot"
 	ReasonAuditMiss = "the audit found a CT entry the index did not cover"
 	ReasonOwner     = "may have had an owner ctscrub did not see"
+	ReasonCTMaps    = "Cilium's CT maps were re-created (agent restart)"
 )
 
 // Config bounds the index.

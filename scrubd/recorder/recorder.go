@@ -116,6 +116,17 @@ type Recorder struct {
 	legacySeen map[[16]byte]uint64
 
 	genMu sync.Mutex // one generation bump at a time (read, add one, write)
+
+	ctMu sync.RWMutex // guards opts.CT: held by a prune, taken by SetCT
+}
+
+// SetCT points the prune at other CT maps (Cilium re-created them). It
+// returns once no prune uses the old ones, so the caller may close them.
+// Recording itself does not depend on the CT maps: records carry keys.
+func (r *Recorder) SetCT(ct *ctmap.Maps) {
+	r.ctMu.Lock()
+	r.opts.CT = ct
+	r.ctMu.Unlock()
 }
 
 // Load loads the recorder's programs. Its maps are pinned under PinDir; when
@@ -512,7 +523,10 @@ func (r *Recorder) Run(ctx context.Context, ix *index.Index) error {
 	defer wg.Wait()
 
 	var q *pruneQueue
-	if r.opts.CT != nil {
+	r.ctMu.RLock()
+	prune := r.opts.CT != nil
+	r.ctMu.RUnlock()
+	if prune {
 		q = newPruneQueue()
 		wg.Add(1)
 		go func() {
@@ -523,7 +537,10 @@ func (r *Recorder) Run(ctx context.Context, ix *index.Index) error {
 					return
 				case ip := <-q.ch:
 					q.taken(ip)
-					if _, err := r.Prune(ix, r.opts.CT, ip); err != nil {
+					r.ctMu.RLock()
+					_, err := r.Prune(ix, r.opts.CT, ip)
+					r.ctMu.RUnlock()
+					if err != nil {
 						r.opts.Log.Warn("recorder: prune", "ip", ip, "err", err)
 					}
 				}

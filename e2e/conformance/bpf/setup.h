@@ -9,6 +9,7 @@
 #define CONF_ENDPOINT 1 /* local pod: endpoints map, ipcache, allow-all policy */
 #define CONF_IPCACHE 2  /* remote address: ipcache (identity, tunnel endpoint) */
 #define CONF_SERVICE 3  /* service frontend with one backend */
+#define CONF_L7 4       /* policy entry redirecting to the L7 proxy */
 
 struct conf_args {
 	__u32 op;
@@ -34,7 +35,7 @@ struct conf_args {
 
 static __always_inline int conf_endpoint(struct conf_args *a)
 {
-#if CILIUM_MINOR >= 18
+#if CILIUM_MINOR >= 17
 	endpoint_v4_add_entry(a->ip4, a->ifindex, (__u16)a->lxc_id, 0, a->sec_id, 0,
 			      a->mac, a->node_mac);
 #else
@@ -83,6 +84,33 @@ static __always_inline int conf_service(struct conf_args *a)
 	return 0;
 }
 
+/* An L3/L4 policy entry (identity sec_id, direction family == 1 ? egress :
+ * ingress, protocol proto, port vport) whose proxy_port (bport) redirects
+ * the flow to the L7 proxy, as the agent writes it for an L7 rule. */
+#if CILIUM_MINOR >= 20
+#define CONF_POLICY_MAP cilium_policy
+#elif CILIUM_MINOR >= 18
+#define CONF_POLICY_MAP cilium_policy_v2
+#else
+#define CONF_POLICY_MAP POLICY_MAP
+#endif
+static __always_inline int conf_l7(struct conf_args *a)
+{
+	struct policy_key key = {
+		.lpm_key.prefixlen = POLICY_FULL_PREFIX,
+		.sec_label = a->sec_id,
+		.egress = a->family == 1,
+		.protocol = a->proto,
+		.dport = a->vport,
+	};
+	struct policy_entry value = {
+		.proxy_port = a->bport,
+		.lpm_prefix_length = LPM_FULL_PREFIX_BITS,
+	};
+
+	return map_update_elem(&CONF_POLICY_MAP, &key, &value, BPF_ANY) ? 3 : 0;
+}
+
 __section("tc")
 int conf_setup(struct __ctx_buff *ctx)
 {
@@ -97,6 +125,8 @@ int conf_setup(struct __ctx_buff *ctx)
 		return conf_ipcache(&a);
 	case CONF_SERVICE:
 		return conf_service(&a);
+	case CONF_L7:
+		return conf_l7(&a);
 	}
 	return 2;
 }
@@ -109,6 +139,9 @@ int conf_policy(struct __ctx_buff *ctx __maybe_unused)
 #if CILIUM_MINOR >= 20
 	policy_add_ingress_allow_all_entry();
 	policy_add_egress_allow_all_entry();
+#elif CILIUM_MINOR >= 19
+	policy_add_entry(false, 0, 0, 0, 0, false, 0);
+	policy_add_entry(true, 0, 0, 0, 0, false, 0);
 #else
 	policy_add_entry(false, 0, 0, 0, false);
 	policy_add_entry(true, 0, 0, 0, false);
