@@ -98,6 +98,10 @@ func TestScrubMarksL7ProxyEndpoint(t *testing.T) {
 		{"1.20", "cilium_policy_v3_", 12},
 	} {
 		t.Run(layout.cilium, func(t *testing.T) {
+			// The policy answer is reused for PolicyTTL; this test changes
+			// the policy between scrubs.
+			defer func(d time.Duration) { PolicyTTL = d }(PolicyTTL)
+			PolicyTTL = 0
 			w, c := trackedWorld(t, 1<<14)
 			dir := w.maps.Root
 			const id = 1234
@@ -246,8 +250,9 @@ func TestNodeReasonRescansOnPin(t *testing.T) {
 
 // BenchmarkFeaturesReason: the per-IP cost a scrub pays for the detection
 // on a Cilium node: the directory stat (cached scan of 400 pins), the
-// cilium_lxc lookup and a walk of a 100-entry policy map without a proxy
-// port (the worst case: no early stop).
+// cilium_lxc lookup, the policy map's answer (cached for PolicyTTL), and
+// the walk of a 100-entry policy map without a proxy port (the worst case:
+// no early stop) once per PolicyTTL per endpoint.
 func BenchmarkFeaturesReason(b *testing.B) {
 	needRoot(b)
 	maps := pinnedMaps(b, 1<<10, false)
@@ -315,6 +320,13 @@ func BenchmarkFeaturesReason(b *testing.B) {
 		}
 	})
 	b.Run("all", func(b *testing.B) {
+		for range b.N {
+			f.Reason(ip)
+		}
+	})
+	b.Run("all-policy-walk", func(b *testing.B) {
+		defer func(d time.Duration) { PolicyTTL = d }(PolicyTTL)
+		PolicyTTL = 0
 		for range b.N {
 			f.Reason(ip)
 		}
