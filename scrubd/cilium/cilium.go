@@ -102,6 +102,10 @@ func New(maps *ctmap.Maps, ix *index.Index, opts Options) (*Backend, error) {
 // Name labels the backend's metrics and results.
 func (c *Backend) Name() string { return "cilium" }
 
+// Features returns the backend's detection of Cilium features that keep
+// entries out of the index's reach (and its counts, for the metrics).
+func (c *Backend) Features() *Features { return c.features }
+
 // Sweeper returns the backend's shared sweep (a new one after Reopen).
 func (c *Backend) Sweeper() *Sweeper {
 	c.mu.RLock()
@@ -247,6 +251,7 @@ func (c *Backend) Scrub(ctx context.Context, req scrub.Request) (scrub.Result, e
 			}
 			featured[ip] = r
 			c.ix.MarkIncomplete(ip, r)
+			c.features.counted(r)
 		}
 	}
 	steps.Mark("features")

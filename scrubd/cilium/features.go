@@ -8,6 +8,7 @@ import (
 	"path/filepath"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/cilium/ebpf"
@@ -68,6 +69,34 @@ type Features struct {
 	mu    sync.Mutex
 	stamp time.Time // mtime of root when node was computed; zero: never
 	node  string    // node-wide reason at stamp
+
+	marks [len(FeatureReasons)]atomic.Uint64 // IPs a scrub marked, per reason
+}
+
+// FeatureReasons are the reasons Features reports, with their metric labels.
+var FeatureReasons = [...]struct{ Reason, Label string }{
+	{ReasonL7Proxy, "l7_proxy"},
+	{ReasonLocalCT, "endpoint_ct_maps"},
+	{ReasonPerClusterCT, "per_cluster_ct_maps"},
+}
+
+// Marks returns how many times a scrub marked an IP incomplete for the
+// reason with metric label label (FeatureReasons).
+func (f *Features) Marks(label string) uint64 {
+	for i, r := range FeatureReasons {
+		if r.Label == label {
+			return f.marks[i].Load()
+		}
+	}
+	return 0
+}
+
+func (f *Features) counted(reason string) {
+	for i, r := range FeatureReasons {
+		if r.Reason == reason {
+			f.marks[i].Add(1)
+		}
+	}
 }
 
 // NewFeatures watches Cilium's maps under root (ctmap.DefaultRoot in

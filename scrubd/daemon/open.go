@@ -66,6 +66,9 @@ func Open(cfg Config, log *slog.Logger, version string) (*Daemon, error) {
 				return fail(err)
 			}
 			opts.Tasks = append(opts.Tasks, Task{Name: "ct-maps-watch", Run: watch.run})
+			if err := registerFeatureMarks(opts.Registry, c.Features()); err != nil {
+				return fail(err)
+			}
 			opts.Backends = append(opts.Backends, ciliumBackend{c, watch, exp})
 			opts.Expiry = exp
 			opts.Stats = append(opts.Stats, CiliumStats(maps, c))
@@ -140,3 +143,22 @@ func openExpiry(cfg Config, maps *ctmap.Maps, opts Options, log *slog.Logger) (*
 	}
 	return r, nil
 }
+
+// registerFeatureMarks exports, per Cilium feature that keeps entries out of
+// the index's reach, how many times a scrub marked an IP incomplete for it.
+func registerFeatureMarks(reg prometheus.Registerer, f *cilium.Features) error {
+	for _, r := range cilium.FeatureReasons {
+		c := prometheus.NewCounterFunc(prometheus.CounterOpts{
+			Name:        "ctscrub_index_feature_marks_total",
+			Help:        HelpFeatureMarks,
+			ConstLabels: prometheus.Labels{"backend": "cilium", "reason": r.Label},
+		}, func() float64 { return float64(f.Marks(r.Label)) })
+		if err := reg.Register(c); err != nil {
+			return fmt.Errorf("feature marks metric: %w", err)
+		}
+	}
+	return nil
+}
+
+// HelpFeatureMarks is the help of ctscrub_index_feature_marks_total.
+const HelpFeatureMarks = "IPs a scrub marked incomplete because a Cilium feature keeps their CT entries out of the index's reach, per reason (l7_proxy: the endpoint's traffic goes to the L7 proxy; endpoint_ct_maps, per_cluster_ct_maps: CT maps other than the four global ones are in use); they sweep while it lasts."
