@@ -57,14 +57,32 @@ awk '/^replace \(/{b=1; next} b && /^\)/{b=0; next}
 			log "warning: $to@$ver (Cilium's replacement of $from) is not on the module proxy: building with $from as Cilium's go.mod requires it"
 		fi
 	done
+# A version Cilium's go.mod requires may be refused by the module proxy (403:
+# 1.18.8's k8s.io/endpointslice v0.33.9, among others). Each one found is
+# replaced by the nearest version of the same module the proxy serves (the
+# highest below it, else the lowest above it), with a warning.
+pkgs=($mod/daemon $mod/cilium-dbg $mod/cilium-health $mod/cilium-health/responder
+	$mod/plugins/cilium-cni $mod/tools/mount $mod/tools/sysctlfix $mod/operator)
+for _ in $(seq 10); do
+	err=$(CGO_ENABLED=0 GOFLAGS=-mod=mod "$GO" list -deps -tags osusergo,ipam_provider_operator "${pkgs[@]}" 2>&1 >/dev/null) && break
+	refused=$(grep -oE '[A-Za-z0-9._~/-]+@v[^:[:space:]]+: reading https?://[^ ]+: 403' <<<"$err" | head -1 | cut -d: -f1)
+	[[ -n $refused ]] || { echo "$err" >&2; die "resolving Cilium $CILIUM_VERSION's packages failed"; }
+	m=${refused%@*} v=${refused#*@}
+	alt=$( { "$GO" list -m -versions "$m" | tr ' ' '\n' | tail -n +2; echo "$v"; } | sort -V | awk -v v="$v" '
+		$0 == v {hit = 1; next} !hit {below = $0} hit && above == "" {above = $0}
+		END {print below; print above}' | while read -r c; do
+			[[ -n $c ]] && "$GO" mod download "$m@$c" >/dev/null 2>&1 && { echo "$c"; break; }
+		done)
+	[[ -n $alt ]] || die "$m@$v is refused by the module proxy and no other version of it is served"
+	log "warning: $m@$v (required by Cilium $CILIUM_VERSION) is refused by the module proxy: building with $alt"
+	echo "replace $m => $m $alt" >>go.mod
+done
 # The version string holds a space: quoted, or the linker takes its second
 # word for an argument of its own ("usage: link").
 ld="-s -w -X '$mod/pkg/version.ciliumVersion=$CILIUM_VERSION ctscrub-kind'"
 out=$dir/out
 mkdir -p "$out/usr/bin" "$out/opt/cni/bin" "$out/cni"
-go_build -tags osusergo -ldflags "$ld" -o "$out/usr/bin/" \
-	$mod/daemon $mod/cilium-dbg $mod/cilium-health $mod/cilium-health/responder \
-	$mod/plugins/cilium-cni $mod/tools/mount $mod/tools/sysctlfix
+go_build -tags osusergo -ldflags "$ld" -o "$out/usr/bin/" "${pkgs[@]:0:7}"
 mv "$out/usr/bin/daemon" "$out/usr/bin/cilium-agent"
 mv "$out/usr/bin/responder" "$out/usr/bin/cilium-health-responder"
 mv "$out/usr/bin/mount" "$out/usr/bin/cilium-mount"

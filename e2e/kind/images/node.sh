@@ -49,7 +49,8 @@ ln -sf /usr/lib/systemd/systemd "$r/sbin/init"
 # kind's units name its own containerd build in /usr/local/bin.
 for b in containerd containerd-shim-runc-v2 ctr; do ln -sf "/usr/bin/$b" "$r/usr/local/bin/$b"; done
 chroot "$r" systemctl enable kubelet.service containerd.service undo-mount-hacks.service 2>&1 | grep -v "^Created symlink" >&2 || true
-[[ -e $r/etc/systemd/system/multi-user.target.wants/kubelet.service ]] || die "systemctl enable kubelet failed in the rootfs"
+# -L, not -e: the link is absolute (/etc/systemd/...), so it dangles from outside the chroot.
+[[ -L $r/etc/systemd/system/multi-user.target.wants/kubelet.service ]] || die "systemctl enable kubelet failed in the rootfs"
 chroot "$r" systemctl mask systemd-binfmt.service >/dev/null
 mkdir -p "$r/etc/kubernetes/manifests" "$r/opt/cni/bin"
 chroot "$r" ctr oci spec |
