@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"net/netip"
 	"slices"
+	"strings"
 	"time"
 
 	"github.com/containernetworking/cni/pkg/skel"
@@ -148,23 +149,42 @@ type stepError struct {
 }
 
 func add(ctx context.Context, cl *client.Client, conf *Config, args *skel.CmdArgs, ips []netip.Addr, ifname string) *stepError {
-	if conf.ScrubsOnAdd() {
+	start := api.IndexStartRequest{
+		Attachment: api.Attachment{ContainerID: args.ContainerID, IfName: ifname},
+		Netns:      args.Netns,
+		IPs:        ips,
+		Network:    conf.Name,
+		Scrub:      conf.ScrubsOnAdd(),
+	}
+	scrubWhat := fmt.Sprintf("scrub %v before container %s starts", ips, args.ContainerID)
+	startWhat := fmt.Sprintf("start indexing %s in %s (container %s)", ifname, args.Netns, args.ContainerID)
+	// One round trip: scrubd scrubs, then attaches.
+	err := cl.IndexStart(ctx, start)
+	if start.Scrub && olderScrubd(err, "scrub") {
+		// A scrubd older than this plugin (an upgrade in progress): the
+		// scrub and the start as two requests.
 		_, err := cl.Scrub(ctx, api.ScrubRequest{
 			IPs: ips, Reason: scrub.ReasonAdd,
 			ContainerID: args.ContainerID, Netns: args.Netns, IfName: ifname,
 		})
 		if err != nil {
-			return &stepError{fmt.Sprintf("scrub %v before container %s starts", ips, args.ContainerID), err}
+			return &stepError{scrubWhat, err}
 		}
+		start.Scrub = false
+		err = cl.IndexStart(ctx, start)
+		if err != nil {
+			return &stepError{startWhat, err}
+		}
+		return nil
 	}
-	err := cl.IndexStart(ctx, api.IndexStartRequest{
-		Attachment: api.Attachment{ContainerID: args.ContainerID, IfName: ifname},
-		Netns:      args.Netns,
-		IPs:        ips,
-		Network:    conf.Name,
-	})
 	if err != nil {
-		return &stepError{fmt.Sprintf("start indexing %s in %s (container %s)", ifname, args.Netns, args.ContainerID), err}
+		if e, ok := client.APIError(err); ok && e.Results != nil {
+			return &stepError{scrubWhat, err} // the scrub failed or was cancelled; nothing attached
+		}
+		if start.Scrub {
+			startWhat = scrubWhat + " and " + startWhat
+		}
+		return &stepError{startWhat, err}
 	}
 	return nil
 }
@@ -228,6 +248,31 @@ func neverAdded(conf *Config) bool {
 
 func del(ctx context.Context, cl *client.Client, conf *Config, args *skel.CmdArgs, ips []netip.Addr) *stepError {
 	me := api.Attachment{ContainerID: args.ContainerID, IfName: args.IfName}
+	// One round trip: scrubd looks the attachment up, scrubs and stops it.
+	resp, err := cl.Del(ctx, api.IndexStopRequest{Attachment: me, Netns: args.Netns, Del: &api.CNIDel{IPs: ips, Scrub: conf.ScrubsOnDel()}})
+	if !olderScrubd(err, "del") {
+		if err != nil {
+			return &stepError{fmt.Sprintf("scrub the IPs of container %s and stop indexing %s", args.ContainerID, args.IfName), err}
+		}
+		for _, s := range resp.Skipped {
+			fmt.Fprintf(stderr, "ctscrub: DEL %s: not scrubbing %s: it belongs to container %s ifname %s now\n",
+				attachmentID(args), s.IP, s.Owner.ContainerID, s.Owner.IfName)
+		}
+		return nil
+	}
+	// A scrubd older than this plugin (mid-upgrade): the DEL as separate
+	// requests.
+	return delSteps(ctx, cl, conf, args, me, ips)
+}
+
+// olderScrubd reports whether err is a scrubd refusing a request field it
+// does not know yet (its decoder is strict): one older than the plugin.
+func olderScrubd(err error, field string) bool {
+	e, ok := client.APIError(err)
+	return ok && e.Code == api.CodeBadRequest && strings.Contains(e.Message, `unknown field "`+field+`"`)
+}
+
+func delSteps(ctx context.Context, cl *client.Client, conf *Config, args *skel.CmdArgs, me api.Attachment, ips []netip.Addr) *stepError {
 	rec, err := cl.IndexPod(ctx, me)
 	if e, ok := client.APIError(err); ok && e.Code == api.CodeNotFound {
 		rec, err = nil, nil

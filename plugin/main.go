@@ -43,4 +43,8 @@ func main() {
 		Status: cmdStatus,
 		GC:     cmdGC,
 	}, supportedVersions, "CNI plugin ctscrub "+Version)
+	if os.Getenv("CNI_COMMAND") == "VERSION" {
+		// The bare start's trace: exec and exit, to set beside ADD's and DEL's.
+		newTrace("VERSION").print(nil)
+	}
 }

@@ -304,7 +304,7 @@ func TestDaemonSlowerThanTimeout(t *testing.T) {
 	}
 	d.mu.Lock()
 	defer d.mu.Unlock()
-	if len(d.deadlines) == 0 || d.paths[0] != api.PathScrub {
+	if len(d.deadlines) == 0 || d.paths[0] != api.PathIndexStart {
 		t.Fatalf("daemon saw %v", d.paths)
 	}
 	for _, dl := range d.deadlines {

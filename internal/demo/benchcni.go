@@ -49,9 +49,10 @@ type BenchCNIResult struct {
 	Load1        string  `json:"load"`
 	// Each step's median (seconds) of the ctscrub ADD and DEL calls
 	// (stepSamples.addCall names them); absent with TRACE=0.
-	AddSteps map[string]float64 `json:"add_steps_p50_s,omitempty"`
-	DelSteps map[string]float64 `json:"del_steps_p50_s,omitempty"`
-	StateFS  string             `json:"state_fs"`
+	AddSteps  map[string]float64 `json:"add_steps_p50_s,omitempty"`
+	DelSteps  map[string]float64 `json:"del_steps_p50_s,omitempty"`
+	ExecSteps map[string]float64 `json:"exec_steps_p50_s,omitempty"`
+	StateFS   string             `json:"state_fs"`
 }
 
 // BenchCNI is `make bench-cni`: the demo's node (its CT maps filled to
@@ -148,13 +149,13 @@ func BenchCNI(ctx context.Context, cfg BenchCNIConfig, cleanup *Cleanup, w io.Wr
 		return res, err
 	}
 	binDir := filepath.Join(WorkDir, "cni-bin")
-	var addSteps, delSteps stepSamples
+	var addSteps, delSteps, execSteps stepSamples
 	timedCall := false // the calls of a warm-up pair are not broken down either
 	run := func(plugin, command, containerID, netns string, conf []byte) ([]byte, time.Duration, error) {
 		cmd := exec.Command(filepath.Join(binDir, plugin))
 		cmd.Env = []string{"CNI_COMMAND=" + command, "CNI_CONTAINERID=" + containerID, "CNI_NETNS=" + netns,
 			"CNI_IFNAME=eth0", "CNI_PATH=" + binDir, "PATH=/usr/sbin:/usr/bin:/sbin:/bin"}
-		traced := plugin == "ctscrub" && (command == "ADD" || command == "DEL") && !cfg.NoTrace
+		traced := plugin == "ctscrub" && (command == "ADD" || command == "DEL" || command == "VERSION") && !cfg.NoTrace
 		if traced {
 			cmd.Env = append(cmd.Env, pluginTraceEnv+"=1")
 		}
@@ -173,10 +174,7 @@ func BenchCNI(ctx context.Context, cfg BenchCNIConfig, cleanup *Cleanup, w io.Wr
 			return nil, el, fmt.Errorf("%s %s: %v: %s %s", plugin, command, err, bytes.TrimSpace(stdout.Bytes()), bytes.TrimSpace(stderr.Bytes()))
 		}
 		if traced && timedCall {
-			steps := &addSteps
-			if command == "DEL" {
-				steps = &delSteps
-			}
+			steps := map[string]*stepSamples{"ADD": &addSteps, "DEL": &delSteps, "VERSION": &execSteps}[command]
 			if err := steps.addCall(stderr.Bytes(), start, end); err != nil {
 				return nil, el, fmt.Errorf("%s %s: %w", plugin, command, err)
 			}
@@ -292,8 +290,10 @@ func BenchCNI(ctx context.Context, cfg BenchCNIConfig, cleanup *Cleanup, w io.Wr
 	res.FlowsPerPod = float64(flows) / float64(total)
 	if !cfg.NoTrace {
 		res.AddSteps, res.DelSteps = addSteps.p50(), delSteps.p50()
+		execSteps.print(w, "bare start (VERSION)", execs)
 		addSteps.print(w, "ctscrub ADD", add)
 		delSteps.print(w, "ctscrub DEL", del)
+		res.ExecSteps = execSteps.p50()
 	}
 	if b, err := os.ReadFile("/proc/loadavg"); err == nil {
 		res.Load1 = string(bytes.TrimSpace(b))

@@ -61,6 +61,11 @@ type IndexStartRequest struct {
 	// Network is the CNI network name (the conflist's "name"): a GC for a
 	// network drops only that network's attachments.
 	Network string `json:"network,omitempty"`
+	// Scrub makes scrubd first scrub IPs as an ADD's scrub (reason add) and
+	// attach only when that scrub completes: a CNI ADD in one round trip
+	// instead of two. A failed or cancelled scrub is answered as POST
+	// PathScrub answers it (Error.Results set) and nothing is attached.
+	Scrub bool `json:"scrub,omitempty"`
 }
 
 // IndexStopRequest detaches the recorder. Netns may be gone or empty (the
@@ -68,6 +73,38 @@ type IndexStartRequest struct {
 type IndexStopRequest struct {
 	Attachment
 	Netns string `json:"netns,omitempty"`
+	// Del makes the stop a whole CNI DEL in one request (the answer is then
+	// a DelResponse): see CNIDel.
+	Del *CNIDel `json:"del,omitempty"`
+}
+
+// CNIDel is a CNI DEL done by scrubd in one request: an attachment already
+// stopped (a second DEL) is left alone; otherwise the IPs (prevResult's, or
+// the ones recorded at start when none are given) are scrubbed (reason
+// del) when Scrub is set, except those another attachment now holds (a
+// repeated DEL of a pod scrubd never indexed, after its IP was reused), and
+// then the attachment is stopped. A failed or cancelled scrub is answered
+// as POST PathScrub answers it, and nothing is stopped.
+type CNIDel struct {
+	IPs   []netip.Addr `json:"ips,omitempty"`
+	Scrub bool         `json:"scrub"`
+}
+
+// DelResponse is the answer to an IndexStopRequest with Del.
+type DelResponse struct {
+	// AlreadyStopped: an earlier DEL (or GC) scrubbed and stopped it.
+	AlreadyStopped bool `json:"already_stopped,omitempty"`
+	// Known: scrubd indexed the attachment.
+	Known bool `json:"known"`
+	// Skipped are IPs not scrubbed because another attachment holds them.
+	Skipped []IPOwner      `json:"skipped,omitempty"`
+	Results []scrub.Result `json:"results,omitempty"`
+}
+
+// IPOwner is an IP and the attachment that holds it.
+type IPOwner struct {
+	IP    netip.Addr `json:"ip"`
+	Owner Attachment `json:"owner"`
 }
 
 // IndexedPod is one attachment scrubd records flows of.

@@ -444,6 +444,9 @@ func (d *Daemon) handleIndexStart(w http.ResponseWriter, r *http.Request) {
 		writeError(w, e)
 		return
 	}
+	if req.Scrub && !d.scrubBeforeStart(w, r, req, ips) {
+		return
+	}
 	pod := api.IndexedPod{Attachment: req.Attachment, Netns: req.Netns, IPs: ips, Since: time.Now().UTC(), Network: req.Network}
 	if d.rec != nil {
 		ifindex, err := d.rec.Attach(req.Netns, req.IfName)
@@ -487,6 +490,87 @@ func (d *Daemon) handleIndexStart(w http.ResponseWriter, r *http.Request) {
 	writeJSON(w, http.StatusOK, pod)
 }
 
+// scrubBeforeStart runs an index start's scrub (api.IndexStartRequest.Scrub)
+// as POST PathScrub would run the ADD's scrub. It reports whether the scrub
+// completed; when not, it has answered.
+func (d *Daemon) scrubBeforeStart(w http.ResponseWriter, r *http.Request, req api.IndexStartRequest, ips []netip.Addr) bool {
+	sreq := api.ScrubRequest{IPs: ips, Reason: scrub.ReasonAdd, ContainerID: req.ContainerID, Netns: req.Netns, IfName: req.IfName}
+	_, done := d.scrubFor(w, r, sreq)
+	return !done
+}
+
+// delBeforeStop does what a CNI DEL does before the stop (api.CNIDel). done
+// reports that it answered (nothing left to do, or the scrub did not
+// complete).
+func (d *Daemon) delBeforeStop(w http.ResponseWriter, r *http.Request, req api.IndexStopRequest) (resp api.DelResponse, done bool) {
+	me := req.Attachment
+	rec, known := d.pods.get(me)
+	resp.Known = known
+	if known && !rec.Stopped.IsZero() {
+		resp.AlreadyStopped = true
+		writeJSON(w, http.StatusOK, resp)
+		return resp, true
+	}
+	ips := req.Del.IPs
+	if len(ips) > 0 {
+		var e *api.Error
+		if ips, e = d.checkIPs(ips); e != nil {
+			writeError(w, e)
+			return resp, true
+		}
+	} else if known {
+		ips = rec.IPs
+	}
+	if !known && len(ips) > 0 {
+		// Not indexed, yet the runtime names IPs: a repeated DEL may come
+		// after the IP was released and given to a new pod, whose entries
+		// are live and must stay.
+		kept := ips[:0:0]
+		for _, ip := range ips {
+			if o := d.pods.owner(ip); o != nil && *o != me {
+				resp.Skipped = append(resp.Skipped, api.IPOwner{IP: ip, Owner: *o})
+				d.log.Info("DEL: not scrubbing an IP another attachment holds now", "ip", ip, "container_id", me.ContainerID, "ifname", me.IfName, "owner_container_id", o.ContainerID)
+				continue
+			}
+			kept = append(kept, ip)
+		}
+		ips = kept
+	}
+	api.StepsFrom(r.Context()).Mark("lookup")
+	if !req.Del.Scrub || len(ips) == 0 {
+		return resp, false
+	}
+	sreq := api.ScrubRequest{IPs: ips, Reason: scrub.ReasonDel, ContainerID: me.ContainerID, Netns: req.Netns, IfName: me.IfName}
+	resp.Results, done = d.scrubFor(w, r, sreq)
+	return resp, done
+}
+
+// scrubFor runs a scrub for another request (a CNI ADD's or DEL's) as POST
+// PathScrub would; done reports that it answered: refused, or a scrub that
+// did not complete.
+func (d *Daemon) scrubFor(w http.ResponseWriter, r *http.Request, sreq api.ScrubRequest) (results []scrub.Result, done bool) {
+	release, e := d.admit()
+	if e != nil {
+		d.log.Warn("scrub refused", "ips", sreq.IPs, "reason", sreq.Reason, "container_id", sreq.ContainerID, "code", e.Code, "err", e.Message)
+		writeError(w, e)
+		return nil, true
+	}
+	defer release()
+	steps := api.StepsFrom(r.Context())
+	d.beforeScrub(sreq, sreq.IPs) // ownership.go
+	steps.Mark("ownership")
+	results = d.scrub(r.Context(), sreq.IPs, sreq.Reason, false, sreq.ContainerID)
+	d.afterScrub(sreq.Reason, sreq.ContainerID, sreq.IPs, results)
+	steps.Mark("release")
+	for _, res := range results {
+		if res.Outcome != scrub.Complete {
+			d.answerScrub(w, r.Context(), results)
+			return results, true
+		}
+	}
+	return results, false
+}
+
 func (d *Daemon) handleIndexStop(w http.ResponseWriter, r *http.Request) {
 	steps := api.StepsFrom(r.Context())
 	var req api.IndexStopRequest
@@ -499,6 +583,13 @@ func (d *Daemon) handleIndexStop(w http.ResponseWriter, r *http.Request) {
 	if req.ContainerID == "" || req.IfName == "" {
 		writeError(w, &api.Error{Code: api.CodeBadRequest, Message: "index stop needs container_id and ifname"})
 		return
+	}
+	var del api.DelResponse
+	if req.Del != nil {
+		var done bool
+		if del, done = d.delBeforeStop(w, r, req); done {
+			return
+		}
 	}
 	pod, known, err := d.pods.stop(req.Attachment)
 	steps.Mark("journal")
@@ -519,6 +610,11 @@ func (d *Daemon) handleIndexStop(w http.ResponseWriter, r *http.Request) {
 	// hold. The filters go with the interface.
 	d.log.Info("index stop", "container_id", req.ContainerID, "ifname", req.IfName, "netns", netns, "known", known, "ips", pod.IPs)
 	api.StepsFrom(r.Context()).Mark("log")
+	if req.Del != nil {
+		del.Known = known
+		writeJSON(w, http.StatusOK, del)
+		return
+	}
 	writeJSON(w, http.StatusOK, pod)
 }
 
