@@ -107,7 +107,7 @@ ln -sf /usr/bin/llvm-objcopy-19 "$dir/root/usr/local/bin/llvm-objcopy"
 # Cilium's iptables-wrapper picks iptables-legacy or -nft as the host uses.
 install -m 0755 "$src/images/runtime/iptables-wrapper-installer.sh" "$dir/root/iptables-wrapper-installer.sh"
 chroot "$dir/root" /iptables-wrapper-installer.sh --no-sanity-check >/dev/null
-rm "$dir/root/iptables-wrapper-installer.sh"
+rm -f "$dir/root/iptables-wrapper-installer.sh" # it removes itself in some versions
 import_dir "$dir/root" "$agent" \
 	--change 'ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin' \
 	--change 'ENV HUBBLE_SERVER=unix:///var/run/cilium/hubble.sock' \
