@@ -176,6 +176,9 @@ type Case struct {
 	// feature the daemon detects because the harness cannot run its path).
 	Marks string
 	Run   func(e *Env) (pods []*Pod, reasons []string)
+	// After runs once the case is checked (undoes what must not reach the
+	// next cases).
+	After func(e *Env)
 }
 
 func (e *Env) icmpProto() uint8 {
@@ -367,6 +370,31 @@ var Cases = []Case{
 		}
 		return []*Pod{a}, []string{cilium.ReasonL7Proxy}
 	}},
+	// Per-endpoint CT maps (ConntrackLocal, 1.16-1.17): the pod's own CT
+	// map beside the global ones. The harness's bpf_lxc uses the global
+	// maps (the agent's per-endpoint CT_MAP_* defines would need another
+	// object per version); the map is made with the spec of the object's
+	// own global CT map and pinned under the agent's name for the pod's
+	// endpoint ID. Every IP a scrub names is marked while it is pinned.
+	{Name: "per-endpoint-ct-maps", Marks: cilium.ReasonLocalCT, Run: func(e *Env) ([]*Pod, []string) {
+		a, w := e.Pod("a"), e.World()
+		e.N.AddRemote(w, worldID)
+		e.N.PinExtraCT(fmt.Sprintf("cilium_ct4_%05d", a.ID), e.N.LXC.CT[ctmap.TCP4])
+		e.Expect("SYN", e.N.Send(a, TCPFrame(AP(e.IP(a), 40001), AP(w, 443), SYN)))
+		return []*Pod{a}, []string{cilium.ReasonLocalCT}
+	}, After: func(e *Env) { e.N.UnpinExtraCT() }},
+	// Per-cluster CT maps (cluster-aware addressing): the outer
+	// array-of-maps and cluster 1's inner map pinned under the agent's
+	// names. From 1.19 Cilium's bpf_lxc (test build) carries both, inner
+	// map in slot 1; before, they are made with the agent's spec (outer:
+	// 256 slots; inner: the object's global CT map spec).
+	{Name: "per-cluster-ct-maps", Marks: cilium.ReasonPerClusterCT, Run: func(e *Env) ([]*Pod, []string) {
+		a, w := e.Pod("a"), e.World()
+		e.N.AddRemote(w, worldID)
+		e.N.PinPerClusterCT()
+		e.Expect("SYN", e.N.Send(a, TCPFrame(AP(e.IP(a), 40001), AP(w, 443), SYN)))
+		return []*Pod{a}, []string{cilium.ReasonPerClusterCT}
+	}, After: func(e *Env) { e.N.UnpinExtraCT() }},
 }
 
 // l7ID is the first identity of the L7 case's peers.

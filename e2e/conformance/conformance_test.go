@@ -68,6 +68,9 @@ func TestConformance(t *testing.T) {
 						for _, w := range wrong {
 							t.Errorf("wrong reason: %s", w)
 						}
+						if c.After != nil {
+							c.After(e)
+						}
 						if c.Marks != "" {
 							for _, ip := range ips {
 								if st := n.Ix.State(netip.MustParseAddr(ip)); st.Incomplete != c.Marks {

@@ -55,8 +55,10 @@ type Node struct {
 	// Feat is the daemon's detection of Cilium features that put entries
 	// out of the index's reach, over Globals.
 	Feat *cilium.Features
-	Rec  *recorder.Recorder
-	Ix   *index.Index
+	// extra: pins of per-endpoint or per-cluster CT maps a case made
+	extra []string
+	Rec   *recorder.Recorder
+	Ix    *index.Index
 	// SI is ctscrub's test-only stand-in for Cilium's datapath, fed the
 	// same frames on its own CT maps (SICT), to be compared with Cilium.
 	SI   *standin.Datapath
@@ -365,6 +367,69 @@ func (n *Node) PinPolicy(p *Pod) {
 		}
 	}
 	n.t.Fatalf("no policy map (LPM trie) in bpf_lxc of %s", n.O.Version)
+}
+
+// PinExtraCT creates a CT map with like's spec (Cilium's own, from the
+// loaded object) and pins it under Globals as name; UnpinExtraCT removes it.
+func (n *Node) PinExtraCT(name string, like *ebpf.Map) {
+	n.t.Helper()
+	m, err := ebpf.NewMap(&ebpf.MapSpec{Type: like.Type(), KeySize: like.KeySize(), ValueSize: like.ValueSize(),
+		MaxEntries: like.MaxEntries(), Flags: like.Flags()})
+	if err != nil {
+		n.t.Fatal(err)
+	}
+	defer m.Close()
+	n.pinExtra(name, m)
+}
+
+func (n *Node) pinExtra(name string, m *ebpf.Map) {
+	n.t.Helper()
+	p := filepath.Join(n.Globals, name)
+	if err := pinAlso(m, p); err != nil {
+		n.t.Fatal(err)
+	}
+	n.extra = append(n.extra, p)
+}
+
+// PinPerClusterCT pins per-cluster CT maps as the agent does for a remote
+// cluster 1: the outer cilium_per_cluster_ct_tcp4 and the inner map
+// cilium_per_cluster_ct_tcp4_1 (in slot 1). From 1.19 they are the maps of
+// Cilium's own bpf_lxc (its test build fills slot 1); before, made with the
+// agent's spec (ctmap.newPerClusterCTMap: 256 slots, inner = the global CT
+// map's spec).
+func (n *Node) PinPerClusterCT() {
+	n.t.Helper()
+	outer, inner := n.LXC.Maps["cilium_per_cluster_ct_tcp4"], n.LXC.Maps["per_cluster_ct_tcp4_1"]
+	if outer != nil && inner != nil {
+		n.pinExtra("cilium_per_cluster_ct_tcp4", outer)
+		n.pinExtra("cilium_per_cluster_ct_tcp4_1", inner)
+		return
+	}
+	ct := n.LXC.CT[ctmap.TCP4]
+	innerSpec := &ebpf.MapSpec{Type: ct.Type(), KeySize: ct.KeySize(), ValueSize: ct.ValueSize(), MaxEntries: ct.MaxEntries(), Flags: ct.Flags()}
+	im, err := ebpf.NewMap(innerSpec)
+	if err != nil {
+		n.t.Fatal(err)
+	}
+	defer im.Close()
+	om, err := ebpf.NewMap(&ebpf.MapSpec{Type: ebpf.ArrayOfMaps, KeySize: 4, ValueSize: 4, MaxEntries: 256, InnerMap: innerSpec})
+	if err != nil {
+		n.t.Fatal(err)
+	}
+	defer om.Close()
+	if err := om.Put(uint32(1), im); err != nil {
+		n.t.Fatal(err)
+	}
+	n.pinExtra("cilium_per_cluster_ct_tcp4", om)
+	n.pinExtra("cilium_per_cluster_ct_tcp4_1", im)
+}
+
+// UnpinExtraCT removes what PinExtraCT and PinPerClusterCT pinned.
+func (n *Node) UnpinExtraCT() {
+	for _, p := range n.extra {
+		os.Remove(p)
+	}
+	n.extra = nil
 }
 
 // HostID is Cilium's identity of the node itself.

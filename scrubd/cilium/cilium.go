@@ -128,7 +128,7 @@ func (c *Backend) Close() error {
 	if c.del != nil {
 		c.del.close()
 	}
-	return nil
+	return c.features.Close()
 }
 
 // Reopen moves the backend to maps (Cilium re-created its CT maps): it loads

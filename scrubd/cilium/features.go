@@ -9,6 +9,7 @@ import (
 	"strings"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"time"
 
 	"github.com/cilium/ebpf"
@@ -59,16 +60,21 @@ var policyMapPrefixes = []string{"cilium_policy_v3_", "cilium_policy_v2_", "cili
 //
 // Cost per call of Reason: one stat of the directory (the node-wide scan of
 // its names is redone only when the directory changed: bpffs updates a
-// directory's mtime on every pin and unpin), one cilium_lxc lookup and a walk
-// of that one endpoint's policy map (its entries, typically tens to
-// hundreds; stops at the first proxy port). Nothing here is proportional to
-// the CT maps.
+// directory's mtime on every pin and unpin), a stat and one lookup in
+// cilium_lxc, a stat of the endpoint's policy map and, at most once per
+// PolicyTTL per endpoint, a walk of that policy map (its entries, typically
+// tens to hundreds; stops at the first proxy port). Nothing here is
+// proportional to the CT maps.
 type Features struct {
 	root string
 
 	mu    sync.Mutex
 	stamp time.Time // mtime of root when node was computed; zero: never
 	node  string    // node-wide reason at stamp
+
+	lxc    *ebpf.Map // cilium_lxc, while its pin keeps lxcIno
+	lxcIno uint64
+	policy map[uint16]policyAnswer // per endpoint ID
 
 	marks [len(FeatureReasons)]atomic.Uint64 // IPs a scrub marked, per reason
 }
@@ -194,41 +200,98 @@ func digits(s string, n int) bool {
 // ProxyReason reports ReasonL7Proxy when ip is a local endpoint (cilium_lxc)
 // whose policy map has an entry with a non-zero proxy port. A missing
 // cilium_lxc or policy map (not a Cilium node, endpoint not regenerated
-// yet) reports "".
+// yet) reports "". An endpoint's answer is reused for PolicyTTL while its
+// policy map's pin stays the same (walking an LPM trie costs a kernel
+// traversal per entry).
 func (f *Features) ProxyReason(ip netip.Addr) string {
 	id, ok := f.endpointID(ip)
 	if !ok {
 		return ""
 	}
 	for _, p := range policyMapPrefixes {
-		m, err := ebpf.LoadPinnedMap(filepath.Join(f.root, fmt.Sprintf("%s%05d", p, id)), &ebpf.LoadPinOptions{ReadOnly: true})
+		path := filepath.Join(f.root, fmt.Sprintf("%s%05d", p, id))
+		ino, ok := inode(path)
+		if !ok {
+			continue
+		}
+		now := time.Now()
+		f.mu.Lock()
+		c, hit := f.policy[id]
+		f.mu.Unlock()
+		if hit && c.ino == ino && now.Sub(c.at) < PolicyTTL {
+			return c.reason
+		}
+		m, err := ebpf.LoadPinnedMap(path, &ebpf.LoadPinOptions{ReadOnly: true})
 		if err != nil {
 			continue
 		}
-		redirect := hasProxyPort(m)
-		m.Close()
-		if redirect {
-			return ReasonL7Proxy
+		reason := ""
+		if hasProxyPort(m) {
+			reason = ReasonL7Proxy
 		}
-		return ""
+		m.Close()
+		f.mu.Lock()
+		if f.policy == nil || len(f.policy) > 1<<16 {
+			f.policy = map[uint16]policyAnswer{}
+		}
+		f.policy[id] = policyAnswer{ino: ino, at: now, reason: reason}
+		f.mu.Unlock()
+		return reason
 	}
 	return ""
 }
 
-// endpointID looks ip up in cilium_lxc (struct endpoint_key: 16 bytes of
-// address, family 1 = IPv4 / 2 = IPv6, key 0, cluster_id 0) and returns the
-// endpoint's lxc_id (struct endpoint_info, bytes 6-7).
-func (f *Features) endpointID(ip netip.Addr) (uint16, bool) {
-	// Opened per call (one open, one lookup): a map the agent re-created
-	// under a cached descriptor would answer from the old copy.
-	m, err := ebpf.LoadPinnedMap(filepath.Join(f.root, lxcMapName), &ebpf.LoadPinOptions{ReadOnly: true})
+// PolicyTTL bounds how long an endpoint's L7 answer is reused: an L7 rule
+// added to an endpoint is seen by its scrubs at most this late.
+var PolicyTTL = time.Second
+
+type policyAnswer struct {
+	ino    uint64
+	at     time.Time
+	reason string
+}
+
+// inode returns the inode of a pin (a re-pinned map gets a new one).
+func inode(path string) (uint64, bool) {
+	fi, err := os.Stat(path)
 	if err != nil {
 		return 0, false
 	}
-	defer m.Close()
-	if m.KeySize() != 20 || m.ValueSize() < 8 {
+	st, ok := fi.Sys().(*syscall.Stat_t)
+	if !ok {
 		return 0, false
 	}
+	return st.Ino, true
+}
+
+// endpointID looks ip up in cilium_lxc (struct endpoint_key: 16 bytes of
+// address, family 1 = IPv4 / 2 = IPv6, key 0, cluster_id 0) and returns the
+// endpoint's lxc_id (struct endpoint_info, bytes 6-7). The map stays open
+// while its pin keeps its inode; a re-created cilium_lxc is opened again.
+func (f *Features) endpointID(ip netip.Addr) (uint16, bool) {
+	path := filepath.Join(f.root, lxcMapName)
+	ino, ok := inode(path)
+	if !ok {
+		return 0, false
+	}
+	f.mu.Lock()
+	if f.lxc == nil || f.lxcIno != ino {
+		if f.lxc != nil {
+			f.lxc.Close()
+			f.lxc = nil
+		}
+		m, err := ebpf.LoadPinnedMap(path, &ebpf.LoadPinOptions{ReadOnly: true})
+		if err != nil || m.KeySize() != 20 || m.ValueSize() < 8 {
+			if m != nil {
+				m.Close()
+			}
+			f.mu.Unlock()
+			return 0, false
+		}
+		f.lxc, f.lxcIno = m, ino
+	}
+	m := f.lxc
+	f.mu.Unlock()
 	var key [20]byte
 	if ip.Is4() {
 		a := ip.As4()
@@ -244,6 +307,18 @@ func (f *Features) endpointID(ip netip.Addr) (uint16, bool) {
 		return 0, false
 	}
 	return binary.NativeEndian.Uint16(val[6:8]), true
+}
+
+// Close releases the cilium_lxc descriptor Features holds.
+func (f *Features) Close() error {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if f.lxc != nil {
+		err := f.lxc.Close()
+		f.lxc = nil
+		return err
+	}
+	return nil
 }
 
 // hasProxyPort walks a policy map and reports whether an entry has a

@@ -98,6 +98,10 @@ func TestScrubMarksL7ProxyEndpoint(t *testing.T) {
 		{"1.20", "cilium_policy_v3_", 12},
 	} {
 		t.Run(layout.cilium, func(t *testing.T) {
+			// The policy answer is reused for PolicyTTL; this test changes
+			// the policy between scrubs.
+			defer func(d time.Duration) { PolicyTTL = d }(PolicyTTL)
+			PolicyTTL = 0
 			w, c := trackedWorld(t, 1<<14)
 			dir := w.maps.Root
 			const id = 1234
@@ -242,4 +246,89 @@ func TestNodeReasonRescansOnPin(t *testing.T) {
 	if r := f.NodeReason(); r != "" {
 		t.Fatalf("after unpinning it: %q", r)
 	}
+}
+
+// BenchmarkFeaturesReason: the per-IP cost a scrub pays for the detection
+// on a Cilium node: the directory stat (cached scan of 400 pins), the
+// cilium_lxc lookup, the policy map's answer (cached for PolicyTTL), and
+// the walk of a 100-entry policy map without a proxy port (the worst case:
+// no early stop) once per PolicyTTL per endpoint.
+func BenchmarkFeaturesReason(b *testing.B) {
+	needRoot(b)
+	maps := pinnedMaps(b, 1<<10, false)
+	dir := maps.Root
+	for i := range 400 {
+		m, err := ebpf.NewMap(&ebpf.MapSpec{Type: ebpf.Array, KeySize: 4, ValueSize: 4, MaxEntries: 1})
+		if err != nil {
+			b.Fatal(err)
+		}
+		if err := m.Pin(filepath.Join(dir, fmt.Sprintf("cilium_calls_%05d", i))); err != nil {
+			b.Fatal(err)
+		}
+		m.Close()
+	}
+	const id = 77
+	ip := netip.MustParseAddr("10.244.0.77")
+	lxc, err := ebpf.NewMap(&ebpf.MapSpec{Type: ebpf.Hash, KeySize: 20, ValueSize: 48, MaxEntries: 65535, Flags: 1})
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer lxc.Close()
+	var key [20]byte
+	var val [48]byte
+	a := ip.As4()
+	copy(key[:], a[:])
+	key[16] = 1
+	binary.NativeEndian.PutUint16(val[6:], id)
+	if err := lxc.Put(key[:], val[:]); err != nil {
+		b.Fatal(err)
+	}
+	if err := lxc.Pin(filepath.Join(dir, "cilium_lxc")); err != nil {
+		b.Fatal(err)
+	}
+	pm, err := ebpf.NewMap(&ebpf.MapSpec{Type: ebpf.LPMTrie, KeySize: 12, ValueSize: 12, MaxEntries: 16384, Flags: 1})
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer pm.Close()
+	for i := range 100 {
+		k := make([]byte, 12)
+		binary.NativeEndian.PutUint32(k[0:], 64)
+		binary.NativeEndian.PutUint32(k[4:], uint32(1000+i))
+		k[9] = 6
+		binary.BigEndian.PutUint16(k[10:], 80)
+		if err := pm.Put(k, make([]byte, 12)); err != nil {
+			b.Fatal(err)
+		}
+	}
+	if err := pm.Pin(filepath.Join(dir, fmt.Sprintf("cilium_policy_v3_%05d", id))); err != nil {
+		b.Fatal(err)
+	}
+	f := NewFeatures(dir)
+	time.Sleep(racyWindow + 100*time.Millisecond)
+	if r := f.Reason(ip); r != "" {
+		b.Fatalf("reason %q", r)
+	}
+	b.Run("node", func(b *testing.B) {
+		for range b.N {
+			f.NodeReason()
+		}
+	})
+	b.Run("lxc", func(b *testing.B) {
+		for range b.N {
+			f.endpointID(ip)
+		}
+	})
+	b.Run("all", func(b *testing.B) {
+		for range b.N {
+			f.Reason(ip)
+		}
+	})
+	b.Run("all-policy-walk", func(b *testing.B) {
+		defer func(d time.Duration) { PolicyTTL = d }(PolicyTTL)
+		PolicyTTL = 0
+		for range b.N {
+			f.Reason(ip)
+		}
+	})
 }

@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"runtime/debug"
 	"sync"
 	"time"
 
@@ -151,9 +150,6 @@ func (w *ctWatch) reopen() (bool, error) {
 	if closeOld {
 		old.Close()
 	}
-	// Loading the programs parsed their ELF objects: give that memory back
-	// now rather than let a rare event show as a lasting RSS step.
-	debug.FreeOSMemory()
 	w.log.Warn("Cilium's CT maps were re-created (agent restart?): re-opened; every indexed IP marked incomplete, their next scrubs sweep",
 		"ct_root", cur.Root, "map_ids", ids, "ips_marked_incomplete", n)
 	return true, nil

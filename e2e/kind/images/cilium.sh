@@ -68,11 +68,11 @@ for _ in $(seq 10); do
 	refused=$(grep -oE '[A-Za-z0-9._~/-]+@v[^:[:space:]]+: reading https?://[^ ]+: 403' <<<"$err" | head -1 | cut -d: -f1)
 	[[ -n $refused ]] || { echo "$err" >&2; die "resolving Cilium $CILIUM_VERSION's packages failed"; }
 	m=${refused%@*} v=${refused#*@}
-	alt=$( { "$GO" list -m -versions "$m" | tr ' ' '\n' | tail -n +2; echo "$v"; } | sort -V | awk -v v="$v" '
+	alt=$( { "$GO" -C / list -m -versions "$m" | tr ' ' '\n' | tail -n +2; echo "$v"; } | sort -V | awk -v v="$v" '
 		$0 == v {hit = 1; next} !hit {below = $0} hit && above == "" {above = $0}
 		END {print below; print above}' | while read -r c; do
-			[[ -n $c ]] && "$GO" mod download "$m@$c" >/dev/null 2>&1 && { echo "$c"; break; }
-		done)
+			[[ -n $c ]] && "$GO" -C / mod download "$m@$c" >/dev/null 2>&1 && { echo "$c"; break; }
+		done || true)
 	[[ -n $alt ]] || die "$m@$v is refused by the module proxy and no other version of it is served"
 	log "warning: $m@$v (required by Cilium $CILIUM_VERSION) is refused by the module proxy: building with $alt"
 	echo "replace $m => $m $alt" >>go.mod
@@ -107,7 +107,7 @@ ln -sf /usr/bin/llvm-objcopy-19 "$dir/root/usr/local/bin/llvm-objcopy"
 # Cilium's iptables-wrapper picks iptables-legacy or -nft as the host uses.
 install -m 0755 "$src/images/runtime/iptables-wrapper-installer.sh" "$dir/root/iptables-wrapper-installer.sh"
 chroot "$dir/root" /iptables-wrapper-installer.sh --no-sanity-check >/dev/null
-rm "$dir/root/iptables-wrapper-installer.sh"
+rm -f "$dir/root/iptables-wrapper-installer.sh" # it removes itself in some versions
 import_dir "$dir/root" "$agent" \
 	--change 'ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin' \
 	--change 'ENV HUBBLE_SERVER=unix:///var/run/cilium/hubble.sock' \
