@@ -1,9 +1,12 @@
 package main
 
 import (
+	"bytes"
 	"encoding/json"
 	"fmt"
 	"os"
+	"strconv"
+	"strings"
 	"time"
 
 	"github.com/ctscrub/ctscrub/scrubd/client"
@@ -32,6 +35,7 @@ type trace struct {
 	Steps    []traceStep     `json:"steps"`         // the plugin's own steps, in order
 	Requests []client.Timing `json:"requests"`      // each call to scrubd
 	EndNS    int64           `json:"end_unix_ns"`
+	Threads  int             `json:"threads"` // OS threads at the end: each must be torn down at exit
 	last     time.Time
 }
 
@@ -71,10 +75,30 @@ func (t *trace) print(cl *client.Client) {
 	if cl != nil {
 		t.Requests = cl.Timings
 	}
+	t.Threads = threads()
 	t.EndNS = time.Now().UnixNano()
 	b, err := json.Marshal(t)
 	if err != nil {
 		return
 	}
 	fmt.Fprintf(stderr, "%s%s\n", TracePrefix, b)
+}
+
+// threads is the process's number of OS threads (/proc/self/stat field 20).
+func threads() int {
+	b, err := os.ReadFile("/proc/self/stat")
+	if err != nil {
+		return 0
+	}
+	// The command name (field 2) is in parentheses and may hold spaces.
+	i := bytes.LastIndexByte(b, ')')
+	if i < 0 {
+		return 0
+	}
+	f := strings.Fields(string(b[i+1:]))
+	if len(f) < 18 {
+		return 0
+	}
+	n, _ := strconv.Atoi(f[17])
+	return n
 }

@@ -27,6 +27,10 @@ type scrubd struct {
 	sock   string
 	stop   context.CancelFunc
 	runErr chan error
+	// steps holds, per step, each socket scrub's time in it: the client's
+	// connect ("dial"), scrubd's steps (api.TimingHeader) and the rest of
+	// the round trip ("client"). Reset by the caller.
+	steps map[string][]time.Duration
 }
 
 func startScrubd(dir string) (*scrubd, error) {
@@ -51,6 +55,7 @@ func startScrubd(dir string) (*scrubd, error) {
 	}
 	ctx, stop := context.WithCancel(context.Background())
 	s := &scrubd{d: d, c: client.New(cfg.Socket), sock: sockDir, stop: stop, runErr: make(chan error, 1)}
+	s.c.Trace = true
 	go func() { s.runErr <- d.Run(ctx) }()
 	for {
 		if st, err := s.c.Status(context.Background()); err == nil && st.Ready {
@@ -76,6 +81,20 @@ func (s *scrubd) close() {
 // scrub is one scrub through the socket, as the plugin's DEL sends it.
 func (s *scrubd) scrub(ips []netip.Addr, reason scrub.Reason) (scrub.Result, error) {
 	resp, err := s.c.Scrub(context.Background(), api.ScrubRequest{IPs: ips, Reason: reason})
+	if n := len(s.c.Timings); n > 0 {
+		t := s.c.Timings[n-1]
+		s.c.Timings = s.c.Timings[:0]
+		if s.steps == nil {
+			s.steps = map[string][]time.Duration{}
+		}
+		s.steps["dial"] = append(s.steps["dial"], t.Dial)
+		rest := t.Total - t.Dial
+		for _, st := range t.Server {
+			s.steps[st.Name] = append(s.steps[st.Name], st.Dur)
+			rest -= st.Dur
+		}
+		s.steps["client"] = append(s.steps["client"], rest)
+	}
 	if err != nil {
 		return scrub.Result{}, err
 	}

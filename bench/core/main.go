@@ -151,15 +151,18 @@ type result struct {
 	SocketMedianS   float64 `json:"socket_median_s"`
 	SocketP99S      float64 `json:"socket_p99_s"`
 	SocketMaxS      float64 `json:"socket_max_s"`
-	SocketMedian1MS float64 `json:"socket_median_1m_s,omitempty"`
-	IndexerNsPacket float64 `json:"indexer_ns_per_packet"`
-	IndexerNsNew    float64 `json:"indexer_ns_new_flow"`
-	ApplyNsRecord   float64 `json:"index_apply_ns_per_record"`
-	IndexBytesKey   float64 `json:"index_bytes_per_key"`
-	IndexKeys       int64   `json:"index_keys"`
-	CountUs         float64 `json:"count_us"`
-	CountCheap      bool    `json:"count_kfunc"`
-	FillS           float64 `json:"fill_s"`
+	// Each step's median (s) of the socket scrubs (scrubd's Server-Timing
+	// steps, the client's connect "dial" and the rest "client").
+	SocketSteps     map[string]float64 `json:"socket_steps_p50_s,omitempty"`
+	SocketMedian1MS float64            `json:"socket_median_1m_s,omitempty"`
+	IndexerNsPacket float64            `json:"indexer_ns_per_packet"`
+	IndexerNsNew    float64            `json:"indexer_ns_new_flow"`
+	ApplyNsRecord   float64            `json:"index_apply_ns_per_record"`
+	IndexBytesKey   float64            `json:"index_bytes_per_key"`
+	IndexKeys       int64              `json:"index_keys"`
+	CountUs         float64            `json:"count_us"`
+	CountCheap      bool               `json:"count_kfunc"`
+	FillS           float64            `json:"fill_s"`
 
 	NextKeyOverIndex float64 `json:"nextkey_over_index"`
 	BatchOverIndex   float64 `json:"batch_over_index"`
@@ -270,10 +273,23 @@ func run(cfg config) (result, error) {
 	res.CountUs = float64(time.Since(t).Microseconds()) / countReps
 
 	// (4) The index scrub.
+	nd.scrubd.steps = nil
 	idx, sock, idxCPU, idxWait, err := indexSeries(nd, c, cfg.indexReps)
 	if err != nil {
 		return res, err
 	}
+	res.SocketSteps = map[string]float64{}
+	var names []string
+	for name, d := range nd.scrubd.steps {
+		res.SocketSteps[name] = quantile(d, 0.5).Seconds()
+		names = append(names, name)
+	}
+	slices.Sort(names)
+	fmt.Printf("  socket scrubs per step, median (dial and client: the client's side; the rest scrubd's, Server-Timing):")
+	for _, name := range names {
+		fmt.Printf(" %s %s", name, fmtDur(quantile(nd.scrubd.steps[name], 0.5)))
+	}
+	fmt.Println()
 	res.SocketMedianS = quantile(sock, 0.5).Seconds()
 	res.SocketP99S = quantile(sock, 0.99).Seconds()
 	res.SocketMaxS = slices.Max(sock).Seconds()

@@ -129,7 +129,7 @@ func TestKindMetrics(t *testing.T) {
 		return r.Data, nil
 	}
 	eventually(t, c.ctx, time.Minute, "Prometheus has scraped every node twice", func() (bool, string) {
-		d, err := query("/api/v1/query", url.Values{"query": {`count(count_over_time(ctscrub_ct_max_entries[1m]) >= 2)`}})
+		d, err := query("/api/v1/query", url.Values{"query": {`count(count by (instance) (count_over_time(ctscrub_ct_max_entries[1m]) >= 2))`}})
 		if err != nil {
 			b, _ := os.ReadFile(filepath.Join(tmp, "prometheus.log"))
 			return false, fmt.Sprintf("%v\n%s", err, tail(b))

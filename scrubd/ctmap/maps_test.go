@@ -5,6 +5,7 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"syscall"
 	"testing"
 
 	"github.com/cilium/ebpf"
@@ -113,5 +114,70 @@ func TestOpenHalfOfIPv6(t *testing.T) {
 	pin(t, root, TCP6.Spec(64))
 	if _, err := Open(root); err == nil || !strings.Contains(err.Error(), "only one of") {
 		t.Fatalf("want an error for a lone v6 map, got %v", err)
+	}
+}
+
+// Replaced answers from the pins' inodes while they are the ones last seen
+// holding the maps held, and looks the maps up again when a pin changed: a
+// map re-created is replaced; the same map pinned again is not.
+func TestReplacedCheapCheck(t *testing.T) {
+	root := privateRoot(t)
+	held := map[Kind]*ebpf.Map{}
+	for _, k := range []Kind{TCP4, Any4} {
+		held[k] = pin(t, root, k.Spec(1024))
+	}
+	m, err := Open(root)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer m.Close()
+	for i := range 2 { // the first call looks up, the second stats only
+		if r, err := m.Replaced(); r || err != nil {
+			t.Fatalf("call %d: replaced %v, %v; want false", i, r, err)
+		}
+	}
+	if m.pins[TCP4].Load() == 0 || m.pins[Any4].Load() == 0 {
+		t.Fatalf("pins not noted: %d %d", m.pins[TCP4].Load(), m.pins[Any4].Load())
+	}
+	// The same map unpinned and pinned again: a new inode, the same map.
+	path := filepath.Join(root, TCP4.Name())
+	before := m.pins[TCP4].Load()
+	if err := held[TCP4].Unpin(); err != nil {
+		t.Fatal(err)
+	}
+	if err := held[TCP4].Pin(path); err != nil {
+		t.Fatal(err)
+	}
+	var st syscall.Stat_t
+	if err := syscall.Stat(path, &st); err != nil || st.Ino == before {
+		t.Fatalf("pinned again: inode %d (%v), was %d: the test needs a new inode", st.Ino, err, before)
+	}
+	if r, err := m.Replaced(); r || err != nil {
+		t.Fatalf("same map pinned again: replaced %v, %v; want false", r, err)
+	}
+	if m.pins[TCP4].Load() != st.Ino {
+		t.Errorf("the new pin's inode not noted")
+	}
+	// A new map under the pin: replaced, also on every later call.
+	if err := held[TCP4].Unpin(); err != nil {
+		t.Fatal(err)
+	}
+	pin(t, root, TCP4.Spec(2048))
+	for i := range 2 {
+		if r, err := m.Replaced(); !r || err != nil {
+			t.Fatalf("call %d after re-create: replaced %v, %v; want true", i, r, err)
+		}
+	}
+	// A family Cilium turns on later (IPv6 maps appear): replaced.
+	m2, err := Open(root)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer m2.Close()
+	m2.Replaced()
+	pin(t, root, TCP6.Spec(1024))
+	pin(t, root, Any6.Spec(1024))
+	if r, _ := m2.Replaced(); !r {
+		t.Fatal("IPv6 maps pinned after Open: not replaced")
 	}
 }
