@@ -58,6 +58,10 @@ type FaultResult struct {
 	OK      bool    `json:"ok"`
 	Skipped bool    `json:"skipped,omitempty"` // not caused in this run (the outcome says why)
 	WindowS float64 `json:"window_s"`          // how long CNI calls could fail because of it
+	// scrubd's RSS right before and right after the fault: which fault a
+	// step in rss_start -> rss_end comes from.
+	RSSBefore int64 `json:"rss_before_bytes,omitempty"`
+	RSSAfter  int64 `json:"rss_after_bytes,omitempty"`
 }
 
 // SoakResult is the last line.
@@ -362,8 +366,11 @@ func runSoak(ctx context.Context, cfg SoakConfig, cleanup *Cleanup, w io.Writer)
 			return &s.res, ctx.Err()
 		}
 		if f := faults[i]; f != nil {
+			before, _, _ := s.procFigures()
 			fr := f(ctx, i)
 			fr.Cycle = i
+			fr.RSSBefore = before
+			fr.RSSAfter, _, _ = s.procFigures()
 			s.res.Faults = append(s.res.Faults, fr)
 			s.logf("fault %s at cycle %d: %s (ok %v)", fr.Name, i, fr.Outcome, fr.OK)
 		}
