@@ -77,7 +77,7 @@ func traceLine(t *testing.T, stderr string) trace {
 // The hand-written trace line is what encoding/json makes of the trace.
 func TestTraceJSONAsEncodingJSON(t *testing.T) {
 	tr := &trace{Cmd: "DEL \"x\"", StartNS: 1, EntryNS: 2, EndNS: 9, Threads: 4,
-		Steps: []traceStep{{"parse", 3}, {"finish", 4}},
+		Steps:    []traceStep{{"parse", 3}, {"finish", 4}},
 		Requests: []client.Timing{{Path: "/v1/index/stop", Dial: 5, Total: 8, Server: []api.Step{{Name: "read", Dur: 6}, {Name: "journal", Dur: 7}}}, {Path: "/v1/x", Server: []api.Step{}}}}
 	want, err := json.Marshal(tr)
 	if err != nil {
