@@ -20,7 +20,7 @@ import (
 //
 //	ctscrub install   [--bin-dir D] [--conf-dir D] [--conflist F] [--after T] [--entry JSON] [--replace] [--watch 10s]
 //	ctscrub uninstall [--conf-dir D] [--conflist F] [--bin-dir D --remove-binary]
-//	                  [--keep-recorders] [--netns-dirs D,D] [--state-file F]
+//	                  [--keep-recorders] [--netns-dirs D,D] [--state-file F] [--proc D]
 //	                  [--remove-state [--pin-dir D] [--run-dir D]]
 
 // defaultEntry is the ctscrub entry inserted into the conflist.
@@ -39,6 +39,7 @@ func runSubcommand(name string, args []string, out io.Writer) error {
 	removeBinary := fs.Bool("remove-binary", false, "uninstall: also remove ctscrub from --bin-dir")
 	keepRecorders := fs.Bool("keep-recorders", false, "uninstall: leave the recorder's tc filters on pods' interfaces (default: remove them from every netns)")
 	netnsDirs := fs.String("netns-dirs", "/var/run/netns,/run/netns", "uninstall: comma-separated dirs where the runtime binds pods' network namespaces")
+	proc := fs.String("proc", "/proc", "uninstall: also look in the netns of every process under this dir (\"\": only --netns-dirs and --state-file)")
 	stateFile := fs.String("state-file", "", "uninstall: scrubd's state file, read for more pod netns paths (default: attachments.json in --run-dir)")
 	removeState := fs.Bool("remove-state", false, "uninstall: also remove scrubd's pin dir and run dir (refused while scrubd answers)")
 	pinDir := fs.String("pin-dir", "/sys/fs/bpf/ctscrub", "uninstall: scrubd's pin dir on bpffs (--remove-state)")
@@ -53,7 +54,7 @@ func runSubcommand(name string, args []string, out io.Writer) error {
 	case "uninstall":
 		o := uninstallOptions{
 			binDir: *binDir, confDir: *confDir, conflist: *conflist, removeBinary: *removeBinary,
-			keepRecorders: *keepRecorders, stateFile: *stateFile,
+			keepRecorders: *keepRecorders, stateFile: *stateFile, proc: *proc,
 			removeState: *removeState, pinDir: *pinDir, runDir: *runDir,
 		}
 		for _, d := range strings.Split(*netnsDirs, ",") {

@@ -9,7 +9,7 @@ import (
 	"net"
 	"os"
 	"path/filepath"
-	"sort"
+	"strconv"
 	"strings"
 	"syscall"
 	"time"
@@ -26,6 +26,7 @@ type uninstallOptions struct {
 	removeBinary              bool
 	keepRecorders             bool
 	netnsDirs                 []string
+	proc                      string
 	stateFile                 string
 	removeState               bool
 	pinDir, runDir            string
@@ -48,7 +49,7 @@ func uninstall(o uninstallOptions, out io.Writer) error {
 			// the filters away under it would make its scrubs miss
 			// entries.
 			fmt.Fprintf(out, "ctscrub uninstall: scrubd still answers on %s: recorder filters left in place (delete scrubd's DaemonSet, then run ctscrub uninstall again)\n", sock)
-		} else if err := removeRecorders(o.netnsDirs, o.stateFile, out); err != nil {
+		} else if err := removeRecorders(o.netnsDirs, o.stateFile, o.proc, out); err != nil {
 			errs = append(errs, err)
 		}
 	}
@@ -82,14 +83,19 @@ func scrubdAnswers(sock string) bool {
 }
 
 // removeRecorders removes the recorder's filters from every interface of
-// every network namespace bound in dirs or named in scrubd's state file,
-// and prints one line per interface and a count.
-func removeRecorders(dirs []string, stateFile string, out io.Writer) error {
-	paths, err := podNetns(dirs, stateFile)
-	var errs []error
+// every network namespace bound in dirs, named in scrubd's state file or
+// held by a process under proc, and prints one line per interface and a
+// count.
+func removeRecorders(dirs []string, stateFile, proc string, out io.Writer) error {
+	paths, warn, err := podNetns(dirs, stateFile, proc)
 	if err != nil {
-		errs = append(errs, err)
+		return err
 	}
+	if warn != nil {
+		// The dirs and processes still name every live pod netns.
+		fmt.Fprintf(out, "ctscrub uninstall: warning: %v (skipped)\n", warn)
+	}
+	var errs []error
 	ifaces, nets := 0, 0
 	for _, p := range paths {
 		removed, err := tcfilter.RemoveIn(p)
@@ -110,10 +116,13 @@ func removeRecorders(dirs []string, stateFile string, out io.Writer) error {
 
 // podNetns lists the network namespaces to look in: the files in dirs
 // (where runtimes bind them: containerd's CRI makes /var/run/netns/cni-*)
-// and the netns of scrubd's attachments (state file and journal), each
-// namespace once however many paths lead to it. Paths that do not exist,
+// the netns of scrubd's attachments (state file and journal), and the netns
+// of every process under proc (a pod whose runtime binds its netns
+// elsewhere), each namespace once however many paths lead to it (the
+// first: a bound name rather than a process). Paths that do not exist,
 // or are not a bound namespace (a mount point left empty), are left out.
-func podNetns(dirs []string, stateFile string) ([]string, error) {
+// A state file it cannot read is a warning, not an error.
+func podNetns(dirs []string, stateFile, proc string) (paths []string, warn, err error) {
 	var cands []string
 	for _, d := range dirs {
 		ents, err := os.ReadDir(d)
@@ -121,7 +130,7 @@ func podNetns(dirs []string, stateFile string) ([]string, error) {
 			if errors.Is(err, os.ErrNotExist) {
 				continue
 			}
-			return nil, fmt.Errorf("list netns dir %s: %w", d, err)
+			return nil, nil, fmt.Errorf("list netns dir %s: %w", d, err)
 		}
 		for _, e := range ents {
 			if !e.IsDir() {
@@ -129,11 +138,18 @@ func podNetns(dirs []string, stateFile string) ([]string, error) {
 			}
 		}
 	}
-	fromState, err := stateNetns(stateFile)
+	fromState, warn := stateNetns(stateFile)
 	cands = append(cands, fromState...)
+	if proc != "" {
+		procs, _ := os.ReadDir(proc)
+		for _, e := range procs {
+			if _, perr := strconv.Atoi(e.Name()); perr == nil {
+				cands = append(cands, filepath.Join(proc, e.Name(), "ns", "net"))
+			}
+		}
+	}
 	type nsID struct{ dev, ino uint64 }
 	seen := map[nsID]bool{}
-	var paths []string
 	for _, p := range cands {
 		var st unix.Stat_t
 		var fs unix.Statfs_t
@@ -146,8 +162,7 @@ func podNetns(dirs []string, stateFile string) ([]string, error) {
 			paths = append(paths, p)
 		}
 	}
-	sort.Strings(paths)
-	return paths, err
+	return paths, warn, nil
 }
 
 // stateNetns reads the netns paths of scrubd's attachments, active and

@@ -23,12 +23,15 @@ import (
 // (eth0, peer0) that the real recorder is attached to, and filters of
 // others' beside ctscrub's.
 type uninstallNode struct {
-	rec      *recorder.Recorder
-	pinDir   string
-	nsA, nsB string // nsA is found in the netns dir, nsB only in the state file
-	netnsDir string
-	state    string
-	runDir   string
+	rec    *recorder.Recorder
+	pinDir string
+	// nsA is found in the netns dir (and by a process), nsB only in the
+	// state file, nsC only by a process.
+	nsA, nsB, nsC string
+	netnsDir      string
+	proc          string
+	state         string
+	runDir        string
 }
 
 func newUninstallNode(t *testing.T) *uninstallNode {
@@ -36,14 +39,14 @@ func newUninstallNode(t *testing.T) *uninstallNode {
 	if os.Geteuid() != 0 {
 		t.Skip("needs root: network namespaces, tc filters, BPF programs")
 	}
-	n := &uninstallNode{pinDir: filepath.Join(standin.TempDir(t), "ctscrub"), netnsDir: t.TempDir(), runDir: t.TempDir()}
+	n := &uninstallNode{pinDir: filepath.Join(standin.TempDir(t), "ctscrub"), netnsDir: t.TempDir(), runDir: t.TempDir(), proc: t.TempDir()}
 	rec, err := recorder.Load(recorder.Options{PinDir: n.pinDir, CTRoot: t.TempDir(), RingBytes: 1 << 16})
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { rec.Close() })
 	n.rec = rec
-	for i, p := range []*string{&n.nsA, &n.nsB} {
+	for i, p := range []*string{&n.nsA, &n.nsB, &n.nsC} {
 		name := fmt.Sprintf("ctscrub-uninst-%d-%s-%d", os.Getpid(), filepath.Base(n.runDir), i)
 		path, err := nsexec.Create(name)
 		if err != nil {
@@ -67,6 +70,13 @@ func newUninstallNode(t *testing.T) *uninstallNode {
 		t.Fatal(err)
 	}
 	os.WriteFile(filepath.Join(n.netnsDir, "cni-stale"), nil, 0o644)
+	// A /proc of three processes: one in nsC, one in nsA, and "self".
+	for pid, ns := range map[string]string{"7": n.nsC, "8": n.nsA, "self": n.nsA} {
+		os.MkdirAll(filepath.Join(n.proc, pid, "ns"), 0o755)
+		if err := os.Symlink(ns, filepath.Join(n.proc, pid, "ns", "net")); err != nil {
+			t.Fatal(err)
+		}
+	}
 	n.state = filepath.Join(n.runDir, "attachments.json")
 	os.WriteFile(n.state, []byte(fmt.Sprintf(`{"version":1,"pods":[{"containerID":"b","ifName":"eth0","netns":%q,"ips":[],"ifindex":2}]}`, n.nsB)), 0o600)
 	os.WriteFile(n.state+".log", []byte(`{"op":"active","pod":{"containerID":"c","ifName":"eth0","netns":"/var/run/netns/ctscrub-uninst-gone"}}`+"\n"), 0o600)
@@ -161,7 +171,7 @@ func (n *uninstallNode) attached(t *testing.T, path string) bool {
 
 func (n *uninstallNode) args(extra ...string) []string {
 	return append([]string{"--conf-dir", filepath.Join(n.runDir, "no-conf"), "--netns-dirs", n.netnsDir + ",/nonexistent/netns",
-		"--state-file", n.state, "--run-dir", n.runDir, "--pin-dir", n.pinDir}, extra...)
+		"--state-file", n.state, "--proc", n.proc, "--run-dir", n.runDir, "--pin-dir", n.pinDir}, extra...)
 }
 
 // TestUninstallRemovesRecorders: the real recorder's filters go from every
@@ -183,12 +193,13 @@ func TestUninstallRemovesRecorders(t *testing.T) {
 	}
 	want := fmt.Sprintf(`ctscrub uninstall: removed recorder filters (ingress, egress) from eth0 in %s
 ctscrub uninstall: removed recorder filters (ingress, egress) from eth0 in %s
-ctscrub uninstall: removed the recorder from 2 interfaces in 2 of 2 network namespaces
-`, filepath.Join(n.netnsDir, "cni-a"), n.nsB)
+ctscrub uninstall: removed recorder filters (ingress, egress) from eth0 in %s
+ctscrub uninstall: removed the recorder from 3 interfaces in 3 of 3 network namespaces
+`, filepath.Join(n.netnsDir, "cni-a"), n.nsB, filepath.Join(n.proc, "7", "ns", "net"))
 	if out.String() != want {
 		t.Errorf("output:\n%s\nwant:\n%s", out.String(), want)
 	}
-	if n.attached(t, n.nsA) || n.attached(t, n.nsB) {
+	if n.attached(t, n.nsA) || n.attached(t, n.nsB) || n.attached(t, n.nsC) {
 		t.Error("recorder filters left after the uninstall")
 	}
 	if got := n.foreignLeft(t); got != len(foreignFilters) {
@@ -202,11 +213,23 @@ ctscrub uninstall: removed the recorder from 2 interfaces in 2 of 2 network name
 	if err := runSubcommand("uninstall", n.args(), &out); err != nil {
 		t.Fatalf("second uninstall: %v\n%s", err, out.String())
 	}
-	if want := "ctscrub uninstall: removed the recorder from 0 interfaces in 0 of 2 network namespaces\n"; out.String() != want {
+	if want := "ctscrub uninstall: removed the recorder from 0 interfaces in 0 of 3 network namespaces\n"; out.String() != want {
 		t.Errorf("second uninstall wrote:\n%s\nwant:\n%s", out.String(), want)
 	}
 	if got := n.foreignLeft(t); got != len(foreignFilters) {
 		t.Errorf("%d of %d foreign filters left after the second run", got, len(foreignFilters))
+	}
+
+	// A state file it cannot read is a warning: the netns dirs and the
+	// processes are still looked at.
+	os.WriteFile(n.state, []byte("{"), 0o600)
+	out.Reset()
+	if err := runSubcommand("uninstall", n.args(), &out); err != nil {
+		t.Fatalf("uninstall with a bad state file: %v\n%s", err, out.String())
+	}
+	if want := fmt.Sprintf("ctscrub uninstall: warning: read scrubd's state file %s: unexpected end of JSON input (skipped)\n"+
+		"ctscrub uninstall: removed the recorder from 0 interfaces in 0 of 2 network namespaces\n", n.state); out.String() != want {
+		t.Errorf("uninstall with a bad state file wrote:\n%s\nwant:\n%s", out.String(), want)
 	}
 }
 
@@ -245,7 +268,7 @@ func TestUninstallRemoveState(t *testing.T) {
 			t.Errorf("%s left: %v", p, err)
 		}
 	}
-	if !n.attached(t, n.nsA) || !n.attached(t, n.nsB) {
+	if !n.attached(t, n.nsA) || !n.attached(t, n.nsB) || !n.attached(t, n.nsC) {
 		t.Error("--keep-recorders removed the recorder's filters")
 	}
 
