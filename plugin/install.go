@@ -3,7 +3,6 @@ package main
 import (
 	"bytes"
 	"encoding/json"
-	"errors"
 	"flag"
 	"fmt"
 	"io"
@@ -21,6 +20,8 @@ import (
 //
 //	ctscrub install   [--bin-dir D] [--conf-dir D] [--conflist F] [--after T] [--entry JSON] [--replace] [--watch 10s]
 //	ctscrub uninstall [--conf-dir D] [--conflist F] [--bin-dir D --remove-binary]
+//	                  [--keep-recorders] [--netns-dirs D,D] [--state-file F] [--proc D]
+//	                  [--remove-state [--pin-dir D] [--run-dir D]]
 
 // defaultEntry is the ctscrub entry inserted into the conflist.
 const defaultEntry = `{"type":"ctscrub","socket":"/run/ctscrub/scrubd.sock","timeout":"30s","failurePolicy":"fail"}`
@@ -36,6 +37,13 @@ func runSubcommand(name string, args []string, out io.Writer) error {
 	replace := fs.Bool("replace", false, "install: replace a ctscrub entry already in the conflist with --entry (default: keep it)")
 	watch := fs.Duration("watch", 0, "keep checking every interval and put the entry back when the conflist is rewritten (0: once)")
 	removeBinary := fs.Bool("remove-binary", false, "uninstall: also remove ctscrub from --bin-dir")
+	keepRecorders := fs.Bool("keep-recorders", false, "uninstall: leave the recorder's tc filters on pods' interfaces (default: remove them from every netns)")
+	netnsDirs := fs.String("netns-dirs", "/var/run/netns,/run/netns", "uninstall: comma-separated dirs where the runtime binds pods' network namespaces")
+	proc := fs.String("proc", "/proc", "uninstall: also look in the netns of every process under this dir (\"\": only --netns-dirs and --state-file)")
+	stateFile := fs.String("state-file", "", "uninstall: scrubd's state file, read for more pod netns paths (default: attachments.json in --run-dir)")
+	removeState := fs.Bool("remove-state", false, "uninstall: also remove scrubd's pin dir and run dir (refused while scrubd answers)")
+	pinDir := fs.String("pin-dir", "/sys/fs/bpf/ctscrub", "uninstall: scrubd's pin dir on bpffs (--remove-state)")
+	runDir := fs.String("run-dir", "/run/ctscrub", "uninstall: scrubd's run dir: socket, state file, snapshot (--remove-state)")
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
@@ -44,15 +52,20 @@ func runSubcommand(name string, args []string, out io.Writer) error {
 	}
 	switch name {
 	case "uninstall":
-		if err := removeEntry(*confDir, *conflist, out); err != nil {
-			return err
+		o := uninstallOptions{
+			binDir: *binDir, confDir: *confDir, conflist: *conflist, removeBinary: *removeBinary,
+			keepRecorders: *keepRecorders, stateFile: *stateFile, proc: *proc,
+			removeState: *removeState, pinDir: *pinDir, runDir: *runDir,
 		}
-		if *removeBinary {
-			if err := os.Remove(filepath.Join(*binDir, "ctscrub")); err != nil && !errors.Is(err, os.ErrNotExist) {
-				return err
+		for _, d := range strings.Split(*netnsDirs, ",") {
+			if d = strings.TrimSpace(d); d != "" {
+				o.netnsDirs = append(o.netnsDirs, d)
 			}
 		}
-		return nil
+		if o.stateFile == "" {
+			o.stateFile = filepath.Join(o.runDir, "attachments.json")
+		}
+		return uninstall(o, out)
 	case "install":
 		var e map[string]any
 		if err := json.Unmarshal([]byte(*entry), &e); err != nil {

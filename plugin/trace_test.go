@@ -5,10 +5,12 @@ import (
 	"net/http"
 	"os"
 	"os/exec"
+	"reflect"
 	"strings"
 	"testing"
 
 	"github.com/ctscrub/ctscrub/scrubd/api"
+	"github.com/ctscrub/ctscrub/scrubd/client"
 )
 
 // With CTSCRUB_TRACE set, ADD prints one trace line on stderr: its own
@@ -70,4 +72,23 @@ func traceLine(t *testing.T, stderr string) trace {
 	}
 	t.Fatalf("no trace line in stderr %q", stderr)
 	return trace{}
+}
+
+// The hand-written trace line is what encoding/json makes of the trace.
+func TestTraceJSONAsEncodingJSON(t *testing.T) {
+	tr := &trace{Cmd: "DEL \"x\"", StartNS: 1, EntryNS: 2, EndNS: 9, Threads: 4,
+		Steps:    []traceStep{{"parse", 3}, {"finish", 4}},
+		Requests: []client.Timing{{Path: "/v1/index/stop", Dial: 5, Total: 8, Server: []api.Step{{Name: "read", Dur: 6}, {Name: "journal", Dur: 7}}}, {Path: "/v1/x", Server: []api.Step{}}}}
+	want, err := json.Marshal(tr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var a, b any
+	json.Unmarshal(want, &a)
+	if err := json.Unmarshal(tr.appendJSON(nil), &b); err != nil {
+		t.Fatalf("%s: %v", tr.appendJSON(nil), err)
+	}
+	if !reflect.DeepEqual(a, b) {
+		t.Errorf("hand-written\n%s\nencoding/json\n%s", tr.appendJSON(nil), want)
+	}
 }

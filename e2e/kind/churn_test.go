@@ -46,6 +46,9 @@ spec:
   terminationGracePeriodSeconds: 1
   containers:
     - {name: client, image: %[3]s, imagePullPolicy: IfNotPresent, command: ["sleep", "36000"]}
+    # UDP client: Debian's busybox nc has no -u, so the client asks agnhost's
+    # /dial in its own network namespace (the flows are the client pod's).
+    - {name: dialer, image: %[4]s, imagePullPolicy: IfNotPresent, args: ["netexec", "--http-port=8090"]}
 ---
 apiVersion: v1
 kind: Service
@@ -55,7 +58,7 @@ spec:
   ports:
     - {name: tcp, port: 8080, protocol: TCP}
     - {name: udp, port: 8081, protocol: UDP}
-`, ns, node, e.clientImage)))
+`, ns, node, e.clientImage, e.serverImage)))
 	c.must(5*time.Minute, "kubectl", "-n", ns, "wait", "--for=condition=Ready", "pod/client", "--timeout=5m")
 
 	var (
@@ -143,23 +146,46 @@ spec:
 		}
 
 		// Traffic: TCP, UDP and ping to each pod; DNS and TCP through the
-		// Service. One exec for the lot.
+		// Service. One exec for the lot; each answer on a line of its own,
+		// "<proto> <ip> <answer>".
 		var script strings.Builder
 		for ip := range ips {
-			fmt.Fprintf(&script, "timeout 5 wget -qO- http://%[1]s:8080/hostname; echo; echo hostname | timeout 3 nc -u -w 1 %[1]s 8081; echo; ping -c 1 -W 2 %[1]s >/dev/null && echo ping-ok; ", ip)
+			fmt.Fprintf(&script, `echo "tcp %[1]s $(timeout 5 wget -qO- http://%[1]s:8080/hostname)"; `+
+				`echo "udp %[1]s $(timeout 5 wget -qO- 'http://127.0.0.1:8090/dial?request=hostname&protocol=udp&host=%[1]s&port=8081&tries=2')"; `+
+				`ping -c 1 -W 2 %[1]s >/dev/null && echo "ping %[1]s ok"; `, ip)
 		}
 		script.WriteString("nslookup churn." + ns + ".svc.cluster.local >/dev/null && echo dns-ok; ")
 		for range 5 {
-			script.WriteString("timeout 5 wget -qO- http://churn." + ns + ".svc.cluster.local:8080/hostname; echo; ")
+			script.WriteString("echo \"svc $(timeout 5 wget -qO- http://churn." + ns + ".svc.cluster.local:8080/hostname)\"; ")
 		}
-		out, _ := c.run(3*time.Minute, "kubectl", "-n", ns, "exec", "client", "--", "sh", "-c", script.String())
-		for ip, pod := range ips {
-			if n := strings.Count(out, pod); n < 2 {
-				t.Errorf("wave %d: %s (%s) answered %d of TCP and UDP, want both:\n%s", w, pod, ip, n, out)
+		out, _ := c.run(3*time.Minute, "kubectl", "-n", ns, "exec", "client", "-c", "client", "--", "sh", "-c", script.String())
+		lines := strings.Split(out, "\n")
+		answered := func(proto, ip, want string) bool {
+			for _, l := range lines {
+				if strings.HasPrefix(l, proto+" "+ip+" ") && strings.Contains(l, want) {
+					return true
+				}
+			}
+			return false
+		}
+		svc := 0
+		for _, l := range lines {
+			if strings.HasPrefix(l, "svc churn-") {
+				svc++
 			}
 		}
-		if strings.Count(out, "ping-ok") != len(ips) || !strings.Contains(out, "dns-ok") {
-			t.Errorf("wave %d: ping answered %d of %d, DNS through the Service ok: %v:\n%s", w, strings.Count(out, "ping-ok"), len(ips), strings.Contains(out, "dns-ok"), out)
+		for ip, pod := range ips {
+			for _, proto := range []string{"tcp", "udp"} {
+				if !answered(proto, ip, pod) {
+					t.Errorf("wave %d: %s (%s) did not answer over %s:\n%s", w, pod, ip, proto, out)
+				}
+			}
+			if !answered("ping", ip, "ok") {
+				t.Errorf("wave %d: %s (%s) did not answer ping:\n%s", w, pod, ip, out)
+			}
+		}
+		if !strings.Contains(out, "dns-ok") || svc != 5 {
+			t.Errorf("wave %d: DNS through the Service ok: %v; %d of 5 requests to the Service answered:\n%s", w, strings.Contains(out, "dns-ok"), svc, out)
 		}
 		n := 0
 		for _, k := range c.ctCount(agent, ips) {

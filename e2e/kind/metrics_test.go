@@ -151,6 +151,9 @@ func TestKindMetrics(t *testing.T) {
 		t.Fatal(err)
 	}
 	metricRe := regexp.MustCompile(`\bctscrub_[a-z_]+`)
+	// Counters of faults, labelled by what failed: no series until the first
+	// one happens, so a healthy node does not export them.
+	eventOnly := map[string]bool{"ctscrub_audit_missing_keys_total": true}
 	queries, withData := 0, 0
 	for _, p := range dash.Panels {
 		for _, tg := range p.Targets {
@@ -163,7 +166,7 @@ func TestKindMetrics(t *testing.T) {
 						base = strings.TrimSuffix(m, s) + "_count"
 					}
 				}
-				if !exported[base] {
+				if !exported[base] && !eventOnly[base] {
 					t.Errorf("panel %q queries %s, which no node's scrubd exports", p.Title, m)
 				}
 			}

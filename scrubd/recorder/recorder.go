@@ -29,6 +29,7 @@ import (
 	"github.com/ctscrub/ctscrub/bpf"
 	"github.com/ctscrub/ctscrub/scrubd/ctmap"
 	"github.com/ctscrub/ctscrub/scrubd/index"
+	"github.com/ctscrub/ctscrub/scrubd/recorder/tcfilter"
 )
 
 // DefaultPinDir is where scrubd pins the recorder's maps and links.
@@ -275,15 +276,14 @@ func (r *Recorder) lockIface(netnsPath, ifname string) func() {
 	return mu.Unlock
 }
 
-// The recorder's tc filters: one direct-action cls_bpf filter on each of the
-// clsact qdisc's hooks, at FilterPriority with FilterHandle. Priority 1 runs
-// first among tc filters, so no other filter drops or redirects a packet
-// before it is recorded; the handle tells ctscrub's filters from others
-// (see docs/recorder.md, "Where it runs").
+// The recorder's tc filters (package tcfilter knows them, for uninstall):
+// one direct-action cls_bpf filter on each of the clsact qdisc's hooks, at
+// FilterPriority with FilterHandle, named tcfilter.Name (see
+// docs/recorder.md, "Where it runs").
 const (
-	FilterPriority = 1
-	FilterHandle   = 0xc75c
-	filterName     = "ctscrub_recorder"
+	FilterPriority = tcfilter.Priority
+	FilterHandle   = tcfilter.Handle
+	filterName     = tcfilter.Name
 )
 
 func recorderFilter(ifindex int, parent uint32, prog *ebpf.Program) *netlink.BpfFilter {
