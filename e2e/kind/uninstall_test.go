@@ -38,12 +38,25 @@ func TestKindUninstall(t *testing.T) {
 			return strings.Join(chain, ",") == "cilium-cni", fmt.Sprintf("chain %v", chain)
 		})
 	}
+	// The recorder's filters on the pods' interfaces before: some pods
+	// (CoreDNS at least) started while ctscrub ran, so the check below can fail.
+	filtersBefore := 0
+	for _, n := range e.nodes {
+		filtersBefore += c.recorderFilters(n)
+	}
+	if filtersBefore == 0 {
+		t.Errorf("no pod interface on %v carries the recorder's filters before the uninstall", e.nodes)
+	}
 	c.must(5*time.Minute, "helm", "uninstall", "ctscrub", "--namespace", "kube-system", "--wait", "--timeout", "5m")
 	for _, n := range e.nodes {
-		c.must(time.Minute, "docker", "exec", n, "/opt/cni/bin/ctscrub", "uninstall", "--conf-dir", "/etc/cni/net.d", "--bin-dir", "/opt/cni/bin", "--remove-binary")
-		c.must(time.Minute, "docker", "exec", n, "rm", "-rf", "/sys/fs/bpf/ctscrub", "/run/ctscrub")
+		out := c.must(time.Minute, "docker", "exec", n, "/opt/cni/bin/ctscrub", "uninstall", "--conf-dir", "/etc/cni/net.d",
+			"--bin-dir", "/opt/cni/bin", "--remove-binary", "--remove-state")
+		t.Logf("%s: %s", n, strings.TrimSpace(out))
 	}
 	for _, n := range e.nodes {
+		if k := c.recorderFilters(n); k != 0 {
+			t.Errorf("%s: %d recorder filters left on pod interfaces after the uninstall", n, k)
+		}
 		out := c.must(time.Minute, "docker", "exec", n, "sh", "-c",
 			"ls -d /opt/cni/bin/ctscrub /sys/fs/bpf/ctscrub /run/ctscrub 2>/dev/null; grep -l ctscrub /etc/cni/net.d/* 2>/dev/null; true")
 		if strings.TrimSpace(out) != "" {
@@ -62,6 +75,17 @@ func TestKindUninstall(t *testing.T) {
 		"--overrides", fmt.Sprintf(`{"spec":{"nodeName":%q}}`, e.worker), "--", "netexec", "--http-port=8080")
 	c.must(3*time.Minute, "kubectl", "-n", ns, "wait", "--for=condition=Ready", "pod/after", "--timeout=3m")
 	result(t, "uninstall_clean", !t.Failed())
+	result(t, "uninstall_filters_removed", filtersBefore)
+}
+
+// recorderFilters counts the recorder's tc filters (name ctscrub_recorder)
+// on the interfaces of every pod network namespace of node.
+func (c *cluster) recorderFilters(node string) int {
+	c.t.Helper()
+	out := c.must(time.Minute, "docker", "exec", node, "sh", "-c",
+		`for n in /var/run/netns/*; do [ -e "$n" ] || continue; for d in $(nsenter --net="$n" ip -o link show | awk -F': ' '{print $2}' | sed 's/@.*//'); do `+
+			`nsenter --net="$n" tc filter show dev "$d" ingress; nsenter --net="$n" tc filter show dev "$d" egress; done; done 2>/dev/null; true`)
+	return strings.Count(out, "ctscrub_recorder")
 }
 
 // uninstallSkipped: the uninstall takes ctscrub off the cluster; it runs only
