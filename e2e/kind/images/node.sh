@@ -14,11 +14,12 @@
 source "$(dirname "$0")/lib.sh"
 K8S_VERSION=${K8S_VERSION:-v1.34.4}
 KIND_VERSION=${KIND_VERSION:-v0.33.0}
+CRICTL_VERSION=${CRICTL_VERSION:-v1.34.0}
 rootfs=$("$IMAGES_DIR/rootfs.sh" node "${NODE_PACKAGES[@]}")
 k8s=$("$IMAGES_DIR/k8s.sh")
 extras=$("$IMAGES_DIR/extras.sh")
 image=ctscrub-kind/node:$K8S_VERSION-$(inputs_hash "$IMAGES_DIR/lib.sh" "$IMAGES_DIR/node.sh" \
-	"$ROOT/e2e/kind/runcwrap/main.go" "$rootfs" "$k8s" "$extras" "$KIND_VERSION")
+	"$ROOT/e2e/kind/runcwrap/main.go" "$rootfs" "$k8s" "$extras" "$KIND_VERSION" "$CRICTL_VERSION")
 if have_image "$image"; then echo "$image"; exit 0; fi
 
 log "assembling the kind node image -> $image"
@@ -69,6 +70,9 @@ grep -q 'BinaryName = "/usr/local/sbin/runcwrap"' "$r/etc/containerd/config.toml
 
 # Kubernetes.
 install -m 0755 "$dir"/k8s/usr/local/bin/{kubeadm,kubelet,kubectl} "$r/usr/bin/"
+# crictl, as kind's base image has it (bench-cilium-node and debugging use it).
+GOBIN=$dir/crictl CGO_ENABLED=0 GOFLAGS= "$GO" install -trimpath "sigs.k8s.io/cri-tools/cmd/crictl@$CRICTL_VERSION"
+install -m 0755 "$dir/crictl/crictl" "$r/usr/local/bin/crictl"
 echo "$K8S_VERSION" >"$r/kind/version"
 
 # The control-plane images, each a single binary, preloaded into the node's
