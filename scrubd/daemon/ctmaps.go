@@ -135,8 +135,8 @@ func (w *ctWatch) reopen() (bool, error) {
 		nm.Close()
 		return false, fmt.Errorf("re-created CT maps under %s: load the sweep programs: %w", cur.Root, err)
 	}
+	w.marked.Add(float64(n)) // first: a reader that sees the re-open counted sees the marks
 	w.reopened.Inc()
-	w.marked.Add(float64(n))
 	if w.rec != nil {
 		w.rec.SetCT(nm)
 	}

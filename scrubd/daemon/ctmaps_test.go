@@ -122,6 +122,10 @@ func TestCTMapsRecreatedUnderDaemon(t *testing.T) {
 	if st := td.Index().State(pod.Addr6); st.Complete || st.Incomplete != index.ReasonCTMaps {
 		t.Errorf("%s after the re-create: complete %v, reason %q; want incomplete for %q", pod.Addr6, st.Complete, st.Incomplete, index.ReasonCTMaps)
 	}
+	// The counter goes up once the switch is done, just after the marks.
+	waitFor(t, "ctscrub_ct_maps_reopened_total to count the re-open", func() bool {
+		return counterValue(t, td, "ctscrub_ct_maps_reopened_total", nil) >= 1
+	})
 	if n := counterValue(t, td, "ctscrub_ct_maps_reopened_total", nil); n != 1 {
 		t.Errorf("ctscrub_ct_maps_reopened_total %v, want 1", n)
 	}
