@@ -24,6 +24,13 @@ import (
 // started.
 func runVariant(ctx context.Context, cfg config, k *kube, maps *ctmap.Maps, f *filler, clock expiry.Clock, name string) (*variantResult, int64, error) {
 	log.Printf("== %s", name)
+	if name == "cilium_only" {
+		// ctscrub goes before the fill: a scrubd still running (the previous
+		// variant's, expiry on) would sweep the expired share as it is written.
+		if err := uninstallCtscrub(k); err != nil {
+			return nil, 0, err
+		}
+	}
 	took, err := f.fill()
 	if err != nil {
 		return nil, 0, err
@@ -46,7 +53,7 @@ func runVariant(ctx context.Context, cfg config, k *kube, maps *ctmap.Maps, f *f
 			err = waitFirstSweep(k, maps)
 		}
 	case "cilium_only":
-		err = uninstallCtscrub(k)
+		// uninstalled before the fill
 	}
 	if err != nil {
 		return nil, 0, err
