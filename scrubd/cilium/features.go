@@ -292,16 +292,7 @@ func (f *Features) endpointID(ip netip.Addr) (uint16, bool) {
 	}
 	m := f.lxc
 	f.mu.Unlock()
-	var key [20]byte
-	if ip.Is4() {
-		a := ip.As4()
-		copy(key[:], a[:])
-		key[16] = 1
-	} else {
-		a := ip.As16()
-		copy(key[:], a[:])
-		key[16] = 2
-	}
+	key := lxcKey(ip)
 	val := make([]byte, m.ValueSize())
 	if err := m.Lookup(key[:], val); err != nil {
 		return 0, false
@@ -336,4 +327,20 @@ func hasProxyPort(m *ebpf.Map) bool {
 		}
 	}
 	return false
+}
+
+// lxcKey is cilium_lxc's key for ip (struct endpoint_key): the address in
+// 16 bytes, then its family (1 IPv4, 2 IPv6), then padding and cluster ID.
+func lxcKey(ip netip.Addr) [20]byte {
+	var key [20]byte
+	if ip.Is4() {
+		a := ip.As4()
+		copy(key[:], a[:])
+		key[16] = 1
+	} else {
+		a := ip.As16()
+		copy(key[:], a[:])
+		key[16] = 2
+	}
+	return key
 }

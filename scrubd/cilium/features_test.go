@@ -44,17 +44,8 @@ func lxcMap(t *testing.T, dir string, ip netip.Addr, id uint16) {
 	if err := m.Pin(filepath.Join(dir, "cilium_lxc")); err != nil {
 		t.Fatal(err)
 	}
-	var key [20]byte
+	key := lxcKey(ip)
 	var val [48]byte
-	if ip.Is4() {
-		a := ip.As4()
-		copy(key[:], a[:])
-		key[16] = 1
-	} else {
-		a := ip.As16()
-		copy(key[:], a[:])
-		key[16] = 2
-	}
 	binary.NativeEndian.PutUint32(val[0:], 7) // ifindex
 	binary.NativeEndian.PutUint16(val[6:], id)
 	if err := m.Put(key[:], val[:]); err != nil {
@@ -274,11 +265,8 @@ func BenchmarkFeaturesReason(b *testing.B) {
 		b.Fatal(err)
 	}
 	defer lxc.Close()
-	var key [20]byte
+	key := lxcKey(ip)
 	var val [48]byte
-	a := ip.As4()
-	copy(key[:], a[:])
-	key[16] = 1
 	binary.NativeEndian.PutUint16(val[6:], id)
 	if err := lxc.Put(key[:], val[:]); err != nil {
 		b.Fatal(err)
