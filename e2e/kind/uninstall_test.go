@@ -43,6 +43,9 @@ func TestKindUninstall(t *testing.T) {
 		t.Errorf("no pod interface on %v carries the recorder's filters before the uninstall", e.nodes)
 	}
 	c.must(5*time.Minute, "helm", "uninstall", "ctscrub", "--namespace", "kube-system", "--wait", "--timeout", "5m")
+	// helm's --wait ends when the DaemonSet object is gone; its pods may
+	// still be terminating, and scrubd still answer on its socket.
+	c.must(3*time.Minute, "kubectl", "-n", "kube-system", "wait", "--for=delete", "pod", "-l", "app.kubernetes.io/name=ctscrub", "--timeout=2m")
 	for _, n := range e.nodes {
 		out := c.must(time.Minute, "docker", "exec", n, "/opt/cni/bin/ctscrub", "uninstall", "--conf-dir", "/etc/cni/net.d",
 			"--bin-dir", "/opt/cni/bin", "--remove-binary", "--remove-state")
