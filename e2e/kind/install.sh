@@ -25,6 +25,10 @@ HELM_VERSION=${HELM_VERSION:-v3.19.0}
 # Where the tools go; cluster.sh and the tests find them here.
 PREFIX=${CTSCRUB_KIND_PREFIX:-/opt/ctscrub-kind}
 DOCKERD_LOG=${DOCKERD_LOG:-/var/log/ctscrub-kind-dockerd.log}
+# dockerd's --data-root when install.sh starts it (empty: Docker's default,
+# /var/lib/docker). Another directory gives an engine with an empty image
+# store, e.g. to time a build from nothing without losing the cached images.
+DOCKER_DATA_ROOT=${DOCKER_DATA_ROOT:-}
 log() { printf '%s install: %s\n' "$(date -u +%H:%M:%S)" "$*" >&2; }
 
 [[ $(id -u) == 0 ]] || { log "run as root"; exit 1; }
@@ -60,10 +64,12 @@ else
 		cp "$conf" "$conf.ctscrub-bak"
 	fi
 	echo "$want" >"$conf"
-	log "starting dockerd (log: $DOCKERD_LOG)"
+	args=()
+	[[ -n $DOCKER_DATA_ROOT ]] && args+=(--data-root "$DOCKER_DATA_ROOT")
+	log "starting dockerd ${args[*]} (log: $DOCKERD_LOG)"
 	# setsid: the engine outlives this script and is not killed by a Ctrl-C
 	# in the terminal that started it.
-	setsid nohup dockerd >>"$DOCKERD_LOG" 2>&1 </dev/null &
+	setsid nohup dockerd "${args[@]}" >>"$DOCKERD_LOG" 2>&1 </dev/null &
 	for _ in $(seq 60); do docker info >/dev/null 2>&1 && break; sleep 0.5; done
 	docker info >/dev/null 2>&1 || { tail -20 "$DOCKERD_LOG" >&2; log "dockerd did not start"; exit 1; }
 fi
