@@ -259,9 +259,15 @@ func (c *Backend) Scrub(ctx context.Context, req scrub.Request) (scrub.Result, e
 		if err := ctx.Err(); err != nil {
 			return finish(err)
 		}
+		if req.Still != nil && !req.Still(ip) {
+			continue
+		}
 		// The index only holds keys of IPs in the pod CIDRs: any other IP
 		// always takes the sweep, whatever its slot says.
 		if !synced || !c.ix.Owns(ip) || !c.ix.State(ip).Complete {
+			if req.IndexOnly {
+				continue
+			}
 			sweepIPs = append(sweepIPs, ip)
 			continue
 		}
@@ -280,6 +286,10 @@ func (c *Backend) Scrub(ctx context.Context, req scrub.Request) (scrub.Result, e
 			continue
 		}
 		k4, k6, st := c.ix.Take(ip)
+		if !st.Complete && req.IndexOnly {
+			c.ix.Return(ip, k4, k6)
+			continue
+		}
 		if !st.Complete {
 			// Marked incomplete after State: the sweep handles it, and the
 			// keys taken now are covered by it.

@@ -118,6 +118,7 @@ type Daemon struct {
 	ready        atomic.Bool
 	exp          *expiry.Runner // nil without the Cilium backend
 	own          ownership      // which IPs a clean DEL released (ownership.go)
+	late         sync.WaitGroup // late DEL scrubs waiting or running (late.go)
 	chained      prometheus.Gauge
 	started      time.Time
 	metricsLn    atomic.Pointer[net.Addr] // where /metrics listens (port 0 resolved)
@@ -322,6 +323,7 @@ func (d *Daemon) Run(ctx context.Context) error {
 	}
 	stopBG()
 	bg.Wait()
+	d.late.Wait() // cancelled with the work: each gave its keys back
 	d.snapshotAtStop()
 	return runErr
 }

@@ -608,6 +608,11 @@ func (d *Daemon) handleIndexStop(w http.ResponseWriter, r *http.Request) {
 	// interface and (in reverse chain order) before cilium-cni removes the
 	// endpoint, and flows in that window create entries the index must
 	// hold. The filters go with the interface.
+	// Once the interface is gone, what was recorded since the DEL scrub is
+	// scrubbed too (late.go).
+	if known {
+		d.scheduleLateDel(pod, netns)
+	}
 	d.log.Info("index stop", "container_id", req.ContainerID, "ifname", req.IfName, "netns", netns, "known", known, "ips", pod.IPs)
 	api.StepsFrom(r.Context()).Mark("log")
 	if req.Del != nil {

@@ -31,6 +31,7 @@ type metrics struct {
 	ctEntries  *prometheus.GaugeVec
 	ctMax      *prometheus.GaugeVec
 	statsError *prometheus.CounterVec
+	late       *prometheus.CounterVec
 }
 
 func newMetrics(d *Daemon, reg *prometheus.Registry) *metrics {
@@ -71,8 +72,12 @@ func newMetrics(d *Daemon, reg *prometheus.Registry) *metrics {
 			Name: "ctscrub_ct_stats_errors_total",
 			Help: "Failed reads of a backend's CT table occupancy.",
 		}, []string{"backend"}),
+		late: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "ctscrub_del_late_total",
+			Help: "Late DEL scrubs (once the deleted pod's interface is gone, docs/daemon.md) per IP: scrubbed, new_owner (an ADD of the IP came first: left alone), incomplete (index incomplete: left to the next ADD's sweep), failed.",
+		}, []string{"result"}),
 	}
-	reg.MustRegister(m.duration, m.steps, m.deleted, m.refused, m.shared, m.ctMax, m.statsError)
+	reg.MustRegister(m.duration, m.steps, m.deleted, m.refused, m.shared, m.ctMax, m.statsError, m.late)
 	// The entries gauge may be shared with (and registered by) the expiry pass.
 	if err := reg.Register(m.ctEntries); err != nil {
 		if _, ok := err.(prometheus.AlreadyRegisteredError); !ok {

@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/cilium/ebpf"
+	dto "github.com/prometheus/client_model/go"
 	"github.com/vishvananda/netlink"
 
 	"github.com/ctscrub/ctscrub/internal/testsupport/netpods"
@@ -559,5 +560,138 @@ func TestDelKeepsRecordingUntilInterfaceGoes(t *testing.T) {
 	}
 	if left := root.entriesOf(t, pod.Addr4); left != 0 {
 		t.Errorf("%d CT entries of the pod left after a complete scrub", left)
+	}
+}
+
+// delWindow runs a pod through ADD and DEL (one index stop with Del, as the
+// plugin does) with traffic before the DEL, then makes a flow in the DEL
+// window (after the DEL scrub, the interface still there) and waits until
+// the recorder indexed it. It returns the pod and the window's entries.
+func delWindow(t *testing.T) (*netpods.Node, *netpods.Pod, *ctRoot, *testDaemon, int) {
+	t.Helper()
+	root, dp := standinRoot(t, 1<<16)
+	node := netpods.NewNode(t)
+	node.Remote.ServeEcho()
+	pod := node.AddPod()
+	if err := node.Do(func() error { return dp.AttachHostSide(pod.HostVeth) }); err != nil {
+		t.Fatal(err)
+	}
+	td := startDaemon(t, podConfig(t, root))
+	ctx := context.Background()
+	a := api.Attachment{ContainerID: "late1", IfName: "eth0"}
+	ips := []netip.Addr{pod.Addr4}
+	if err := td.c.IndexStart(ctx, api.IndexStartRequest{Attachment: a, Netns: pod.Path, IPs: ips, Scrub: true}); err != nil {
+		t.Fatalf("index start (ADD): %v", err)
+	}
+	if err := pod.TCP(node.Remote.Addr4, netpods.EchoPort); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, "the recorder to index the pod's flow", func() bool {
+		st, err := td.c.IndexIP(ctx, pod.Addr4)
+		return err == nil && st.Keys >= 2
+	})
+	resp, err := td.c.Del(ctx, api.IndexStopRequest{Attachment: a, Netns: pod.Path, Del: &api.CNIDel{IPs: ips, Scrub: true}})
+	if err != nil || len(resp.Results) == 0 || resp.Results[0].Total == 0 {
+		t.Fatalf("DEL: %+v, %v; want a scrub that deleted the pod's entries", resp, err)
+	}
+	if left := root.entriesOf(t, pod.Addr4); left != 0 {
+		t.Fatalf("%d entries left right after the DEL scrub", left)
+	}
+	// The window: the pod still talks through its interface.
+	if err := pod.TCP(node.Remote.Addr4, netpods.EchoPort); err != nil {
+		t.Fatal(err)
+	}
+	n := root.entriesOf(t, pod.Addr4)
+	if n == 0 {
+		t.Fatal("the stand-in made no CT entries in the DEL window")
+	}
+	waitFor(t, "the recorder to index the window's flow", func() bool {
+		st, err := td.c.IndexIP(ctx, pod.Addr4)
+		return err == nil && st.Keys >= 2
+	})
+	return node, pod, root, td, n
+}
+
+// removeInterface deletes the pod's veth pair, as the IP-assigning plugin's
+// DEL does after ctscrub's.
+func removeInterface(t *testing.T, node *netpods.Node, pod *netpods.Pod) {
+	t.Helper()
+	if err := node.Do(func() error {
+		l, err := netlink.LinkByName(pod.HostVeth)
+		if err != nil {
+			return err
+		}
+		return netlink.LinkDel(l)
+	}); err != nil {
+		t.Fatalf("remove the pod's veth: %v", err)
+	}
+}
+
+// lateCount reads ctscrub_del_late_total{result}.
+func lateCount(td *testDaemon, result string) float64 {
+	var m dto.Metric
+	if err := td.m.late.WithLabelValues(result).Write(&m); err != nil {
+		return -1
+	}
+	return m.GetCounter().GetValue()
+}
+
+// TestDelLateScrubsWindowFlows: entries made by packets crossing the pod's
+// interface after the DEL scrub (the DEL window) are deleted once the
+// interface is gone, with no new ADD of the address (late.go). Before the
+// late scrub they stayed until the next scrub of the address.
+func TestDelLateScrubsWindowFlows(t *testing.T) {
+	node, pod, root, td, n := delWindow(t)
+	removeInterface(t, node, pod)
+	waitFor(t, "the late DEL scrub to delete the window's entries", func() bool { return root.entriesOf(t, pod.Addr4) == 0 })
+	waitFor(t, "the late scrub to be counted", func() bool {
+		return lateCount(td, lateScrubbed) == 1
+	})
+	if got := lateCount(td, lateNewOwner); got != 0 {
+		t.Errorf("late scrubs skipped for a new owner: %v, want 0", got)
+	}
+	found := false
+	for _, l := range td.logs.scrubLines(t) {
+		if l["reason"] == "del-late" && l["method"] == "index" && l["deleted"] == float64(n) && l["interface_gone"] == true {
+			found = true
+		}
+	}
+	if !found {
+		t.Errorf("no scrub log line with reason del-late, method index, %d deleted, interface gone: %v", n, td.logs.scrubLines(t))
+	}
+	t.Logf("%d window entries deleted by the late scrub", n)
+}
+
+// TestDelLateLeavesNewOwnerAlone: an ADD of the address between the DEL and
+// the interface's removal (the new owner's ADD scrub ran, its entries are
+// live) stops the late scrub: the entries made after that ADD stay.
+func TestDelLateLeavesNewOwnerAlone(t *testing.T) {
+	node, pod, root, td, _ := delWindow(t)
+	ctx := context.Background()
+	// The new owner's ADD: its scrub deletes what the old pod left.
+	if _, err := td.c.Scrub(ctx, api.ScrubRequest{IPs: []netip.Addr{pod.Addr4}, Reason: scrub.ReasonAdd, ContainerID: "late2"}); err != nil {
+		t.Fatalf("new owner's ADD scrub: %v", err)
+	}
+	// The new owner's live flow (made from the same address, after its ADD).
+	if err := pod.TCP(node.Remote.Addr4, netpods.EchoPort); err != nil {
+		t.Fatal(err)
+	}
+	live := root.entriesOf(t, pod.Addr4)
+	if live == 0 {
+		t.Fatal("no entries of the new owner's flow")
+	}
+	waitFor(t, "the recorder to index the new owner's flow", func() bool {
+		st, err := td.c.IndexIP(ctx, pod.Addr4)
+		return err == nil && st.Keys >= 2
+	})
+	removeInterface(t, node, pod)
+	waitFor(t, "the late scrub to decide", func() bool {
+		return lateCount(td, lateNewOwner)+lateCount(td, lateScrubbed) >= 1
+	})
+	if got := lateCount(td, lateScrubbed); got != 0 {
+		t.Errorf("the late scrub ran on an address a new pod owns (%v)", got)
+	}
+	if left := root.entriesOf(t, pod.Addr4); left != live {
+		t.Errorf("the new owner's entries: %d before the old interface went, %d after", live, left)
 	}
 }

@@ -62,6 +62,21 @@ func (o *ownership) take(ip netip.Addr) bool {
 	return ok
 }
 
+// releasedAt reports when ip was released, if it is released now.
+func (o *ownership) releasedAt(ip netip.Addr) (time.Time, bool) {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	t, ok := o.released[ip]
+	return t, ok
+}
+
+// still reports whether ip is still in the release of time at: no ADD,
+// index start or sign of an unseen owner since.
+func (o *ownership) still(ip netip.Addr, at time.Time) bool {
+	t, ok := o.releasedAt(ip)
+	return ok && t.Equal(at)
+}
+
 func (o *ownership) forget(ip netip.Addr) {
 	o.mu.Lock()
 	defer o.mu.Unlock()

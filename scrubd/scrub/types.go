@@ -28,6 +28,10 @@ const (
 	ReasonAdd Reason = "add"
 	ReasonDel Reason = "del"
 	ReasonGC  Reason = "gc"
+	// ReasonDelLate is scrubd's own second scrub of a deleted pod's IP once
+	// its interface is gone (the DEL window, docs/daemon.md); callers of the
+	// API cannot ask for it.
+	ReasonDelLate Reason = "del-late"
 )
 
 // Outcome is the result label of a scrub.
@@ -44,6 +48,12 @@ type Request struct {
 	IPs    []netip.Addr
 	Reason Reason
 	DryRun bool // count what would be deleted, delete nothing
+	// IndexOnly: scrub only the IPs whose index is complete, through it;
+	// never sweep. The other IPs are left alone (not in Result.PerIP).
+	IndexOnly bool
+	// Still, when set, is asked for each IP once the backend holds the IP's
+	// scrub lock (no other scrub of it runs); false: the IP is left alone.
+	Still func(netip.Addr) bool
 }
 
 // Result reports one scrub. A scrub is Complete only when no entry with any of
