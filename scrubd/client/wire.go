@@ -8,9 +8,12 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"os"
 	"strconv"
 	"strings"
 	"time"
+
+	"golang.org/x/sys/unix"
 )
 
 // The client speaks HTTP/1.1 to scrubd itself instead of through net/http:
@@ -170,25 +173,69 @@ func readChunked(r *bufio.Reader) ([]byte, error) {
 // roundTrip makes one request on a connection of its own. The end of ctx
 // (deadline or cancel) unblocks the connection's reads and writes, and the
 // caller then sees ctx's error. dial is the time the connect took.
+//
+// The socket is a plain blocking one, read and written by the calling
+// goroutine's thread, not through Go's network poller: a short-lived
+// plugin then neither sets the poller up nor takes its extra wake-up per
+// read (docs/bench.md, "make bench-cni"). The end of ctx shuts the socket
+// down, which ends a blocked read or write.
 func roundTrip(ctx context.Context, socket, method, path string, header [][2]string, body []byte) (a *answer, dial time.Duration, err error) {
 	start := time.Now()
-	var d net.Dialer
-	conn, err := d.DialContext(ctx, "unix", socket)
+	f, err := dialUnix(ctx, socket)
 	dial = time.Since(start)
 	if err != nil {
 		return nil, dial, err
 	}
-	defer conn.Close()
-	stop := context.AfterFunc(ctx, func() { conn.SetDeadline(time.Unix(1, 0)) })
+	defer f.Close()
+	stop := context.AfterFunc(ctx, func() {
+		if rc, err := f.SyscallConn(); err == nil {
+			rc.Control(func(fd uintptr) { unix.Shutdown(int(fd), unix.SHUT_RDWR) })
+		}
+	})
 	defer stop()
-	if err := writeRequest(conn, method, path, header, body); err != nil {
+	if err := writeRequest(f, method, path, header, body); err != nil {
 		return nil, dial, fmt.Errorf("%s %s: write request: %w", method, path, ctxErr(ctx, err))
 	}
-	a, err = readAnswer(bufio.NewReaderSize(conn, 8<<10))
+	a, err = readAnswer(bufio.NewReaderSize(f, 8<<10))
 	if err != nil {
 		return nil, dial, fmt.Errorf("%s %s: read answer: %w", method, path, ctxErr(ctx, err))
 	}
 	return a, dial, nil
+}
+
+// dialUnix connects a blocking stream socket to path. A connect waits while
+// the listener's backlog is full, at most until ctx's deadline (30 s
+// without one).
+func dialUnix(ctx context.Context, path string) (*os.File, error) {
+	if err := ctx.Err(); err != nil {
+		return nil, err
+	}
+	fd, err := unix.Socket(unix.AF_UNIX, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		return nil, &os.SyscallError{Syscall: "socket", Err: err}
+	}
+	wait := 30 * time.Second
+	if dl, ok := ctx.Deadline(); ok {
+		wait = max(time.Until(dl), time.Millisecond)
+	}
+	tv := unix.NsecToTimeval(wait.Nanoseconds())
+	unix.SetsockoptTimeval(fd, unix.SOL_SOCKET, unix.SO_SNDTIMEO, &tv)
+	for {
+		err = unix.Connect(fd, &unix.SockaddrUnix{Name: path})
+		if err != unix.EINTR {
+			break
+		}
+	}
+	if err != nil {
+		unix.Close(fd)
+		if err == unix.EAGAIN && ctx.Err() != nil {
+			return nil, ctx.Err()
+		}
+		return nil, &net.OpError{Op: "dial", Net: "unix", Addr: &net.UnixAddr{Name: path, Net: "unix"}, Err: &os.SyscallError{Syscall: "connect", Err: err}}
+	}
+	// Writes are bounded by the shutdown at ctx's end, not by a timeout.
+	unix.SetsockoptTimeval(fd, unix.SOL_SOCKET, unix.SO_SNDTIMEO, &unix.Timeval{})
+	return os.NewFile(uintptr(fd), path), nil
 }
 
 // ctxErr prefers the context's error to the connection's after the context
