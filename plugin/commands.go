@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"net"
 	"net/netip"
 	"slices"
 	"strings"
@@ -11,7 +12,6 @@ import (
 
 	"github.com/containernetworking/cni/pkg/skel"
 	"github.com/containernetworking/cni/pkg/types"
-	current "github.com/containernetworking/cni/pkg/types/100"
 	"github.com/containernetworking/cni/pkg/version"
 
 	"github.com/ctscrub/ctscrub/scrubd/api"
@@ -27,9 +27,9 @@ func errNoPrevResult(cmd string) *types.Error {
 }
 
 // podAddrs returns the pod's IPs and its container-side interface from a
-// result: the interface with "sandbox" set (preferring the one named ifname),
-// and the IPs on sandbox interfaces (or with no interface index).
-func podAddrs(res *current.Result, ifname string) ([]netip.Addr, string) {
+// prevResult: the interface with "sandbox" set (preferring the one named
+// ifname), and the IPs on sandbox interfaces (or with no interface index).
+func podAddrs(res *prevSeen, ifname string) ([]netip.Addr, string) {
 	sandbox := map[int]bool{}
 	chosen := -1
 	for i, in := range res.Interfaces {
@@ -57,7 +57,13 @@ func podAddrs(res *current.Result, ifname string) ([]netip.Addr, string) {
 		if ipc.Interface != nil && len(sandbox) > 0 && !sandbox[*ipc.Interface] {
 			continue
 		}
-		a, ok := netip.AddrFromSlice(ipc.Address.IP)
+		// Parsed as the CNI library parses it (net.ParseCIDR, which also takes
+		// "/024"); parseConfig refused what it cannot parse.
+		ip, _, err := net.ParseCIDR(ipc.Address)
+		if err != nil {
+			continue
+		}
+		a, ok := netip.AddrFromSlice(ip)
 		if !ok {
 			continue
 		}
@@ -69,16 +75,13 @@ func podAddrs(res *current.Result, ifname string) ([]netip.Addr, string) {
 	return ips, name
 }
 
-// prevResultAddrs parses conf's prevResult (nil when absent).
+// prevResultAddrs returns the pod's IPs and interface from conf's prevResult
+// (none when absent; parseConfig has checked it).
 func prevResultAddrs(conf *Config, ifname string) ([]netip.Addr, string, error) {
-	if conf.PrevResult == nil {
+	if conf.prev == nil {
 		return nil, ifname, nil
 	}
-	res, err := convertResult(func() (types.Result, error) { return current.NewResultFromResult(conf.PrevResult) })
-	if err != nil {
-		return nil, "", configError("prevResult cannot be read as a CNI %s result: %v", current.ImplementedSpecVersion, err)
-	}
-	ips, name := podAddrs(res.(*current.Result), ifname)
+	ips, name := podAddrs(conf.prev, ifname)
 	return ips, name, nil
 }
 
@@ -113,7 +116,7 @@ func cmdAdd(args *skel.CmdArgs) error {
 	if err != nil {
 		return err
 	}
-	if conf.PrevResult == nil {
+	if !conf.HasPrevResult() {
 		return errNoPrevResult("ADD")
 	}
 	ips, ifname, err := prevResultAddrs(conf, args.IfName)
@@ -189,8 +192,22 @@ func add(ctx context.Context, cl *client.Client, conf *Config, args *skel.CmdArg
 	return nil
 }
 
+// printPrevResult passes prevResult on: byte for byte when it is at the
+// config's cniVersion (a runtime hands it over so), else converted by the CNI
+// library.
 func printPrevResult(conf *Config) error {
-	r, err := convertResult(func() (types.Result, error) { return conf.PrevResult.GetAsVersion(conf.CNIVersion) })
+	if conf.prev.CNIVersion == conf.CNIVersion {
+		_, err := stdout.Write(append(conf.RawPrevResult, '\n'))
+		return err
+	}
+	nc := conf.NetConf
+	if err := json.Unmarshal(conf.RawPrevResult, &nc.RawPrevResult); err != nil {
+		return configError("prevResult: %v", err)
+	}
+	if _, err := convertResult(func() (types.Result, error) { return nil, version.ParsePrevResult(&nc) }); err != nil {
+		return configError("prevResult cannot be read as a CNI %s result: %v", conf.CNIVersion, err)
+	}
+	r, err := convertResult(func() (types.Result, error) { return nc.PrevResult.GetAsVersion(conf.CNIVersion) })
 	if err != nil {
 		return configError("prevResult cannot be converted to cniVersion %s: %v", conf.CNIVersion, err)
 	}
@@ -239,7 +256,7 @@ func cmdDel(args *skel.CmdArgs) error {
 // is the cleanup of a failed ADD (or a repeat of a DEL that succeeded), so the
 // pod never ran and failing it would only leak the netns and the IP.
 func neverAdded(conf *Config) bool {
-	if conf.PrevResult != nil {
+	if conf.HasPrevResult() {
 		return false
 	}
 	ok, err := version.GreaterThanOrEqualTo(conf.CNIVersion, "0.4.0")
@@ -343,7 +360,7 @@ func cmdCheck(args *skel.CmdArgs) error {
 	if err != nil {
 		return err
 	}
-	if conf.PrevResult == nil {
+	if !conf.HasPrevResult() {
 		return errNoPrevResult("CHECK")
 	}
 	ips, ifname, err := prevResultAddrs(conf, args.IfName)

@@ -6,12 +6,12 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"net"
 	"path/filepath"
 	"strings"
 	"time"
 
 	"github.com/containernetworking/cni/pkg/types"
-	"github.com/containernetworking/cni/pkg/version"
 
 	"github.com/ctscrub/ctscrub/scrubd/api"
 )
@@ -71,7 +71,33 @@ type Config struct {
 	FailurePolicy FailurePolicy `json:"failurePolicy,omitempty"`
 	ScrubOnAdd    *bool         `json:"scrubOnAdd,omitempty"`
 	ScrubOnDel    *bool         `json:"scrubOnDel,omitempty"`
+
+	// RawPrevResult is prevResult as the runtime sent it (it shadows
+	// types.NetConf's decoded map): ADD prints it back byte for byte, and
+	// only the parts ctscrub reads are decoded (prev), not the whole result
+	// through the CNI library's typed conversions, which cost a fresh
+	// process over half a millisecond per call (docs/bench.md).
+	RawPrevResult json.RawMessage `json:"prevResult,omitempty"`
+	prev          *prevSeen
 }
+
+// prevSeen is what ctscrub reads of the result before it in the chain: the
+// interfaces (which are the pod's) and the IPs. Pointers keep a null element
+// apart from an empty one.
+type prevSeen struct {
+	CNIVersion string `json:"cniVersion"`
+	Interfaces []*struct {
+		Name    string `json:"name"`
+		Sandbox string `json:"sandbox"`
+	} `json:"interfaces"`
+	IPs []*struct {
+		Interface *int   `json:"interface"`
+		Address   string `json:"address"`
+	} `json:"ips"`
+}
+
+// HasPrevResult reports whether the config carries a prevResult.
+func (c *Config) HasPrevResult() bool { return c.prev != nil }
 
 // ownKeys names the keys ctscrub adds to the standard ones, for error messages.
 const ownKeys = "socket, timeout, failurePolicy, scrubOnAdd, scrubOnDel"
@@ -128,8 +154,42 @@ func parseConfig(data []byte) (*Config, error) {
 		return nil, configError("failurePolicy %q: must be %q or %q (default %q)", conf.FailurePolicy, PolicyFail, PolicyIgnore, DefaultFailurePolicy)
 	}
 
-	if err := version.ParsePrevResult(&conf.NetConf); err != nil {
-		return nil, configError("prevResult: %v (it comes from the plugin before ctscrub in the chain)", err)
+	if len(conf.RawPrevResult) > 0 && string(conf.RawPrevResult) != "null" {
+		if err := conf.parsePrevResult(); err != nil {
+			return nil, configError("prevResult: %v (it comes from the plugin before ctscrub in the chain)", err)
+		}
 	}
 	return conf, nil
+}
+
+// parsePrevResult decodes and checks the parts of prevResult ctscrub reads.
+// The rest (routes, dns, MACs, gateways) is passed on as it came; the runtime
+// checks the chain's final result.
+func (c *Config) parsePrevResult() error {
+	p := &prevSeen{}
+	if err := json.Unmarshal(c.RawPrevResult, p); err != nil {
+		// The CNI library reads prevResult through a map, where a repeated
+		// key counts once (the last): read it so before refusing it.
+		var m map[string]any
+		if json.Unmarshal(c.RawPrevResult, &m) != nil {
+			return err
+		}
+		b, _ := json.Marshal(m)
+		p = &prevSeen{}
+		if err := json.Unmarshal(b, p); err != nil {
+			return err
+		}
+	}
+	for i, ipc := range p.IPs {
+		// A null entry, or one without an address, holds nothing of the
+		// pod's (the CNI library reads them so too).
+		if ipc == nil || ipc.Address == "" {
+			continue
+		}
+		if _, _, err := net.ParseCIDR(ipc.Address); err != nil {
+			return fmt.Errorf("ips[%d].address %q is not an address with a prefix length (\"10.0.0.5/24\"): %v", i, ipc.Address, err)
+		}
+	}
+	c.prev = p
+	return nil
 }

@@ -51,8 +51,8 @@ func TestParseConfigAcceptsRuntimeKeys(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if conf.PrevResult == nil || len(conf.ValidAttachments) != 1 {
-		t.Fatalf("prevResult %v, valid attachments %v", conf.PrevResult, conf.ValidAttachments)
+	if !conf.HasPrevResult() || len(conf.ValidAttachments) != 1 {
+		t.Fatalf("prevResult %s, valid attachments %v", conf.RawPrevResult, conf.ValidAttachments)
 	}
 }
 
@@ -129,7 +129,7 @@ func FuzzParseConfig(f *testing.F) {
 		if conf.FailurePolicy != PolicyFail && conf.FailurePolicy != PolicyIgnore {
 			t.Fatalf("accepted failurePolicy %q", conf.FailurePolicy)
 		}
-		if conf.PrevResult != nil {
+		if conf.HasPrevResult() {
 			// What ADD does with it must not panic either.
 			_, _, _ = prevResultAddrs(conf, "eth0")
 		}

@@ -20,6 +20,7 @@ import (
 	"github.com/containernetworking/cni/pkg/skel"
 	"github.com/containernetworking/cni/pkg/types"
 	current "github.com/containernetworking/cni/pkg/types/100"
+	"github.com/containernetworking/cni/pkg/version"
 
 	"github.com/ctscrub/ctscrub/scrubd/api"
 )
@@ -198,9 +199,19 @@ func mustEqualResult(t *testing.T, ver, out string, prev map[string]any) {
 	if err := json.Unmarshal([]byte(out), &got); err != nil {
 		t.Fatalf("%s: printed %q: %v", ver, out, err)
 	}
-	// Through the CNI types once, as the plugin does, so empty fields drop
-	// out the same way on both sides.
 	b, _ := json.Marshal(prev)
+	if prev["cniVersion"] == ver {
+		// At the config's version the plugin passes it on byte for byte.
+		if err := json.Unmarshal(b, &want); err != nil {
+			t.Fatal(err)
+		}
+		if !reflect.DeepEqual(got, want) {
+			t.Fatalf("%s: printed\n%s\nwant prevResult unchanged\n%s", ver, out, b)
+		}
+		return
+	}
+	// Converted by the CNI library: through its types once, so empty fields
+	// drop out the same way on both sides.
 	res, err := current.NewResultFromResult(mustCreate(t, ver, b))
 	if err != nil {
 		t.Fatal(err)
@@ -226,16 +237,15 @@ func mustEqualResult(t *testing.T, ver, out string, prev map[string]any) {
 
 func mustCreate(t *testing.T, ver string, b []byte) types.Result {
 	t.Helper()
-	conf := &Config{}
-	conf.CNIVersion = ver
-	if err := json.Unmarshal(b, &conf.RawPrevResult); err != nil {
+	// The CNI library's own reading, independent of the plugin's.
+	nc := types.NetConf{CNIVersion: ver}
+	if err := json.Unmarshal(b, &nc.RawPrevResult); err != nil {
 		t.Fatal(err)
 	}
-	c, err := parseConfig(stdin(t, ver, nil, conf.RawPrevResult))
-	if err != nil {
+	if err := version.ParsePrevResult(&nc); err != nil {
 		t.Fatal(err)
 	}
-	return c.PrevResult
+	return nc.PrevResult
 }
 
 // faultDaemon serves scrubd's socket with a handler the test controls. It is
@@ -354,25 +364,27 @@ func TestGCWithEmptyValidAttachments(t *testing.T) {
 }
 
 func TestPodAddrs(t *testing.T) {
-	one, two := 1, 2
-	res := &current.Result{
-		Interfaces: []*current.Interface{
-			{Name: "cni0"}, {Name: "vethx"}, {Name: "eth0", Sandbox: "/var/run/netns/p"},
-		},
-		IPs: []*current.IPConfig{
-			{Interface: &two, Address: mustIPNet(t, "10.0.0.5/24")},
-			{Interface: &one, Address: mustIPNet(t, "10.0.0.1/24")}, // host side: not the pod's
-			{Interface: &two, Address: mustIPNet(t, "fd00::5/64")},
-			{Address: mustIPNet(t, "10.0.0.5/24")}, // duplicate, no interface index
-		},
+	prev := `{"cniVersion":"1.0.0","interfaces":[{"name":"cni0"},{"name":"vethx"},{"name":"eth0","sandbox":"/var/run/netns/p"}],
+		"ips":[{"interface":2,"address":"10.0.0.5/24"},
+		       {"interface":1,"address":"10.0.0.1/24"},
+		       {"interface":2,"address":"fd00::5/64"},
+		       {"address":"10.0.0.5/24"}]}`
+	conf, err := parseConfig([]byte(`{"cniVersion":"1.0.0","name":"pods","type":"ctscrub","prevResult":` + prev + `}`))
+	if err != nil {
+		t.Fatal(err)
 	}
-	ips, ifname := podAddrs(res, "eth0")
+	// The host side's 10.0.0.1 is not the pod's; the repeated 10.0.0.5 counts once.
+	ips, ifname, _ := prevResultAddrs(conf, "eth0")
 	want := []netip.Addr{netip.MustParseAddr("10.0.0.5"), netip.MustParseAddr("fd00::5")}
 	if !reflect.DeepEqual(ips, want) || ifname != "eth0" {
 		t.Fatalf("got %v %q, want %v eth0", ips, ifname, want)
 	}
 	// No interface with sandbox set: the runtime's CNI_IFNAME is the pod's.
-	ips, ifname = podAddrs(&current.Result{IPs: res.IPs[:1]}, "net1")
+	conf, err = parseConfig([]byte(`{"cniVersion":"1.0.0","name":"pods","type":"ctscrub","prevResult":{"cniVersion":"1.0.0","ips":[{"address":"10.0.0.5/24"}]}}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	ips, ifname, _ = prevResultAddrs(conf, "net1")
 	if len(ips) != 1 || ifname != "net1" {
 		t.Fatalf("got %v %q", ips, ifname)
 	}

@@ -59,6 +59,7 @@ func main() {
 	if v := os.Getenv("DEMO_BIN"); v != "" {
 		cfg.BinDir = v
 	}
+	cfg.Baseline = os.Getenv("BASELINE")
 	if v := os.Getenv("CNI_PLUGINS"); v != "" {
 		cfg.RefPlugins = v
 	}

@@ -11,6 +11,8 @@ import (
 	"os/exec"
 	"path/filepath"
 	"slices"
+	"strings"
+	"syscall"
 	"time"
 
 	current "github.com/containernetworking/cni/pkg/types/100"
@@ -24,6 +26,25 @@ type BenchCNIConfig struct {
 	BinDir     string // bin/scrubd and bin/ctscrub
 	RefPlugins string // Debian's reference plugins
 	NoTrace    bool   // TRACE=0: no per-step trace of the plugin's calls
+	// Baseline (BASELINE): another ctscrub binary (an older build) run side
+	// by side: every other timed pair uses it, so both see the same machine.
+	Baseline string
+}
+
+// BenchCNIBaseline is the baseline binary's figures from the same run.
+type BenchCNIBaseline struct {
+	Binary        string  `json:"binary"`
+	Pairs         int     `json:"pairs"`
+	AddP50        float64 `json:"add_p50_s"`
+	AddP99        float64 `json:"add_p99_s"`
+	DelP50        float64 `json:"del_p50_s"`
+	DelP99        float64 `json:"del_p99_s"`
+	ExecP50       float64 `json:"exec_p50_s"`
+	AddOverExec   float64 `json:"add_minus_exec_p50_s"`
+	DelOverExec   float64 `json:"del_minus_exec_p50_s"`
+	AddFaultsP50  int64   `json:"add_minflt_p50"`
+	DelFaultsP50  int64   `json:"del_minflt_p50"`
+	ExecFaultsP50 int64   `json:"exec_minflt_p50"`
 }
 
 // BenchCNIResult is the JSON line (seconds).
@@ -53,6 +74,15 @@ type BenchCNIResult struct {
 	DelSteps  map[string]float64 `json:"del_steps_p50_s,omitempty"`
 	ExecSteps map[string]float64 `json:"exec_steps_p50_s,omitempty"`
 	StateFS   string             `json:"state_fs"`
+	// Page faults (minor) of each ctscrub call, p50: the process's size as
+	// the kernel sees it. A fault costs tens of µs on this VM (perf stat:
+	// /bin/true 48 faults in 2.1 ms), so the pages an ADD touches beyond a
+	// bare start are most of what it costs over one.
+	AddFaultsP50  int64 `json:"add_minflt_p50"`
+	DelFaultsP50  int64 `json:"del_minflt_p50"`
+	ExecFaultsP50 int64 `json:"exec_minflt_p50"`
+	// With BASELINE: the other binary, timed on every other pair.
+	Baseline *BenchCNIBaseline `json:"baseline,omitempty"`
 }
 
 // BenchCNI is `make bench-cni`: the demo's node (its CT maps filled to
@@ -149,8 +179,19 @@ func BenchCNI(ctx context.Context, cfg BenchCNIConfig, cleanup *Cleanup, w io.Wr
 		return res, err
 	}
 	binDir := filepath.Join(WorkDir, "cni-bin")
+	if cfg.Baseline != "" {
+		b, err := os.ReadFile(cfg.Baseline)
+		if err != nil {
+			return res, fmt.Errorf("BASELINE: %w", err)
+		}
+		if err := os.WriteFile(filepath.Join(binDir, "ctscrub-baseline"), b, 0o755); err != nil {
+			return res, err
+		}
+		p.f("baseline %s: every other timed pair\n", cfg.Baseline)
+	}
 	var addSteps, delSteps, execSteps stepSamples
 	timedCall := false // the calls of a warm-up pair are not broken down either
+	faults := map[string][]int64{}
 	run := func(plugin, command, containerID, netns string, conf []byte) ([]byte, time.Duration, error) {
 		cmd := exec.Command(filepath.Join(binDir, plugin))
 		cmd.Env = []string{"CNI_COMMAND=" + command, "CNI_CONTAINERID=" + containerID, "CNI_NETNS=" + netns,
@@ -173,6 +214,9 @@ func BenchCNI(ctx context.Context, cfg BenchCNIConfig, cleanup *Cleanup, w io.Wr
 		if err != nil {
 			return nil, el, fmt.Errorf("%s %s: %v: %s %s", plugin, command, err, bytes.TrimSpace(stdout.Bytes()), bytes.TrimSpace(stderr.Bytes()))
 		}
+		if ru, ok := cmd.ProcessState.SysUsage().(*syscall.Rusage); ok && strings.HasPrefix(plugin, "ctscrub") && timedCall {
+			faults[plugin+" "+command] = append(faults[plugin+" "+command], ru.Minflt)
+		}
 		if traced && timedCall {
 			steps := map[string]*stepSamples{"ADD": &addSteps, "DEL": &delSteps, "VERSION": &execSteps}[command]
 			if err := steps.addCall(stderr.Bytes(), start, end); err != nil {
@@ -186,6 +230,7 @@ func BenchCNI(ctx context.Context, cfg BenchCNIConfig, cleanup *Cleanup, w io.Wr
 	}
 
 	var add, del, execs, badd, bdel []time.Duration
+	var base struct{ add, del, exec []time.Duration }
 	flows := 0
 	total := cfg.RangeSize + cfg.Pairs
 	p.f("%d pairs (%d warm-up, one per address host-local hands out) ...\n", total, cfg.RangeSize)
@@ -235,7 +280,12 @@ func BenchCNI(ctx context.Context, cfg BenchCNIConfig, cleanup *Cleanup, w io.Wr
 		if err != nil {
 			return res, err
 		}
-		_, ta, err := run("ctscrub", "ADD", id, path, withPrev)
+		// With a baseline, every other timed pair runs it instead.
+		plugin := "ctscrub"
+		if cfg.Baseline != "" && timed && (i-cfg.RangeSize)%2 == 1 {
+			plugin = "ctscrub-baseline"
+		}
+		_, ta, err := run(plugin, "ADD", id, path, withPrev)
 		if err != nil {
 			return res, err
 		}
@@ -244,7 +294,7 @@ func BenchCNI(ctx context.Context, cfg BenchCNIConfig, cleanup *Cleanup, w io.Wr
 			return res, fmt.Errorf("traffic of pod %d (%s): %w", i, v4, err)
 		}
 		flows += n
-		_, td, err := run("ctscrub", "DEL", id, path, withPrev)
+		_, td, err := run(plugin, "DEL", id, path, withPrev)
 		if err != nil {
 			return res, err
 		}
@@ -256,7 +306,7 @@ func BenchCNI(ctx context.Context, cfg BenchCNIConfig, cleanup *Cleanup, w io.Wr
 		if err != nil {
 			return res, err
 		}
-		_, tv, err := run("ctscrub", "VERSION", id, path, []byte(`{"cniVersion":"1.0.0"}`))
+		_, tv, err := run(plugin, "VERSION", id, path, []byte(`{"cniVersion":"1.0.0"}`))
 		if err != nil {
 			return res, err
 		}
@@ -273,7 +323,9 @@ func BenchCNI(ctx context.Context, cfg BenchCNIConfig, cleanup *Cleanup, w io.Wr
 			res.Checks++
 			res.ChecksLeft += left
 		}
-		if timed {
+		if timed && plugin != "ctscrub" {
+			base.add, base.del, base.exec = append(base.add, ta), append(base.del, td), append(base.exec, tv)
+		} else if timed {
 			add, del, execs, badd, bdel = append(add, ta), append(del, td), append(execs, tv), append(badd, tb), append(bdel, tbd)
 			if len(add)%100 == 0 {
 				p.f("  %d pairs: ctscrub ADD p50 %s, DEL p50 %s, VERSION p50 %s, bridge ADD p50 %s\n", len(add),
@@ -288,6 +340,22 @@ func BenchCNI(ctx context.Context, cfg BenchCNIConfig, cleanup *Cleanup, w io.Wr
 	res.BridgeDelP50 = q(bdel, 0.5).Seconds()
 	res.AddOverExec, res.DelOverExec = res.AddP50-res.ExecP50, res.DelP50-res.ExecP50
 	res.FlowsPerPod = float64(flows) / float64(total)
+	res.AddFaultsP50, res.DelFaultsP50, res.ExecFaultsP50 = median(faults["ctscrub ADD"]), median(faults["ctscrub DEL"]), median(faults["ctscrub VERSION"])
+	p.f("page faults per call, p50: ctscrub ADD %d, DEL %d, bare start %d\n", res.AddFaultsP50, res.DelFaultsP50, res.ExecFaultsP50)
+	if cfg.Baseline != "" {
+		b := &BenchCNIBaseline{Binary: cfg.Baseline, Pairs: len(base.add),
+			AddP50: q(base.add, 0.5).Seconds(), AddP99: q(base.add, 0.99).Seconds(),
+			DelP50: q(base.del, 0.5).Seconds(), DelP99: q(base.del, 0.99).Seconds(),
+			ExecP50:      q(base.exec, 0.5).Seconds(),
+			AddFaultsP50: median(faults["ctscrub-baseline ADD"]), DelFaultsP50: median(faults["ctscrub-baseline DEL"]),
+			ExecFaultsP50: median(faults["ctscrub-baseline VERSION"]),
+		}
+		b.AddOverExec, b.DelOverExec = b.AddP50-b.ExecP50, b.DelP50-b.ExecP50
+		res.Baseline = b
+		p.f("baseline %s, side by side (%d pairs): ADD p50 %s (over its bare start %s), DEL p50 %s (%s), bare start %s; page faults ADD %d, DEL %d, bare start %d\n",
+			cfg.Baseline, b.Pairs, dur(q(base.add, 0.5)), dur(time.Duration(b.AddOverExec*1e9)), dur(q(base.del, 0.5)), dur(time.Duration(b.DelOverExec*1e9)),
+			dur(q(base.exec, 0.5)), b.AddFaultsP50, b.DelFaultsP50, b.ExecFaultsP50)
+	}
 	if !cfg.NoTrace {
 		res.AddSteps, res.DelSteps = addSteps.p50(), delSteps.p50()
 		execSteps.print(w, "bare start (VERSION)", execs)
@@ -299,6 +367,16 @@ func BenchCNI(ctx context.Context, cfg BenchCNIConfig, cleanup *Cleanup, w io.Wr
 		res.Load1 = string(bytes.TrimSpace(b))
 	}
 	return res, nil
+}
+
+// median of counts (0 for none).
+func median(v []int64) int64 {
+	if len(v) == 0 {
+		return 0
+	}
+	s := slices.Clone(v)
+	slices.Sort(s)
+	return s[len(s)/2]
 }
 
 // q is the nearest-rank quantile.

@@ -36,6 +36,8 @@ import (
 // records the CT keys of each new flow on attached pod interfaces.
 type Recorder interface {
 	Attach(netnsPath, ifname string) (ifindex int, err error)
+	// AttachSteps is Attach reporting each of its steps to mark.
+	AttachSteps(netnsPath, ifname string, mark func(step string)) (ifindex int, err error)
 	Detach(netnsPath, ifname string) error
 	Run(ctx context.Context, ix *index.Index) error
 	Lost() uint64

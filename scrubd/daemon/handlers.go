@@ -449,8 +449,7 @@ func (d *Daemon) handleIndexStart(w http.ResponseWriter, r *http.Request) {
 	}
 	pod := api.IndexedPod{Attachment: req.Attachment, Netns: req.Netns, IPs: ips, Since: time.Now().UTC(), Network: req.Network}
 	if d.rec != nil {
-		ifindex, err := d.rec.Attach(req.Netns, req.IfName)
-		steps.Mark("attach")
+		ifindex, err := d.rec.AttachSteps(req.Netns, req.IfName, func(step string) { steps.Mark("attach." + step) })
 		if errors.Is(err, recorder.ErrForget) {
 			// Recording, but flows cached for an earlier holder of these
 			// IPs may hide the new pod's: their scrubs must sweep.

@@ -317,24 +317,39 @@ func recorderFilter(ifindex int, parent uint32, prog *ebpf.Program) *netlink.Bpf
 // IP-assigning plugin. If that step fails the error says so and the caller
 // must treat the addresses as incomplete.
 func (r *Recorder) Attach(netnsPath, ifname string) (ifindex int, err error) {
-	addrs, ifindex, err := r.attachFilters(netnsPath, ifname)
+	return r.AttachSteps(netnsPath, ifname, nil)
+}
+
+// AttachSteps is Attach calling mark (when not nil) after each of its steps
+// with the step's name ("enter", "link", "qdisc", "filters", "addrs",
+// "leave", "forget", "legacy"): scrubd's per-request timing
+// (docs/daemon.md, "Server-Timing").
+func (r *Recorder) AttachSteps(netnsPath, ifname string, mark func(step string)) (ifindex int, err error) {
+	if mark == nil {
+		mark = func(string) {}
+	}
+	addrs, ifindex, err := r.attachFilters(netnsPath, ifname, mark)
+	mark("leave")
 	if err != nil {
 		return 0, fmt.Errorf("recorder: attach to %s in netns %s: %w", ifname, netnsPath, err)
 	}
 	if err := r.ForgetIPs(addrs...); err != nil {
 		return ifindex, fmt.Errorf("recorder: attach to %s in netns %s: %w", ifname, netnsPath, err)
 	}
+	mark("forget")
 	// A pod attached by an older scrubd (tcx links pinned under
 	// PinDir/links): the filters record now, so the links can go.
 	r.removeLegacyLinks(netnsPath, ifname)
+	mark("legacy")
 	return ifindex, nil
 }
 
 // attachFilters installs (or re-points) the filters of one interface and
 // returns the interface's addresses.
-func (r *Recorder) attachFilters(netnsPath, ifname string) (addrs []netip.Addr, ifindex int, err error) {
+func (r *Recorder) attachFilters(netnsPath, ifname string, mark func(string)) (addrs []netip.Addr, ifindex int, err error) {
 	defer r.lockIface(netnsPath, ifname)()
 	err = InNetns(netnsPath, func() error {
+		mark("enter")
 		h, err := netlink.NewHandle()
 		if err != nil {
 			return fmt.Errorf("netlink: %w", err)
@@ -344,6 +359,7 @@ func (r *Recorder) attachFilters(netnsPath, ifname string) (addrs []netip.Addr, 
 		if err != nil {
 			return fmt.Errorf("find interface %q: %w", ifname, err)
 		}
+		mark("link")
 		// The programs parse from an Ethernet header; on an interface
 		// without one (netkit in L3 mode, tun, ipip) they would record
 		// nothing while the index believed them attached.
@@ -358,6 +374,7 @@ func (r *Recorder) attachFilters(netnsPath, ifname string) (addrs []netip.Addr, 
 		if err := h.QdiscAdd(qd); err != nil && !errors.Is(err, unix.EEXIST) {
 			return fmt.Errorf("add clsact qdisc to %s: %w", ifname, err)
 		}
+		mark("qdisc")
 		for _, f := range []*netlink.BpfFilter{
 			recorderFilter(ifindex, netlink.HANDLE_MIN_INGRESS, r.objs.RecorderIngress),
 			recorderFilter(ifindex, netlink.HANDLE_MIN_EGRESS, r.objs.RecorderEgress),
@@ -368,10 +385,12 @@ func (r *Recorder) attachFilters(netnsPath, ifname string) (addrs []netip.Addr, 
 					FilterPriority, FilterHandle, ifname, err, FilterPriority)
 			}
 		}
+		mark("filters")
 		list, err := h.AddrList(l, netlink.FAMILY_ALL)
 		if err != nil {
 			return fmt.Errorf("list addresses of %s: %w", ifname, err)
 		}
+		mark("addrs")
 		for _, a := range list {
 			if ip, ok := netip.AddrFromSlice(a.IP); ok {
 				addrs = append(addrs, ip.Unmap())

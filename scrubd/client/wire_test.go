@@ -1,0 +1,107 @@
+package client
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"net"
+	"net/http"
+	"net/netip"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/ctscrub/ctscrub/scrubd/api"
+)
+
+// A large answer that net/http's server sends chunked (the handler flushes
+// before it is done) is read whole, as are the Server-Timing steps.
+func TestChunkedAnswerAndTiming(t *testing.T) {
+	var want api.IndexList
+	for i := range 3000 {
+		want.Pods = append(want.Pods, api.IndexedPod{
+			Attachment: api.Attachment{ContainerID: fmt.Sprintf("c%05d", i), IfName: "eth0"},
+			IPs:        []netip.Addr{netip.AddrFrom4([4]byte{10, 1, byte(i >> 8), byte(i)})},
+		})
+	}
+	c := serve(t, func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set(api.TimingHeader, "decode;dur=0.120, take;dur=1.5")
+		b, _ := json.Marshal(&want)
+		half := len(b) / 2
+		w.Write(b[:half])
+		w.(http.Flusher).Flush()
+		w.Write(b[half:])
+	})
+	c.Trace = true
+	got, err := c.IndexList(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(got.Pods) != len(want.Pods) || got.Pods[2999].ContainerID != "c02999" {
+		t.Fatalf("chunked answer: %d pods, want %d", len(got.Pods), len(want.Pods))
+	}
+	if len(c.Timings) != 1 || len(c.Timings[0].Server) != 2 || c.Timings[0].Server[1].Name != "take" {
+		t.Errorf("timings: %+v", c.Timings)
+	}
+}
+
+// Answers that are not HTTP, or that end early, are errors that name what was
+// wrong; none is taken for an answer.
+func TestMalformedAnswers(t *testing.T) {
+	for name, raw := range map[string]string{
+		"not HTTP":             "hello\r\n\r\n",
+		"no status code":       "HTTP/1.1 OK\r\n\r\n",
+		"header without colon": "HTTP/1.1 200 OK\r\nbroken\r\n\r\n{}",
+		"short body":           "HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\n{}",
+		"bad content-length":   "HTTP/1.1 200 OK\r\nContent-Length: -1\r\n\r\n{}",
+		"huge content-length":  "HTTP/1.1 200 OK\r\nContent-Length: 99999999999\r\n\r\n{}",
+		"bad chunk size":       "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n{}\r\n0\r\n\r\n",
+		"chunk without end":    "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\n{}xx\r\n0\r\n\r\n",
+		"cut in the headers":   "HTTP/1.1 200 OK\r\nContent-Type: app",
+		"nothing":              "",
+	} {
+		t.Run(name, func(t *testing.T) {
+			c := New(rawServer(t, raw))
+			_, err := c.Status(context.Background())
+			if err == nil {
+				t.Fatalf("answer %q accepted", raw)
+			}
+			if !IsUnavailable(err) {
+				t.Errorf("answer %q: %v, want ErrUnavailable (no usable answer)", raw, err)
+			}
+		})
+	}
+	// Without Content-Length the body ends with the connection.
+	c := New(rawServer(t, "HTTP/1.1 200 OK\r\nConnection: close\r\n\r\n{\"version\":\"v9\"}"))
+	st, err := c.Status(context.Background())
+	if err != nil || st.Version != "v9" {
+		t.Errorf("answer ended by the connection: %+v, %v", st, err)
+	}
+}
+
+// rawServer answers every connection with raw after reading the request.
+func rawServer(t *testing.T, raw string) string {
+	t.Helper()
+	sock := filepath.Join(t.TempDir(), "raw.sock")
+	ln, err := net.Listen("unix", sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { ln.Close() })
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			buf := make([]byte, 4096)
+			n, _ := c.Read(buf)
+			if !strings.HasSuffix(string(buf[:n]), "\r\n\r\n") {
+				t.Errorf("request not read whole in one read: %q", buf[:n])
+			}
+			c.Write([]byte(raw))
+			c.Close()
+		}
+	}()
+	return sock
+}
