@@ -76,7 +76,8 @@ demo: build ## Demo node: netns pods through the real CNI chain, CT maps, scrubs
 	./scripts/demo.sh
 
 .PHONY: soak
-soak: build ## Churn and real faults on the demo's node (CYCLES, default 500; ENTRIES, default 4M; STARVE_S, default 60)
+soak: build ## Churn and real faults on the demo's node (CYCLES, default 500; ENTRIES, default 4M; STARVE_S, default 60; CRI_EVERY, default 5)
+	CGO_ENABLED=0 $(GO) build -o $(BIN)/pause ./e2e/cri/pause
 	$(GO) run ./e2e/soak
 
 .PHONY: bench

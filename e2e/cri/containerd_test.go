@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/ctscrub/ctscrub/e2e/internal/node"
+	"github.com/ctscrub/ctscrub/internal/testsupport/crirt"
 )
 
 // containerd is a containerd of its own (root, state, socket, config, CNI
@@ -57,39 +58,7 @@ func newContainerd(t *testing.T, cniBins map[string]string, conflist string) *co
 	if err := os.WriteFile(filepath.Join(c.confDir, "10-ctscrub-e2e.conflist"), []byte(conflist), 0o644); err != nil {
 		t.Fatal(err)
 	}
-	// restrict_oom_score_adj: processes here may not lower oom_score_adj, and
-	// runc fails without it. The stream server's port 0 keeps two of these
-	// containerds from fighting over 10010.
-	config := fmt.Sprintf(`version = 2
-root = %[1]q
-state = %[2]q
-disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapshotter.v1.zfs", "io.containerd.snapshotter.v1.devmapper", "io.containerd.snapshotter.v1.aufs"]
-
-[grpc]
-  address = %[3]q
-
-[ttrpc]
-  address = %[4]q
-
-[plugins."io.containerd.internal.v1.opt"]
-  path = %[5]q
-
-[plugins."io.containerd.grpc.v1.cri"]
-  sandbox_image = %[6]q
-  restrict_oom_score_adj = true
-  stream_server_address = "127.0.0.1"
-  stream_server_port = "0"
-  [plugins."io.containerd.grpc.v1.cri".containerd]
-    snapshotter = "native"
-    default_runtime_name = "runc"
-    [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
-      runtime_type = "io.containerd.runc.v2"
-  [plugins."io.containerd.grpc.v1.cri".cni]
-    bin_dir = %[7]q
-    conf_dir = %[8]q
-    max_conf_num = 1
-`, filepath.Join(dir, "root"), filepath.Join(dir, "state"), c.sock, c.sock+".ttrpc",
-		filepath.Join(dir, "opt"), pauseImage, c.binDir, c.confDir)
+	config := crirt.Config(dir, c.sock, c.binDir, c.confDir)
 	if err := os.WriteFile(filepath.Join(dir, "config.toml"), []byte(config), 0o644); err != nil {
 		t.Fatal(err)
 	}

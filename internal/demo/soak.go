@@ -46,6 +46,7 @@ type SoakConfig struct {
 	Cycles     int           // CYCLES (default 500)
 	Entries    int           // ENTRIES (default 4194304)
 	Starve     time.Duration // STARVE_S: the CPU starvation fault's length (default 60 s; 0: skipped)
+	CRIEvery   int           // CRI_EVERY: every n-th cycle's pod goes through containerd's CRI (default 5; 0: none)
 	BinDir     string
 	RefPlugins string
 }
@@ -74,6 +75,8 @@ type SoakResult struct {
 	FailedDels       int           `json:"failed_dels"`
 	FailedAddsInWin  int           `json:"failed_adds_in_fault_windows"`
 	FailedDelsInWin  int           `json:"failed_dels_in_fault_windows"`
+	CRICycles        int           `json:"cri_cycles"`            // cycles whose pod went through containerd's CRI
+	CRISkipped       string        `json:"cri_skipped,omitempty"` // why no pod did
 	AddP99S          float64       `json:"add_p99_s"`
 	AddP50S          float64       `json:"add_p50_s"`
 	Faults           []FaultResult `json:"faults"`
@@ -88,12 +91,12 @@ type SoakResult struct {
 }
 
 func soakConfigFromEnv() (SoakConfig, error) {
-	cfg := SoakConfig{Cycles: 500, Entries: 1 << 22, Starve: time.Minute, BinDir: "bin", RefPlugins: "/usr/lib/cni"}
+	cfg := SoakConfig{Cycles: 500, Entries: 1 << 22, Starve: time.Minute, CRIEvery: 5, BinDir: "bin", RefPlugins: "/usr/lib/cni"}
 	for _, e := range []struct {
 		name     string
 		dst      *int
 		min, max int
-	}{{"CYCLES", &cfg.Cycles, 10, 1 << 20}, {"ENTRIES", &cfg.Entries, 65536, 1 << 25}} {
+	}{{"CYCLES", &cfg.Cycles, 10, 1 << 20}, {"ENTRIES", &cfg.Entries, 65536, 1 << 25}, {"CRI_EVERY", &cfg.CRIEvery, 0, 1 << 20}} {
 		if v := os.Getenv(e.name); v != "" {
 			n, err := strconv.Atoi(v)
 			if err != nil || n < e.min || n > e.max {
@@ -180,7 +183,8 @@ type soak struct {
 	checker *cilium.Sweeper
 	node    string
 	dp      datapath
-	others  []*pod // the long-lived pods
+	others  []*pod      // the long-lived pods
+	cri     *criRuntime // nil: the CRI part is skipped (res.CRISkipped says why)
 
 	// The other pods' entries whose survival is checked at the end (reset
 	// when the CT maps are re-created).
@@ -332,6 +336,16 @@ func runSoak(ctx context.Context, cfg SoakConfig, cleanup *Cleanup, w io.Writer)
 	if err := waitDAD(ctx, bridgeName); err != nil {
 		return nil, err
 	}
+	skip, err := s.setupCRI(ctx)
+	if err != nil {
+		return nil, fmt.Errorf("containerd for the CRI part: %w", err)
+	}
+	if skip != "" {
+		s.res.CRISkipped = skip
+		s.logf("CRI part skipped: %s", skip)
+	} else {
+		s.logf("containerd (CRI) running in the node netns: every %d. cycle's pod is a pod sandbox", s.cfg.CRIEvery)
+	}
 	// Background traffic: the long-lived pods keep making new flows.
 	bgCtx, stopBG := context.WithCancel(ctx)
 	var bgWG sync.WaitGroup
@@ -381,8 +395,8 @@ func runSoak(ctx context.Context, cfg SoakConfig, cleanup *Cleanup, w io.Writer)
 			s.res.RSSStart, s.res.FDsStart, s.res.GoroutinesStart = s.procFigures()
 		}
 		if i%max(1, cfg.Cycles/20) == 0 {
-			s.logf("cycle %d/%d: stale %d, failed adds %d (in fault windows %d), failed dels %d (%d), background flows %d",
-				i, cfg.Cycles, s.res.StaleEntriesLeft, s.res.FailedAdds, s.res.FailedAddsInWin, s.res.FailedDels, s.res.FailedDelsInWin, bgFlows.Load())
+			s.logf("cycle %d/%d: stale %d, CRI cycles %d, failed adds %d (in fault windows %d), failed dels %d (%d), background flows %d",
+				i, cfg.Cycles, s.res.StaleEntriesLeft, s.res.CRICycles, s.res.FailedAdds, s.res.FailedAddsInWin, s.res.FailedDels, s.res.FailedDelsInWin, bgFlows.Load())
 		}
 	}
 	s.res.RSSEnd, s.res.FDsEnd, s.res.GoroutinesEnd = s.procFigures()
@@ -416,14 +430,39 @@ func runSoak(ctx context.Context, cfg SoakConfig, cleanup *Cleanup, w io.Writer)
 	return &s.res, nil
 }
 
-// cycle creates a pod (ADD through the chain), makes flows to and from it,
-// deletes it (DEL) and walks the maps for its IPs.
+// cycle creates a pod (ADD through the chain, or every CRI_EVERY-th through
+// containerd's CRI), makes flows to and from it, deletes it (DEL) and walks
+// the maps for its IPs.
 func (s *soak) cycle(ctx context.Context, i int, others []*pod) error {
+	add := func(attempt int) (*pod, error) { return s.add(ctx, fmt.Sprintf("c%d-%d", i, attempt)) }
+	del := func(p *pod) error { _, err := s.ch.Del(ctx, p); return err }
+	// The runtime's cleanup of a failed ADD: DEL, then retry.
+	undo := func(p *pod, attempt int) {
+		if p != nil {
+			_, _ = s.ch.Del(ctx, p)
+		} else {
+			_ = delNetns(namePrefix + "-" + fmt.Sprintf("c%d-%d", i, attempt))
+		}
+	}
+	via := "libcni"
+	if s.cri != nil && s.cfg.CRIEvery > 0 && i%s.cfg.CRIEvery == s.cfg.CRIEvery-1 {
+		via = "CRI"
+		s.res.CRICycles++
+		// containerd cleans up a RunPodSandbox that failed; a sandbox that
+		// ran but could not be read is removed as a kubelet would.
+		add = func(attempt int) (*pod, error) { return s.criAdd(ctx, fmt.Sprintf("c%d", i), attempt) }
+		del = func(p *pod) error { return s.criDel(ctx, p) }
+		undo = func(p *pod, _ int) {
+			if p != nil && p.ContainerID != "" {
+				_ = s.criDel(ctx, p)
+			}
+		}
+	}
 	var p *pod
 	var err error
 	for attempt := 0; ; attempt++ {
 		t0 := time.Now()
-		p, err = s.add(ctx, fmt.Sprintf("c%d-%d", i, attempt))
+		p, err = add(attempt)
 		if err == nil {
 			s.addLat = append(s.addLat, time.Since(t0))
 			break
@@ -432,16 +471,11 @@ func (s *soak) cycle(ctx context.Context, i int, others []*pod) error {
 		if s.inWindow() {
 			s.res.FailedAddsInWin++
 		} else {
-			s.logf("cycle %d: ADD failed outside any fault window: %v", i, err)
+			s.logf("cycle %d: ADD (%s) failed outside any fault window: %v", i, via, err)
 		}
-		// The runtime's cleanup of a failed ADD: DEL, then retry.
-		if p != nil {
-			_, _ = s.ch.Del(ctx, p)
-		} else {
-			_ = delNetns(namePrefix + "-" + fmt.Sprintf("c%d-%d", i, attempt))
-		}
+		undo(p, attempt)
 		if attempt >= 60 {
-			return fmt.Errorf("cycle %d: ADD failed 60 times: %v", i, err)
+			return fmt.Errorf("cycle %d: ADD (%s) failed 60 times: %v", i, via, err)
 		}
 		time.Sleep(500 * time.Millisecond)
 	}
@@ -450,8 +484,9 @@ func (s *soak) cycle(ctx context.Context, i int, others []*pod) error {
 	_, _ = sendTraffic(ctx, p.Netns, outsideAddr[1].Addr(), trafficCounts{TCP: 1, UDP: 1})
 	_, _ = sendTraffic(ctx, p.Netns, others[0].V4, trafficCounts{TCP: 1, UDP: 1})
 	_, _ = sendTraffic(ctx, netnsPath(outsideNS), p.V4, trafficCounts{TCP: 1})
+	lateBefore := s.metric("ctscrub_del_late_total")
 	for attempt := 0; ; attempt++ {
-		_, err = s.ch.Del(ctx, p)
+		err = del(p)
 		if err == nil {
 			break
 		}
@@ -459,13 +494,16 @@ func (s *soak) cycle(ctx context.Context, i int, others []*pod) error {
 		if s.inWindow() {
 			s.res.FailedDelsInWin++
 		} else {
-			s.logf("cycle %d: DEL failed outside any fault window: %v", i, err)
+			s.logf("cycle %d: DEL (%s) failed outside any fault window: %v", i, via, err)
 		}
 		if attempt >= 60 {
-			return fmt.Errorf("cycle %d: DEL failed 60 times: %v", i, err)
+			return fmt.Errorf("cycle %d: DEL (%s) failed 60 times: %v", i, via, err)
 		}
 		time.Sleep(500 * time.Millisecond)
 	}
+	// scrubd's late scrub of what the DEL window recorded, once the veth
+	// is gone (docs/daemon.md, "The DEL window").
+	s.waitLate(lateBefore, len(p.IPs()))
 	// A full walk of the kernel's maps: no entry of the deleted IPs left.
 	// (The next pod with the address would also clean them at its ADD; this
 	// checks the DEL alone.)
@@ -475,7 +513,7 @@ func (s *soak) cycle(ctx context.Context, i int, others []*pod) error {
 	}
 	if left > 0 {
 		s.res.StaleEntriesLeft += left
-		s.logf("cycle %d: %d entries of %v left after DEL", i, left, p.IPs())
+		s.logf("cycle %d: %d entries of %v (%s) left after DEL", i, left, p.IPs(), via)
 	}
 	return nil
 }
@@ -510,6 +548,7 @@ func (s *soak) schedule() map[int]faultFn {
 		at(0.40): s.faultPinsRemoved,
 		at(0.50): s.faultSocketRemoved,
 		at(0.70): s.faultCTMapsRecreated,
+		at(0.80): s.faultContainerdRestart,
 	}
 	if s.cfg.Starve > 0 {
 		m[at(0.60)] = s.faultStarve
@@ -528,7 +567,10 @@ func (s *soak) faultKill(ctx context.Context, _ int) FaultResult {
 		_, err := d.Client.Scrub(ctx, api.ScrubRequest{IPs: []netip.Addr{s.spare}, Reason: scrub.ReasonDel})
 		done <- err
 	}()
-	time.Sleep(30 * time.Millisecond)
+	// 30 ms into a sweep of 4 M entries; at the development size the
+	// whole sweep takes less than that on a quiet machine (the scrub
+	// answered before the kill), so the delay shrinks with ENTRIES.
+	time.Sleep(time.Duration(min(30, max(3, 30*s.cfg.Entries/(1<<22)))) * time.Millisecond)
 	_ = d.cmd.Process.Signal(syscall.SIGKILL)
 	<-d.exited
 	err := <-done
