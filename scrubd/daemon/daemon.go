@@ -108,6 +108,8 @@ type Daemon struct {
 	indexes  []IndexSource
 	tasks    []Task
 
+	svcReloads prometheus.Counter // nil without a recorder that reloads
+
 	ctEntries    *prometheus.GaugeVec
 	entriesSplit map[string]bool
 	log          *slog.Logger
@@ -189,6 +191,9 @@ func New(opts Options) (*Daemon, error) {
 		return nil, err
 	}
 	if err := d.enableConflistWatch(); err != nil {
+		return nil, err
+	}
+	if err := d.enableServiceMapsWatch(); err != nil {
 		return nil, err
 	}
 	return d, nil

@@ -38,6 +38,9 @@ const (
 	ReasonAuditMiss = "the audit found a CT entry the index did not cover"
 	ReasonOwner     = "may have had an owner ctscrub did not see"
 	ReasonCTMaps    = "Cilium's CT maps were re-created (agent restart)"
+	// ReasonServiceMaps: the recorder read service maps Cilium no longer
+	// filled until it reloaded its programs over the new ones.
+	ReasonServiceMaps = "Cilium's service maps changed under the recorder (agent restart)"
 )
 
 // Config bounds the index.

@@ -19,9 +19,9 @@ import (
 // it feeds Cilium's datapath programs; records land in the ring buffer as
 // they would from an attached program (read them with Drain, or Run).
 func (r *Recorder) RunFrame(egress bool, frame []byte) error {
-	prog := r.objs.RecorderIngress
+	prog, eg := r.programs()
 	if egress {
-		prog = r.objs.RecorderEgress
+		prog = eg
 	}
 	if _, err := prog.Run(&ebpf.RunOptions{Data: frame}); err != nil {
 		return fmt.Errorf("recorder: test run: %w", err)

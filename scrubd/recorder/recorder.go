@@ -102,10 +102,14 @@ type Options struct {
 type Recorder struct {
 	opts Options
 	objs bpf.RecorderObjects
-	vip  [2]bool // VIP detection on for IPv4, IPv6
-	svc  [2]ebpf.MapID
-	// svcWarned: the service-map change was logged already.
-	svcWarned [2]bool
+	// progMu guards what ReloadPrograms swaps: the programs Attach puts on
+	// interfaces, and the service maps they read.
+	progMu sync.RWMutex
+	prog   [2]*ebpf.Program // ingress, egress
+	vip    [2]bool          // VIP detection on for IPv4, IPv6
+	svc    [2]ebpf.MapID
+	// reloaded: programs of a ReloadPrograms (r.objs holds the first ones).
+	reloaded []*ebpf.Program
 
 	ifaces   [64]sync.Mutex // striped by interface: Attach/Detach of one interface in turn
 	lostMu   sync.Mutex
@@ -169,6 +173,48 @@ func Load(opts Options) (*Recorder, error) {
 		return nil, fmt.Errorf("recorder: front-cache size %d: must be a power of two", opts.FrontEntries)
 	}
 
+	spec, err := recorderSpec(opts)
+	if err != nil {
+		return nil, err
+	}
+	if err := os.MkdirAll(opts.PinDir, 0o700); err != nil {
+		return nil, fmt.Errorf("recorder: create pin dir %s: %w (is bpffs mounted at /sys/fs/bpf?)", opts.PinDir, err)
+	}
+
+	r := &Recorder{opts: opts, lostSeen: make(map[[16]byte]uint64)}
+	repl, err := openServiceMaps(spec, opts, &r.vip, &r.svc)
+	if err != nil {
+		return nil, err
+	}
+	defer func() {
+		for _, m := range repl {
+			m.Close()
+		}
+	}()
+	err = spec.LoadAndAssign(&r.objs, &ebpf.CollectionOptions{
+		Maps:            ebpf.MapOptions{PinPath: opts.PinDir},
+		MapReplacements: repl,
+	})
+	if err != nil {
+		var ve *ebpf.VerifierError
+		switch {
+		case errors.Is(err, ebpf.ErrMapIncompatible):
+			return nil, fmt.Errorf("recorder: pinned maps under %s were made with other sizes (RingBytes, SeenEntries or LostEntries changed?): %w; "+
+				"keep the old sizes, or remove %s/rec_* to start fresh (the index then treats every IP as not tracked)", opts.PinDir, err, opts.PinDir)
+		case errors.As(err, &ve):
+			return nil, fmt.Errorf("recorder: load BPF programs: %+v", ve)
+		}
+		return nil, fmt.Errorf("recorder: load BPF programs (root, bpffs at /sys/fs/bpf?): %w", err)
+	}
+	r.prog = [2]*ebpf.Program{r.objs.RecorderIngress, r.objs.RecorderEgress}
+	r.legacy = removeLegacyMaps(opts.PinDir, opts.Log)
+	r.legacySeen = make(map[[16]byte]uint64)
+	return r, nil
+}
+
+// recorderSpec is the embedded BPF object set up for opts: sizes, the
+// programs' constants, the pinned maps.
+func recorderSpec(opts Options) (*ebpf.CollectionSpec, error) {
 	spec, err := bpf.LoadRecorder()
 	if err != nil {
 		return nil, fmt.Errorf("recorder: parse embedded BPF object: %w", err)
@@ -189,18 +235,23 @@ func Load(opts Options) (*Recorder, error) {
 	for _, n := range pinnedMaps {
 		spec.Maps[n].Pinning = ebpf.PinByName
 	}
-	if err := os.MkdirAll(opts.PinDir, 0o700); err != nil {
-		return nil, fmt.Errorf("recorder: create pin dir %s: %w (is bpffs mounted at /sys/fs/bpf?)", opts.PinDir, err)
-	}
+	return spec, nil
+}
 
-	r := &Recorder{opts: opts, lostSeen: make(map[[16]byte]uint64)}
+// openServiceMaps opens Cilium's service maps pinned under opts.CTRoot, as
+// replacements for the programs' own, and sets vip (detection on per family)
+// and ids (the maps opened). A family whose map is not pinned has VIP
+// detection off.
+func openServiceMaps(spec *ebpf.CollectionSpec, opts Options, vip *[2]bool, ids *[2]ebpf.MapID) (map[string]*ebpf.Map, error) {
 	repl := make(map[string]*ebpf.Map)
-	defer func() {
+	fail := func(err error) (map[string]*ebpf.Map, error) {
 		for _, m := range repl {
 			m.Close()
 		}
-	}()
+		return nil, err
+	}
 	for i, name := range []string{ServiceMap4, ServiceMap6} {
+		vip[i], ids[i] = false, 0
 		path := filepath.Join(opts.CTRoot, name)
 		m, err := ebpf.LoadPinnedMap(path, nil)
 		if errors.Is(err, os.ErrNotExist) {
@@ -209,43 +260,25 @@ func Load(opts Options) (*Recorder, error) {
 			continue
 		}
 		if err != nil {
-			return nil, fmt.Errorf("recorder: open Cilium service map %s: %w", path, err)
+			return fail(fmt.Errorf("recorder: open Cilium service map %s: %w", path, err))
 		}
 		ms := spec.Maps[name]
 		if m.Type() != ms.Type || m.KeySize() != ms.KeySize || m.ValueSize() != ms.ValueSize {
 			m.Close()
 			// Failing is safer than running blind: without VIP detection
 			// an IP talking to a service would be declared complete.
-			return nil, fmt.Errorf("recorder: Cilium service map %s: type %s key %d value %d, expected %s key %d value %d (unsupported Cilium version?)",
-				path, m.Type(), m.KeySize(), m.ValueSize(), ms.Type, ms.KeySize, ms.ValueSize)
+			return fail(fmt.Errorf("recorder: Cilium service map %s: type %s key %d value %d, expected %s key %d value %d (unsupported Cilium version?)",
+				path, m.Type(), m.KeySize(), m.ValueSize(), ms.Type, ms.KeySize, ms.ValueSize))
 		}
 		ms.MaxEntries = m.MaxEntries()
 		ms.Flags = m.Flags()
 		repl[name] = m
-		r.vip[i] = true
+		vip[i] = true
 		if info, err := m.Info(); err == nil {
-			r.svc[i], _ = info.ID()
+			ids[i], _ = info.ID()
 		}
 	}
-
-	err = spec.LoadAndAssign(&r.objs, &ebpf.CollectionOptions{
-		Maps:            ebpf.MapOptions{PinPath: opts.PinDir},
-		MapReplacements: repl,
-	})
-	if err != nil {
-		var ve *ebpf.VerifierError
-		switch {
-		case errors.Is(err, ebpf.ErrMapIncompatible):
-			return nil, fmt.Errorf("recorder: pinned maps under %s were made with other sizes (RingBytes, SeenEntries or LostEntries changed?): %w; "+
-				"keep the old sizes, or remove %s/rec_* to start fresh (the index then treats every IP as not tracked)", opts.PinDir, err, opts.PinDir)
-		case errors.As(err, &ve):
-			return nil, fmt.Errorf("recorder: load BPF programs: %+v", ve)
-		}
-		return nil, fmt.Errorf("recorder: load BPF programs (root, bpffs at /sys/fs/bpf?): %w", err)
-	}
-	r.legacy = removeLegacyMaps(opts.PinDir, opts.Log)
-	r.legacySeen = make(map[[16]byte]uint64)
-	return r, nil
+	return repl, nil
 }
 
 // removeLegacyMaps removes an older recorder's pins and returns its lost
@@ -264,7 +297,11 @@ func removeLegacyMaps(dir string, log *slog.Logger) (lost *ebpf.Map) {
 
 // VIPDetection reports whether Cilium's service maps were found for IPv4
 // and IPv6.
-func (r *Recorder) VIPDetection() (v4, v6 bool) { return r.vip[0], r.vip[1] }
+func (r *Recorder) VIPDetection() (v4, v6 bool) {
+	r.progMu.RLock()
+	defer r.progMu.RUnlock()
+	return r.vip[0], r.vip[1]
+}
 
 // lockIface serialises Attach and Detach of one interface (different pods
 // attach in parallel); it returns the unlock function.
@@ -375,9 +412,10 @@ func (r *Recorder) attachFilters(netnsPath, ifname string, mark func(string)) (a
 			return fmt.Errorf("add clsact qdisc to %s: %w", ifname, err)
 		}
 		mark("qdisc")
+		in, eg := r.programs()
 		for _, f := range []*netlink.BpfFilter{
-			recorderFilter(ifindex, netlink.HANDLE_MIN_INGRESS, r.objs.RecorderIngress),
-			recorderFilter(ifindex, netlink.HANDLE_MIN_EGRESS, r.objs.RecorderEgress),
+			recorderFilter(ifindex, netlink.HANDLE_MIN_INGRESS, in),
+			recorderFilter(ifindex, netlink.HANDLE_MIN_EGRESS, eg),
 		} {
 			// Creates the filter, or swaps the program of ours in place.
 			if err := h.FilterReplace(f); err != nil {
@@ -528,9 +566,6 @@ func (r *Recorder) Run(ctx context.Context, ix *index.Index) error {
 			if err := r.PollLost(ix); err != nil {
 				r.opts.Log.Warn("recorder: poll lost counters", "err", err)
 			}
-			if tick%10 == 0 {
-				r.checkServiceMaps()
-			}
 			select {
 			case <-ctx.Done():
 				rd.Close()
@@ -599,33 +634,81 @@ func (r *Recorder) Run(ctx context.Context, ix *index.Index) error {
 	}
 }
 
-// checkServiceMaps warns when the service maps pinned under CTRoot are no
-// longer the ones the programs were loaded with (Cilium re-created them, or
-// started after scrubd): VIP detection then looks at stale maps until
-// scrubd restarts.
-func (r *Recorder) checkServiceMaps() {
+// ServiceMapsChanged reports whether Cilium's service maps pinned under
+// CTRoot are other maps than the ones the programs read: Cilium re-created
+// one (an agent restart that changed its size), or one appeared after the
+// programs were loaded (Cilium started after scrubd). Until ReloadPrograms
+// runs, VIP detection looks at maps Cilium no longer fills, so a flow to a
+// new service is recorded as a flow to its VIP, a key Cilium never makes:
+// the pod's IP would pass as complete with its real entries missing.
+func (r *Recorder) ServiceMapsChanged() bool {
+	r.progMu.RLock()
+	vip, svc := r.vip, r.svc
+	r.progMu.RUnlock()
 	for i, name := range []string{ServiceMap4, ServiceMap6} {
-		if r.svcWarned[i] {
-			continue
-		}
-		path := filepath.Join(r.opts.CTRoot, name)
 		var id ebpf.MapID
-		m, err := ebpf.LoadPinnedMap(path, nil)
-		if err == nil {
+		if m, err := ebpf.LoadPinnedMap(filepath.Join(r.opts.CTRoot, name), nil); err == nil {
 			if info, ierr := m.Info(); ierr == nil {
 				id, _ = info.ID()
 			}
 			m.Close()
 		}
-		switch {
-		case r.vip[i] && id != r.svc[i]:
-			r.opts.Log.Error("recorder: Cilium's service map changed since scrubd started; VIP detection uses the old map: restart scrubd", "map", path)
-			r.svcWarned[i] = true
-		case !r.vip[i] && id != 0:
-			r.opts.Log.Warn("recorder: Cilium's service map appeared after scrubd started; restart scrubd to turn VIP detection on", "map", path)
-			r.svcWarned[i] = true
+		// A pin gone (Cilium between unpin and re-create) is no change yet.
+		if id != 0 && (!vip[i] || id != svc[i]) {
+			return true
 		}
 	}
+	return false
+}
+
+// ReloadPrograms loads the recorder's programs again over the service maps
+// pinned now, keeping every other map (the ring buffer, the flow caches,
+// the generations and the lost counters are pinned; the per-CPU front
+// cache is shared with the old programs). Interfaces keep the old programs
+// until Attach puts the new ones on them (in place, atomically); the caller
+// re-attaches every interface and then treats every IP as incomplete.
+func (r *Recorder) ReloadPrograms() error {
+	spec, err := recorderSpec(r.opts)
+	if err != nil {
+		return err
+	}
+	var vip [2]bool
+	var ids [2]ebpf.MapID
+	repl, err := openServiceMaps(spec, r.opts, &vip, &ids)
+	if err != nil {
+		return err
+	}
+	defer func() {
+		for _, m := range repl {
+			m.Close()
+		}
+	}()
+	repl["rec_front4"] = r.objs.RecFront4
+	var objs bpf.RecorderObjects
+	if err := spec.LoadAndAssign(&objs, &ebpf.CollectionOptions{
+		Maps:            ebpf.MapOptions{PinPath: r.opts.PinDir},
+		MapReplacements: repl,
+	}); err != nil {
+		delete(repl, "rec_front4") // r's own: not closed by the defer
+		return fmt.Errorf("recorder: reload BPF programs over the service maps under %s: %w", r.opts.CTRoot, err)
+	}
+	delete(repl, "rec_front4")
+	objs.RecorderMaps.Close() // the same kernel maps as r.objs's (pins, front cache clone)
+	r.progMu.Lock()
+	r.prog = [2]*ebpf.Program{objs.RecorderIngress, objs.RecorderEgress}
+	r.vip, r.svc = vip, ids
+	r.reloaded = append(r.reloaded, objs.RecorderIngress, objs.RecorderEgress)
+	r.progMu.Unlock()
+	r.opts.Log.Warn("recorder: Cilium's service maps changed; programs reloaded over the maps pinned now",
+		"vip_detection_v4", vip[0], "vip_detection_v6", vip[1])
+	return nil
+}
+
+// programs are the programs Attach puts on interfaces now.
+func (r *Recorder) programs() (ingress, egress *ebpf.Program) {
+	r.progMu.RLock()
+	defer r.progMu.RUnlock()
+	return r.prog[0], r.prog[1]
 }
 
 // PollLost marks incomplete every IP whose lost count grew since the last
@@ -683,11 +766,12 @@ func (r *Recorder) Close() error {
 	if r.legacy != nil {
 		r.legacy.Close()
 	}
+	for _, p := range r.reloaded {
+		p.Close()
+	}
 	return r.objs.Close()
 }
 
-// Programs returns the loaded ingress and egress programs (benchmarks read
-// their run-time statistics).
-func (r *Recorder) Programs() (ingress, egress *ebpf.Program) {
-	return r.objs.RecorderIngress, r.objs.RecorderEgress
-}
+// Programs returns the ingress and egress programs Attach uses now
+// (benchmarks read their run-time statistics).
+func (r *Recorder) Programs() (ingress, egress *ebpf.Program) { return r.programs() }

@@ -33,6 +33,7 @@ type world struct {
 	ct     *ctmap.Maps
 	rec    *recorder.Recorder
 	pinDir string
+	ctDir  string
 	ix     *index.Index
 	stop   func()
 }
@@ -44,6 +45,7 @@ func newWorld(t *testing.T, npods int) *world {
 	}
 	w := &world{node: netpods.NewNode(t)}
 	ctDir := standin.TempDir(t)
+	w.ctDir = ctDir
 	if err := standin.CreateMaps(ctDir, 65536); err != nil {
 		t.Fatal(err)
 	}
@@ -464,6 +466,71 @@ func TestServiceVIPMarksIncomplete(t *testing.T) {
 	// b talked to no VIP: its state must not say so.
 	if st := w.ix.State(b.Addr4); st.Incomplete == index.ReasonService {
 		t.Fatalf("%s marked as a VIP client", b.Addr4)
+	}
+}
+
+// Cilium re-creates its service map (an agent restart that changes its
+// size): the programs still read the old map, so a flow to a service that
+// exists only in the new one passes for a plain flow to its VIP, a key
+// Cilium never makes. After ReloadPrograms and Attach (what scrubd does when
+// it notices, docs/recorder.md), a flow to the service marks the IP.
+func TestServiceMapRecreatedReload(t *testing.T) {
+	w := newWorld(t, 2)
+	a, b := w.pods[0], w.pods[1]
+	if err := os.Remove(filepath.Join(w.ctDir, recorder.ServiceMap4)); err != nil {
+		t.Fatal(err)
+	}
+	sub := filepath.Join(w.ctDir, "new")
+	if err := os.Mkdir(sub, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	if err := standin.CreateServiceMaps(sub); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Rename(filepath.Join(sub, recorder.ServiceMap4), filepath.Join(w.ctDir, recorder.ServiceMap4)); err != nil {
+		t.Fatal(err)
+	}
+	if !w.rec.ServiceMapsChanged() {
+		t.Fatal("re-created service map not noticed")
+	}
+	// The new map gets a service (a stand-in loaded over the pins now
+	// writes there, as Cilium would).
+	dp2, err := standin.Load(w.ctDir, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer dp2.Close()
+	vip := netip.MustParseAddrPort("10.96.0.20:53")
+	if err := dp2.AddService(ctmap.ProtoUDP, vip, netip.AddrPortFrom(b.Addr4, netpods.EchoPort)); err != nil {
+		t.Fatal(err)
+	}
+	// Before the reload: the flow to the new service is not seen as one.
+	if err := a.SendUDP(vip.Addr(), vip.Port()); err != nil {
+		t.Fatal(err)
+	}
+	w.requireIndexed(t, []netip.Addr{a.Addr4}, 0)
+	time.Sleep(200 * time.Millisecond)
+	if st := w.ix.State(a.Addr4); st.Incomplete == index.ReasonService {
+		t.Fatalf("the old programs saw the new map's service (%+v): the test shows nothing", st)
+	}
+	if err := w.rec.ReloadPrograms(); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := w.rec.Attach(a.Path, "eth0"); err != nil {
+		t.Fatal(err)
+	}
+	if w.rec.ServiceMapsChanged() {
+		t.Fatal("still changed after ReloadPrograms")
+	}
+	if err := a.SendUDP(vip.Addr(), vip.Port()); err != nil {
+		t.Fatal(err)
+	}
+	deadline := time.Now().Add(5 * time.Second)
+	for w.ix.State(a.Addr4).Incomplete != index.ReasonService {
+		if time.Now().After(deadline) {
+			t.Fatalf("%s not marked as a service client after the reload: %+v", a.Addr4, w.ix.State(a.Addr4))
+		}
+		time.Sleep(50 * time.Millisecond)
 	}
 }
 

@@ -1,43 +1,22 @@
 package recorder
 
 import (
-	"bytes"
-	"log/slog"
 	"os"
 	"path/filepath"
-	"strings"
 	"testing"
 
 	"github.com/ctscrub/ctscrub/internal/testsupport/standin"
 )
 
-// A service map re-created under the same pin (Cilium re-created it) is
-// reported: the loaded programs still look at the old one.
-func TestServiceMapChangeReported(t *testing.T) {
-	requireRoot(t)
-	dir := standin.TempDir(t)
-	if err := standin.CreateServiceMaps(dir); err != nil {
-		t.Fatal(err)
-	}
-	var logs bytes.Buffer
-	r, err := Load(Options{PinDir: filepath.Join(dir, "ctscrub"), CTRoot: dir, Log: slog.New(slog.NewTextHandler(&logs, nil))})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { r.Close() })
-	if v4, v6 := r.VIPDetection(); !v4 || !v6 {
-		t.Fatalf("VIP detection v4 %v v6 %v with both service maps pinned", v4, v6)
-	}
-	r.checkServiceMaps()
-	if strings.Contains(logs.String(), "changed") {
-		t.Fatalf("reported a change with the maps untouched: %s", logs.String())
-	}
-	// Cilium re-creates its IPv4 service map.
+// recreateServiceMap does what a Cilium agent restart that re-creates its
+// IPv4 service map does: the pin then names a new, empty map.
+func recreateServiceMap(t *testing.T, dir string) {
+	t.Helper()
 	if err := os.Remove(filepath.Join(dir, ServiceMap4)); err != nil {
 		t.Fatal(err)
 	}
-	sub := filepath.Join(dir, "new")
-	if err := os.Mkdir(sub, 0o700); err != nil {
+	sub, err := os.MkdirTemp(dir, "new")
+	if err != nil {
 		t.Fatal(err)
 	}
 	if err := standin.CreateServiceMaps(sub); err != nil {
@@ -46,8 +25,63 @@ func TestServiceMapChangeReported(t *testing.T) {
 	if err := os.Rename(filepath.Join(sub, ServiceMap4), filepath.Join(dir, ServiceMap4)); err != nil {
 		t.Fatal(err)
 	}
-	r.checkServiceMaps()
-	if !strings.Contains(logs.String(), "service map changed") || !strings.Contains(logs.String(), ServiceMap4) {
-		t.Fatalf("re-created %s not reported; log: %s", ServiceMap4, logs.String())
+}
+
+// A service map re-created under the same pin is noticed, and after
+// ReloadPrograms the programs read the map pinned now; a service map that
+// appears after Load (Cilium started after scrubd) is noticed too.
+func TestServiceMapChangeNoticed(t *testing.T) {
+	requireRoot(t)
+	dir := standin.TempDir(t)
+	if err := standin.CreateServiceMaps(dir); err != nil {
+		t.Fatal(err)
+	}
+	r, err := Load(Options{PinDir: filepath.Join(dir, "ctscrub"), CTRoot: dir})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { r.Close() })
+	if v4, v6 := r.VIPDetection(); !v4 || !v6 {
+		t.Fatalf("VIP detection v4 %v v6 %v with both service maps pinned", v4, v6)
+	}
+	if r.ServiceMapsChanged() {
+		t.Fatal("a change reported with the maps untouched")
+	}
+	recreateServiceMap(t, dir)
+	if !r.ServiceMapsChanged() {
+		t.Fatalf("re-created %s not noticed", ServiceMap4)
+	}
+	in, _ := r.Programs()
+	if err := r.ReloadPrograms(); err != nil {
+		t.Fatal(err)
+	}
+	if r.ServiceMapsChanged() {
+		t.Fatal("still changed after ReloadPrograms")
+	}
+	if in2, _ := r.Programs(); in2 == in {
+		t.Fatal("Programs unchanged after ReloadPrograms")
+	}
+
+	// Without service maps at Load, then Cilium pins them.
+	dir2 := standin.TempDir(t)
+	r2, err := Load(Options{PinDir: filepath.Join(dir2, "ctscrub"), CTRoot: dir2})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { r2.Close() })
+	if v4, _ := r2.VIPDetection(); v4 || r2.ServiceMapsChanged() {
+		t.Fatal("VIP detection on, or a change, without service maps")
+	}
+	if err := standin.CreateServiceMaps(dir2); err != nil {
+		t.Fatal(err)
+	}
+	if !r2.ServiceMapsChanged() {
+		t.Fatal("service maps pinned after Load not noticed")
+	}
+	if err := r2.ReloadPrograms(); err != nil {
+		t.Fatal(err)
+	}
+	if v4, v6 := r2.VIPDetection(); !v4 || !v6 || r2.ServiceMapsChanged() {
+		t.Fatalf("after ReloadPrograms: VIP detection v4 %v v6 %v, changed %v", v4, v6, r2.ServiceMapsChanged())
 	}
 }

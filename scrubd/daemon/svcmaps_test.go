@@ -1,0 +1,98 @@
+package daemon
+
+import (
+	"context"
+	"net/netip"
+	"os"
+	"path/filepath"
+	"testing"
+
+	"github.com/ctscrub/ctscrub/internal/testsupport/netpods"
+	"github.com/ctscrub/ctscrub/internal/testsupport/standin"
+	"github.com/ctscrub/ctscrub/scrubd/api"
+	"github.com/ctscrub/ctscrub/scrubd/index"
+	"github.com/ctscrub/ctscrub/scrubd/recorder"
+	"github.com/ctscrub/ctscrub/scrubd/scrub"
+)
+
+// Cilium re-creates its IPv4 service map under a running scrubd: scrubd
+// notices on its own, reloads the recorder over the new map, puts it on the
+// indexed pod's interface, and marks the pod's IPs incomplete (flows to
+// services the old map lacked were recorded by VIP). Its next scrub sweeps.
+func TestServiceMapsRecreatedUnderDaemon(t *testing.T) {
+	root, dp := standinRoot(t, 1<<14)
+	node := netpods.NewNode(t)
+	node.Remote.ServeEcho()
+	pod := node.AddPod()
+	if err := node.Do(func() error { return dp.AttachHostSide(pod.HostVeth) }); err != nil {
+		t.Fatal(err)
+	}
+	td := startDaemon(t, podConfig(t, root))
+	ctx := context.Background()
+	a := api.Attachment{ContainerID: "svcmaps", IfName: "eth0"}
+	ips := []netip.Addr{pod.Addr4, pod.Addr6}
+	if err := td.c.IndexStart(ctx, api.IndexStartRequest{Attachment: a, Netns: pod.Path, IPs: ips, Network: "pods", Scrub: true}); err != nil {
+		t.Fatalf("index start: %v", err)
+	}
+	if err := pod.TCP(node.Remote.Addr4, netpods.EchoPort); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, "the pod's IPs to be complete and indexed", func() bool {
+		st := td.Index().State(pod.Addr4)
+		return st.Complete && st.Keys >= 2
+	})
+	ingress, _ := td.rec.(*recorder.Recorder).Programs()
+
+	// Cilium re-creates its IPv4 service map.
+	if err := os.Remove(filepath.Join(root.dir, recorder.ServiceMap4)); err != nil {
+		t.Fatal(err)
+	}
+	sub := filepath.Join(root.dir, "new")
+	if err := os.Mkdir(sub, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	if err := standin.CreateServiceMaps(sub); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Rename(filepath.Join(sub, recorder.ServiceMap4), filepath.Join(root.dir, recorder.ServiceMap4)); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, "scrubd to notice the re-created service map", func() bool {
+		st := td.Index().State(pod.Addr4)
+		return !st.Complete && st.Incomplete == index.ReasonServiceMaps
+	})
+	if st := td.Index().State(pod.Addr6); st.Complete || st.Incomplete != index.ReasonServiceMaps {
+		t.Errorf("%s after the re-create: %+v", pod.Addr6, st)
+	}
+	if got := counterValue(t, td, "ctscrub_service_maps_reloaded_total", nil); got != 1 {
+		t.Errorf("ctscrub_service_maps_reloaded_total %v, want 1", got)
+	}
+	if in, _ := td.rec.(*recorder.Recorder).Programs(); in == ingress {
+		t.Error("the recorder still uses the programs loaded over the old map")
+	}
+	if !recorderOn(t, pod.Path) {
+		t.Error("the pod's interface lost the recorder")
+	}
+	// The DEL after it sweeps, and leaves nothing of the pod.
+	resp, err := td.c.Scrub(ctx, api.ScrubRequest{IPs: ips, Reason: scrub.ReasonDel, ContainerID: a.ContainerID})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, r := range resp.Results {
+		if r.Method != scrub.MethodSweep || r.Outcome != scrub.Complete {
+			t.Errorf("DEL scrub after the reload: %+v, want a complete sweep", r)
+		}
+	}
+	if n := root.entriesOf(t, pod.Addr4); n != 0 {
+		t.Errorf("%d entries of %s left", n, pod.Addr4)
+	}
+}
+
+func recorderOn(t *testing.T, netns string) bool {
+	t.Helper()
+	on, err := recorder.Attached(netns, "eth0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	return on
+}
