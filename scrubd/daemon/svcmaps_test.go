@@ -3,8 +3,6 @@ package daemon
 import (
 	"context"
 	"net/netip"
-	"os"
-	"path/filepath"
 	"testing"
 
 	"github.com/ctscrub/ctscrub/internal/testsupport/netpods"
@@ -44,17 +42,7 @@ func TestServiceMapsRecreatedUnderDaemon(t *testing.T) {
 	ingress, _ := td.rec.(*recorder.Recorder).Programs()
 
 	// Cilium re-creates its IPv4 service map.
-	if err := os.Remove(filepath.Join(root.dir, recorder.ServiceMap4)); err != nil {
-		t.Fatal(err)
-	}
-	sub := filepath.Join(root.dir, "new")
-	if err := os.Mkdir(sub, 0o700); err != nil {
-		t.Fatal(err)
-	}
-	if err := standin.CreateServiceMaps(sub); err != nil {
-		t.Fatal(err)
-	}
-	if err := os.Rename(filepath.Join(sub, recorder.ServiceMap4), filepath.Join(root.dir, recorder.ServiceMap4)); err != nil {
+	if err := standin.RecreateServiceMap4(root.dir); err != nil {
 		t.Fatal(err)
 	}
 	waitFor(t, "scrubd to notice the re-created service map", func() bool {

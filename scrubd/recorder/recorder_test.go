@@ -477,17 +477,7 @@ func TestServiceVIPMarksIncomplete(t *testing.T) {
 func TestServiceMapRecreatedReload(t *testing.T) {
 	w := newWorld(t, 2)
 	a, b := w.pods[0], w.pods[1]
-	if err := os.Remove(filepath.Join(w.ctDir, recorder.ServiceMap4)); err != nil {
-		t.Fatal(err)
-	}
-	sub := filepath.Join(w.ctDir, "new")
-	if err := os.Mkdir(sub, 0o700); err != nil {
-		t.Fatal(err)
-	}
-	if err := standin.CreateServiceMaps(sub); err != nil {
-		t.Fatal(err)
-	}
-	if err := os.Rename(filepath.Join(sub, recorder.ServiceMap4), filepath.Join(w.ctDir, recorder.ServiceMap4)); err != nil {
+	if err := standin.RecreateServiceMap4(w.ctDir); err != nil {
 		t.Fatal(err)
 	}
 	if !w.rec.ServiceMapsChanged() {

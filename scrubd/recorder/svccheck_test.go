@@ -1,31 +1,11 @@
 package recorder
 
 import (
-	"os"
 	"path/filepath"
 	"testing"
 
 	"github.com/ctscrub/ctscrub/internal/testsupport/standin"
 )
-
-// recreateServiceMap does what a Cilium agent restart that re-creates its
-// IPv4 service map does: the pin then names a new, empty map.
-func recreateServiceMap(t *testing.T, dir string) {
-	t.Helper()
-	if err := os.Remove(filepath.Join(dir, ServiceMap4)); err != nil {
-		t.Fatal(err)
-	}
-	sub, err := os.MkdirTemp(dir, "new")
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := standin.CreateServiceMaps(sub); err != nil {
-		t.Fatal(err)
-	}
-	if err := os.Rename(filepath.Join(sub, ServiceMap4), filepath.Join(dir, ServiceMap4)); err != nil {
-		t.Fatal(err)
-	}
-}
 
 // A service map re-created under the same pin is noticed, and after
 // ReloadPrograms the programs read the map pinned now; a service map that
@@ -47,7 +27,9 @@ func TestServiceMapChangeNoticed(t *testing.T) {
 	if r.ServiceMapsChanged() {
 		t.Fatal("a change reported with the maps untouched")
 	}
-	recreateServiceMap(t, dir)
+	if err := standin.RecreateServiceMap4(dir); err != nil {
+		t.Fatal(err)
+	}
 	if !r.ServiceMapsChanged() {
 		t.Fatalf("re-created %s not noticed", ServiceMap4)
 	}

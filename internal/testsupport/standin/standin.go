@@ -92,6 +92,24 @@ func CreateServiceMaps(dir string) error {
 	return create(dir, specs)
 }
 
+// RecreateServiceMap4 does to dir what a Cilium agent restart that
+// re-creates its IPv4 service map does: the pin then names a new, empty map
+// (programs loaded over the old one keep reading it).
+func RecreateServiceMap4(dir string) error {
+	if err := os.Remove(filepath.Join(dir, Services4)); err != nil {
+		return fmt.Errorf("standin: unpin %s: %w", Services4, err)
+	}
+	sub, err := os.MkdirTemp(dir, "recreate")
+	if err != nil {
+		return err
+	}
+	defer os.RemoveAll(sub)
+	if err := CreateServiceMaps(sub); err != nil {
+		return err
+	}
+	return os.Rename(filepath.Join(sub, Services4), filepath.Join(dir, Services4))
+}
+
 func create(dir string, specs []*ebpf.MapSpec) error {
 	for _, s := range specs {
 		m, err := ebpf.NewMap(s)
