@@ -36,6 +36,7 @@ func runSubcommand(name string, args []string, out io.Writer) error {
 	entry := fs.String("entry", defaultEntry, "the ctscrub entry (JSON)")
 	replace := fs.Bool("replace", false, "install: replace a ctscrub entry already in the conflist with --entry (default: keep it)")
 	watch := fs.Duration("watch", 0, "keep checking every interval and put the entry back when the conflist is rewritten (0: once)")
+	wait := fs.Duration("wait", 0, "install: until the conflist to chain into exists, try again every second for this long before failing (an init container started before Cilium wrote its conflist; 0: fail at once)")
 	removeBinary := fs.Bool("remove-binary", false, "uninstall: also remove ctscrub from --bin-dir")
 	keepRecorders := fs.Bool("keep-recorders", false, "uninstall: leave the recorder's tc filters on pods' interfaces (default: remove them from every netns)")
 	netnsDirs := fs.String("netns-dirs", "/var/run/netns,/run/netns", "uninstall: comma-separated dirs where the runtime binds pods' network namespaces")
@@ -82,20 +83,40 @@ func runSubcommand(name string, args []string, out io.Writer) error {
 		if err := installBinary(*binDir, out); err != nil {
 			return err
 		}
-		for {
+		if err := waitInsert(*wait, time.Second, func() error { return insertEntry(*confDir, *conflist, *after, e, *replace, out) }, out); err != nil {
+			if *watch == 0 {
+				return err
+			}
+			fmt.Fprintf(out, "ctscrub install: %v (retrying in %s)\n", err, *watch)
+		}
+		for *watch > 0 {
+			time.Sleep(*watch)
 			if err := insertEntry(*confDir, *conflist, *after, e, *replace, out); err != nil {
-				if *watch == 0 {
-					return err
-				}
 				fmt.Fprintf(out, "ctscrub install: %v (retrying in %s)\n", err, *watch)
 			}
-			if *watch == 0 {
-				return nil
-			}
-			time.Sleep(*watch)
 		}
+		return nil
 	}
 	return fmt.Errorf("unknown subcommand %q", name)
+}
+
+// waitInsert runs insert until it succeeds, every interval for at most wait,
+// and returns its last error. Each new error is printed once: the usual one,
+// "no conflist yet", would otherwise fill the log once a second.
+func waitInsert(wait, interval time.Duration, insert func() error, out io.Writer) error {
+	deadline := time.Now().Add(wait)
+	last := ""
+	for {
+		err := insert()
+		if err == nil || !time.Now().Before(deadline) {
+			return err
+		}
+		if err.Error() != last {
+			fmt.Fprintf(out, "ctscrub install: %v (trying again every %s for up to %s)\n", err, interval, wait)
+			last = err.Error()
+		}
+		time.Sleep(interval)
+	}
 }
 
 func mergeMaps(a, b map[string]any) map[string]any {

@@ -7,6 +7,7 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
+	"time"
 )
 
 // What Cilium's agent writes (v1.16, default options).
@@ -132,5 +133,37 @@ func TestInstallErrors(t *testing.T) {
 		if err == nil || !strings.Contains(err.Error(), tc.want) {
 			t.Errorf("%s: error %v, want it to say %q", name, err, tc.want)
 		}
+	}
+}
+
+// An init container started before Cilium wrote its conflist: with --wait
+// install keeps trying and chains ctscrub as soon as the conflist appears,
+// saying once why it waits; without a conflist it fails when --wait is up.
+func TestInstallWaitsForConflist(t *testing.T) {
+	bin, conf := t.TempDir(), t.TempDir()
+	path := filepath.Join(conf, "05-cilium.conflist")
+	go func() {
+		time.Sleep(1500 * time.Millisecond)
+		os.WriteFile(path, []byte(ciliumConflist), 0o644)
+	}()
+	var out bytes.Buffer
+	if err := runSubcommand("install", []string{"--bin-dir", bin, "--conf-dir", conf, "--wait", "1m"}, &out); err != nil {
+		t.Fatalf("install --wait: %v\n%s", err, out.String())
+	}
+	if got := strings.Join(pluginTypes(t, path), ","); got != "cilium-cni,ctscrub" {
+		t.Fatalf("plugins %s, want cilium-cni,ctscrub", got)
+	}
+	if n := strings.Count(out.String(), "trying again every"); n != 1 {
+		t.Errorf("the wait was reported %d times, want once:\n%s", n, out.String())
+	}
+
+	empty := t.TempDir()
+	start := time.Now()
+	err := runSubcommand("install", []string{"--bin-dir", bin, "--conf-dir", empty, "--wait", "1500ms"}, &out)
+	if err == nil || !strings.Contains(err.Error(), "cilium-cni") {
+		t.Fatalf("install --wait without a conflist: %v, want the error naming what is missing", err)
+	}
+	if took := time.Since(start); took < 1500*time.Millisecond {
+		t.Errorf("gave up after %s, before --wait's 1.5s", took)
 	}
 }
