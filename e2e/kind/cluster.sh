@@ -9,6 +9,10 @@
 #   cluster.sh down    delete the cluster and the kind network, and check that
 #                      the machine's iptables and interfaces are as before `up`
 #   cluster.sh env     print the variables of a running cluster
+#   cluster.sh diag    save the cluster's state for a post-mortem (pods,
+#                      events, Cilium's and ctscrub's logs, `cilium-dbg
+#                      status`) under $WORK/logs/diag-<time>; `up` and run.sh
+#                      call it on failure, before the cluster is deleted
 #
 # Variables (defaults):
 #   CLUSTER=ctscrub-e2e     kind cluster name
@@ -90,6 +94,34 @@ down() {
 
 print_env() { cat "$envfile"; }
 
+# What a failed run needs to be understood once the cluster is gone. Best
+# effort: every command may fail (no API server yet, a pod not running).
+diag() {
+	kind get clusters 2>/dev/null | grep -qx "$CLUSTER" || return 0
+	local d
+	d=$WORK/logs/diag-$(date -u +%Y%m%dT%H%M%S)
+	mkdir -p "$d"
+	log "saving the cluster's state to $d"
+	{
+		kubectl get nodes -o wide
+		kubectl get pods -A -o wide
+		kubectl get events -A --sort-by=.lastTimestamp
+	} >"$d/cluster.txt" 2>&1 || true
+	kubectl describe pods -A >"$d/describe-pods.txt" 2>&1 || true
+	local pod
+	for pod in $(kubectl -n kube-system get pods -o name 2>/dev/null | grep -E 'cilium|ctscrub|coredns'); do
+		kubectl -n kube-system logs --all-containers --prefix "$pod" >"$d/${pod#pod/}.log" 2>&1 || true
+		kubectl -n kube-system logs --all-containers --prefix --previous "$pod" >"$d/${pod#pod/}.previous.log" 2>&1 || true
+		[[ $pod == pod/cilium-[a-z0-9][a-z0-9][a-z0-9][a-z0-9][a-z0-9] ]] &&
+			kubectl -n kube-system exec "$pod" -c cilium-agent -- cilium-dbg status --verbose >"$d/${pod#pod/}.status.txt" 2>&1 || true
+	done
+	local n
+	for n in $(kind get nodes --name "$CLUSTER" 2>/dev/null); do
+		docker exec "$n" sh -c 'journalctl -u kubelet --no-pager | tail -n 300; ls -l /etc/cni/net.d; cat /etc/cni/net.d/*' >"$d/node-$n.txt" 2>&1 || true
+	done
+	return 0
+}
+
 up() {
 	kind get clusters 2>/dev/null | grep -qx "$CLUSTER" &&
 		die "a kind cluster $CLUSTER exists: '$0 down' first (or CLUSTER=another-name)"
@@ -103,7 +135,7 @@ up() {
 		id=$(docker create "$KIND_NODE_IMAGE" /nonexistent)
 		docker cp "$id:/usr/bin/kubectl" "$PREFIX/bin/kubectl" >&2; docker rm "$id" >/dev/null
 	fi
-	trap 'rc=$?; if ((rc)); then log "up failed: deleting the cluster"; down || true; fi' EXIT
+	trap 'rc=$?; if ((rc)); then log "up failed: deleting the cluster"; diag; down || true; fi' EXIT
 	local conf=$WORK/kind-$CLUSTER.yaml
 	{
 		cat <<EOY
@@ -181,5 +213,6 @@ case ${1:-} in
 up) up ;;
 down) down ;;
 env) print_env ;;
-*) echo "usage: $0 up|down|env (see the head of this file)" >&2; exit 2 ;;
+diag) diag ;;
+*) echo "usage: $0 up|down|env|diag (see the head of this file)" >&2; exit 2 ;;
 esac

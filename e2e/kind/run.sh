@@ -47,6 +47,7 @@ rm -f "$results"
 rc=0
 CTSCRUB_KIND=1 CTSCRUB_KIND_UNINSTALL=1 CTSCRUB_KIND_RESULTS=$results "$GO" test -C "$ROOT" -count=1 -v -timeout 60m \
 	-run "${E2E_KIND_RUN:-^(TestChart.*|TestKind.*)$}" ./e2e/kind/ || rc=$?
+((rc == 0)) || "$HERE/cluster.sh" diag || true
 down || rc=1
 trap - EXIT
 jq -cs --arg k8s "$K8S_VERSION" --arg cilium "$CILIUM_VERSION" \
