@@ -121,19 +121,37 @@ func readAnswer(r *bufio.Reader) (*answer, error) {
 	return a, nil
 }
 
+// maxLine bounds one status, header or chunk-size line. scrubd's
+// Server-Timing header names every step of every IP of a scrub, so a scrub
+// of many IPs sends a line far longer than the reader's buffer; net/http's
+// client allowed 10 MB of header, 1 MiB per line is ample here.
+const maxLine = 1 << 20
+
 // readLine reads one CRLF- (or LF-) terminated line without its end.
 func readLine(r *bufio.Reader) (string, error) {
 	line, err := r.ReadSlice('\n')
+	if err == nil {
+		return string(bytes.TrimRight(line, "\r\n")), nil
+	}
+	var long []byte
+	for errors.Is(err, bufio.ErrBufferFull) {
+		long = append(long, line...)
+		if len(long) > maxLine {
+			return "", fmt.Errorf("%w: line over %d bytes", errMalformed, maxLine)
+		}
+		line, err = r.ReadSlice('\n')
+	}
 	if err != nil {
 		if errors.Is(err, io.EOF) {
 			return "", io.ErrUnexpectedEOF
 		}
-		if errors.Is(err, bufio.ErrBufferFull) {
-			return "", fmt.Errorf("%w: header line over %d bytes", errMalformed, r.Size())
-		}
 		return "", err
 	}
-	return string(bytes.TrimRight(line, "\r\n")), nil
+	long = append(long, line...)
+	if len(long) > maxLine+2 {
+		return "", fmt.Errorf("%w: line over %d bytes", errMalformed, maxLine)
+	}
+	return string(bytes.TrimRight(long, "\r\n")), nil
 }
 
 // readChunked reads a chunked body and its trailer.
