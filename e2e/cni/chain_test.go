@@ -145,6 +145,7 @@ func testChain(t *testing.T, ver string) {
 	// DEL a: its entries go (reason del), found through the index.
 	byIndex := map[string]string{"reason": "del", "method": "index"}
 	indexDels := c.scrubd.Metric(t, "ctscrub_scrub_duration_seconds_count", byIndex)
+	lateBefore := c.scrubd.Metric(t, "ctscrub_del_late_total", nil)
 	start := time.Now()
 	c.del(a)
 	delTook := time.Since(start)
@@ -157,6 +158,11 @@ func testChain(t *testing.T, ver string) {
 	if rec, err := c.scrubd.Client.IndexPod(ctx, api.Attachment{ContainerID: a.id, IfName: "eth0"}); err == nil && rec.Stopped.IsZero() {
 		t.Fatalf("%s still indexed after DEL: %+v", a.id, rec)
 	}
+
+	// scrubd scrubs a's IP once more when its interface is gone (the DEL
+	// window, docs/daemon.md); b's stale traffic below must come after that
+	// late scrub, or it may scrub b's entries before the ADD can.
+	c.scrubd.WaitLateDel(t, lateBefore+1)
 
 	// b keeps sending to a's IP (its neighbour entry still points at a's
 	// MAC, as a client's does for a while): real traffic that leaves stale

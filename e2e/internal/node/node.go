@@ -286,6 +286,20 @@ func freeAddr(t *testing.T) string {
 	return l.Addr().String()
 }
 
+// WaitLateDel waits until scrubd has finished n late DEL scrubs in all
+// (ctscrub_del_late_total, one per released IP): the scrub that follows a
+// DEL once the pod's interface is gone.
+func (s *Scrubd) WaitLateDel(t *testing.T, n float64) {
+	t.Helper()
+	deadline := time.Now().Add(40 * time.Second) // scrubd gives up waiting for the interface after 30 s
+	for s.Metric(t, "ctscrub_del_late_total", nil) < n {
+		if time.Now().After(deadline) {
+			t.Fatalf("scrubd did not finish its late DEL scrub (ctscrub_del_late_total %v, want %v)", s.Metric(t, "ctscrub_del_late_total", nil), n)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
 // Metric returns the sum of every sample of the metric name whose labels
 // include all of labels (Prometheus text format from scrubd's /metrics).
 func (s *Scrubd) Metric(t *testing.T, name string, labels map[string]string) float64 {
