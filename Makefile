@@ -61,7 +61,7 @@ conformance: ## Cilium's real datapath (every version in e2e/conformance Version
 # `go test` as ordinary tests too.
 FUZZ_TARGETS := plugin:FuzzParseConfig plugin:FuzzPrevResult scrubd/daemon:FuzzAPI \
 	scrubd/recorder:FuzzParseRecord scrubd/nfct:FuzzNetlink scrubd/nfct:FuzzTupleRoundTrip \
-	scrubd/ctmap:FuzzKeyCodec scrubd/ctmap:FuzzEntryCodec
+	scrubd/ctmap:FuzzKeyCodec scrubd/ctmap:FuzzEntryCodec scrubd/client:FuzzReadAnswer
 FUZZTIME ?= 20s
 
 .PHONY: fuzz

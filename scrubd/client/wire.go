@@ -74,7 +74,7 @@ func readAnswer(r *bufio.Reader) (*answer, error) {
 		return nil, fmt.Errorf("%w: status line %q", errMalformed, line)
 	}
 	a := &answer{text: text, header: map[string]string{}}
-	if a.status, err = strconv.Atoi(code); err != nil {
+	if a.status, err = strconv.Atoi(code); err != nil || a.status < 100 {
 		return nil, fmt.Errorf("%w: status line %q", errMalformed, line)
 	}
 	for {
@@ -95,6 +95,10 @@ func readAnswer(r *bufio.Reader) (*answer, error) {
 		}
 		a.header[name] = value
 	}
+	if a.header["transfer-encoding"] != "" && proto != "HTTP/1.1" {
+		// net/http ignores it there; scrubd always answers HTTP/1.1.
+		return nil, fmt.Errorf("%w: Transfer-Encoding in an %s answer", errMalformed, proto)
+	}
 	switch {
 	case strings.EqualFold(a.header["transfer-encoding"], "chunked"):
 		a.body, err = readChunked(r)
@@ -103,8 +107,7 @@ func readAnswer(r *bufio.Reader) (*answer, error) {
 		if perr != nil || n < 0 || n > maxAnswer {
 			return nil, fmt.Errorf("%w: content-length %q", errMalformed, a.header["content-length"])
 		}
-		a.body = make([]byte, n)
-		_, err = io.ReadFull(r, a.body)
+		a.body, err = readN(r, nil, n)
 	case a.status/100 == 1 || a.status == 204 || a.status == 304:
 	default: // the body ends where the connection does
 		a.body, err = io.ReadAll(io.LimitReader(r, maxAnswer+1))
@@ -154,6 +157,21 @@ func readLine(r *bufio.Reader) (string, error) {
 	return string(bytes.TrimRight(long, "\r\n")), nil
 }
 
+// readN appends n bytes read from r to b. The buffer grows with what
+// arrives, not with what a header or chunk size announces: a short answer
+// that claims 200 MB allocates what it sends.
+func readN(r io.Reader, b []byte, n int64) ([]byte, error) {
+	buf := bytes.NewBuffer(b)
+	if n < 64<<10 {
+		buf.Grow(int(n))
+	}
+	got, err := io.CopyN(buf, r, n)
+	if err == nil && got != n {
+		err = io.ErrUnexpectedEOF
+	}
+	return buf.Bytes(), err
+}
+
 // readChunked reads a chunked body and its trailer.
 func readChunked(r *bufio.Reader) ([]byte, error) {
 	var body []byte
@@ -174,9 +192,7 @@ func readChunked(r *bufio.Reader) ([]byte, error) {
 				}
 			}
 		}
-		start := len(body)
-		body = append(body, make([]byte, n)...)
-		if _, err := io.ReadFull(r, body[start:]); err != nil {
+		if body, err = readN(r, body, n); err != nil {
 			return nil, err
 		}
 		if line, err := readLine(r); err != nil || line != "" {

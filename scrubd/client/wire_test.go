@@ -1,13 +1,17 @@
 package client
 
 import (
+	"bufio"
+	"bytes"
 	"context"
 	"encoding/json"
 	"fmt"
+	"io"
 	"net"
 	"net/http"
 	"net/netip"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"testing"
 
@@ -111,4 +115,44 @@ func rawServer(t *testing.T, raw string) string {
 		}
 	}()
 	return sock
+}
+
+// FuzzReadAnswer: the answer reader never panics, never takes a cut answer
+// for a whole one, and where net/http's own reader accepts an answer whole,
+// reads the same status and body from it.
+func FuzzReadAnswer(f *testing.F) {
+	for _, s := range []string{
+		"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}",
+		"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\n\r\n",
+		"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n1;x=y\r\n{\r\n1\r\n}\r\n0\r\nTrailer: z\r\n\r\n",
+		"HTTP/1.1 503 Service Unavailable\r\nServer-Timing: a;dur=1, b;dur=2\r\nContent-Length: 0\r\n\r\n",
+		"HTTP/1.0 200 OK\r\n\r\nclose-delimited",
+		"HTTP/1.1 204 No Content\r\n\r\n",
+		"HTTP/1.1 200 OK\nContent-Length: 1\n\nx",
+		"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nffffff0\r\nshort",
+	} {
+		f.Add([]byte(s))
+	}
+	f.Fuzz(func(t *testing.T, raw []byte) {
+		a, err := readAnswer(bufio.NewReaderSize(bytes.NewReader(raw), 8<<10))
+		if err != nil {
+			return
+		}
+		if cl := a.header["content-length"]; cl != "" && !strings.EqualFold(a.header["transfer-encoding"], "chunked") {
+			if n, _ := strconv.Atoi(cl); n != len(a.body) {
+				t.Fatalf("Content-Length %s, body of %d bytes accepted", cl, len(a.body))
+			}
+		}
+		resp, err := http.ReadResponse(bufio.NewReader(bytes.NewReader(raw)), nil)
+		if err != nil {
+			return
+		}
+		body, err := io.ReadAll(resp.Body)
+		if err != nil {
+			return
+		}
+		if resp.StatusCode != a.status || !bytes.Equal(body, a.body) {
+			t.Fatalf("net/http read status %d, %q; readAnswer %d, %q", resp.StatusCode, body, a.status, a.body)
+		}
+	})
 }
