@@ -369,7 +369,7 @@ func BenchCNI(ctx context.Context, cfg BenchCNIConfig, cleanup *Cleanup, w io.Wr
 	return res, nil
 }
 
-// median of counts (0 for none).
+// median of counts or readings (0 for none); also the soak's RSS.
 func median(v []int64) int64 {
 	if len(v) == 0 {
 		return 0

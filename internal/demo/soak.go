@@ -80,14 +80,23 @@ type SoakResult struct {
 	AddP99S          float64       `json:"add_p99_s"`
 	AddP50S          float64       `json:"add_p50_s"`
 	Faults           []FaultResult `json:"faults"`
-	RSSStart         int64         `json:"rss_start_bytes"`
-	RSSEnd           int64         `json:"rss_end_bytes"`
-	FDsStart         int           `json:"fds_start"`
-	FDsEnd           int           `json:"fds_end"`
-	GoroutinesStart  int           `json:"goroutines_start"`
-	GoroutinesEnd    int           `json:"goroutines_end"`
-	DurationS        float64       `json:"duration_s"`
-	Pass             bool          `json:"pass"`
+	// RSS: the median of one reading per cycle over the first tenth of
+	// the cycles (those after the SIGKILL fault's restart) and over the
+	// last tenth. One reading at each end lands anywhere on the GC's
+	// sawtooth (a few MiB here), the medians compare like with like.
+	RSSStart int64 `json:"rss_start_bytes"`
+	RSSEnd   int64 `json:"rss_end_bytes"`
+	// The heap the last GC found live (go_gc_heap_live_bytes) at the end
+	// of the first tenth and at the end: a leak grows it, the GC's
+	// sawtooth does not.
+	HeapLiveStart   int64   `json:"heap_live_start_bytes"`
+	HeapLiveEnd     int64   `json:"heap_live_end_bytes"`
+	FDsStart        int     `json:"fds_start"`
+	FDsEnd          int     `json:"fds_end"`
+	GoroutinesStart int     `json:"goroutines_start"`
+	GoroutinesEnd   int     `json:"goroutines_end"`
+	DurationS       float64 `json:"duration_s"`
+	Pass            bool    `json:"pass"`
 }
 
 func soakConfigFromEnv() (SoakConfig, error) {
@@ -375,6 +384,8 @@ func runSoak(ctx context.Context, cfg SoakConfig, cleanup *Cleanup, w io.Writer)
 
 	faults := s.schedule()
 	tenth := max(1, cfg.Cycles/10)
+	var rssFirst, rssLast []int64 // per cycle, first and last tenth
+	firstPid := 0
 	for i := 0; i < cfg.Cycles; i++ {
 		if ctx.Err() != nil {
 			return &s.res, ctx.Err()
@@ -391,15 +402,27 @@ func runSoak(ctx context.Context, cfg SoakConfig, cleanup *Cleanup, w io.Writer)
 		if err := s.cycle(ctx, i, others); err != nil {
 			return &s.res, err
 		}
+		switch rss, _, _ := s.procFigures(); {
+		case i < tenth:
+			if pid := s.daemon().cmd.Process.Pid; pid != firstPid {
+				firstPid, rssFirst = pid, nil // a restarted scrubd starts over
+			}
+			rssFirst = append(rssFirst, rss)
+		case i >= cfg.Cycles-tenth:
+			rssLast = append(rssLast, rss)
+		}
 		if i == tenth-1 {
-			s.res.RSSStart, s.res.FDsStart, s.res.GoroutinesStart = s.procFigures()
+			_, s.res.FDsStart, s.res.GoroutinesStart = s.procFigures()
+			s.res.HeapLiveStart = int64(s.metric("go_gc_heap_live_bytes"))
 		}
 		if i%max(1, cfg.Cycles/20) == 0 {
 			s.logf("cycle %d/%d: stale %d, CRI cycles %d, failed adds %d (in fault windows %d), failed dels %d (%d), background flows %d",
 				i, cfg.Cycles, s.res.StaleEntriesLeft, s.res.CRICycles, s.res.FailedAdds, s.res.FailedAddsInWin, s.res.FailedDels, s.res.FailedDelsInWin, bgFlows.Load())
 		}
 	}
-	s.res.RSSEnd, s.res.FDsEnd, s.res.GoroutinesEnd = s.procFigures()
+	_, s.res.FDsEnd, s.res.GoroutinesEnd = s.procFigures()
+	s.res.HeapLiveEnd = int64(s.metric("go_gc_heap_live_bytes"))
+	s.res.RSSStart, s.res.RSSEnd = median(rssFirst), median(rssLast)
 	stopBG()
 	bgWG.Wait()
 

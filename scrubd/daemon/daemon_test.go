@@ -808,6 +808,8 @@ func TestMetricsEndpoint(t *testing.T) {
 			`ctscrub_index_lost_total{backend="cilium"} 0`,
 			`ctscrub_ct_max_entries{backend="cilium",map="cilium_ct4_global"} 4096`,
 			`ctscrub_ct_entries{backend="cilium",map="cilium_ct4_global",state=`,
+			"\ngo_gc_heap_live_bytes ", // the soak's leak signal (docs/soak.md)
+			"\nprocess_resident_memory_bytes ",
 		} {
 			if !strings.Contains(body, want) {
 				t.Errorf("/metrics lacks %s", want)

@@ -3,6 +3,7 @@ package daemon
 import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
+	"regexp"
 
 	"github.com/ctscrub/ctscrub/scrubd/scrub"
 )
@@ -38,7 +39,12 @@ func newMetrics(d *Daemon, reg *prometheus.Registry) *metrics {
 	if reg == nil {
 		reg = prometheus.NewRegistry()
 	}
-	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	// go_gc_heap_live_bytes (the heap the last GC found live) beside the
+	// default go_memstats_*: RSS moves with the GC's heap goal and the
+	// scavenger, the live heap is what grows when scrubd leaks.
+	reg.MustRegister(collectors.NewGoCollector(collectors.WithGoCollectorRuntimeMetrics(
+		collectors.GoRuntimeMetricsRule{Matcher: regexp.MustCompile(`^/gc/heap/live:bytes$`)})),
+		collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	m := &metrics{
 		reg: reg,
 		duration: prometheus.NewHistogramVec(prometheus.HistogramOpts{
