@@ -105,7 +105,7 @@ bench-expiry: ## Expiry pass vs Cilium's NextKey and batch GC
 	$(GO) run ./bench/expiry
 
 .PHONY: e2e-kind
-e2e-kind: ## Kind cluster, real Cilium (CILIUM_VERSION, default 1.18.8), ctscrub by its chart; 40+ min cold (docs/kind.md); root
+e2e-kind: ## Kind cluster, real Cilium (CILIUM_VERSION, default 1.18.8), ctscrub by its chart; 30 min cold, 6 cached (docs/kind.md); root
 	./e2e/kind/run.sh
 
 .PHONY: bench-cilium-node

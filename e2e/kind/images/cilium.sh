@@ -25,7 +25,7 @@ agent=ctscrub-kind/cilium:$CILIUM_VERSION$patched-$hash
 operator=ctscrub-kind/cilium-operator-generic:$CILIUM_VERSION$patched-$hash
 if have_image "$agent" && have_image "$operator"; then printf '%s\n%s\n' "$agent" "$operator"; exit 0; fi
 
-log "building Cilium $CILIUM_VERSION from its Go module (about 6 min on 2 cores) -> $agent, $operator"
+log "building Cilium $CILIUM_VERSION from its Go module (about 6-9 min on 2 cores) -> $agent, $operator"
 dir=$WORK/cilium-$CILIUM_VERSION
 go_module "$dir" ctscrub-kind/cilium
 cd "$dir"

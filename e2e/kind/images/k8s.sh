@@ -12,7 +12,7 @@ K8S_VERSION=${K8S_VERSION:-v1.34.4}
 image=ctscrub-kind/k8s:$K8S_VERSION-$(inputs_hash "$IMAGES_DIR/lib.sh" "$IMAGES_DIR/k8s.sh" "$K8S_VERSION")
 if have_image "$image"; then echo "$image"; exit 0; fi
 
-log "building Kubernetes $K8S_VERSION from its Go module (about 20 min on 2 cores) -> $image"
+log "building Kubernetes $K8S_VERSION from its Go module (6 min on 2 idle cores, about 18 loaded) -> $image"
 dir=$WORK/k8s
 go_module "$dir" ctscrub-kind/k8s
 cd "$dir"
