@@ -171,8 +171,20 @@ EOY
 	log "installing Cilium $CILIUM_VERSION from $CILIUM_CHART"
 	local chart=("$CILIUM_CHART")
 	[[ -n ${CILIUM_CHART_REPO:-} ]] && chart=(cilium --repo "$CILIUM_CHART_REPO" --version "$CILIUM_VERSION")
+	local caps=()
+	case $CILIUM_VERSION in
+	1.16.*)
+		# Cilium 1.16's agent runs `bpftool feature probe` at start and
+		# exits when it fails. Its chart grants CAP_SYS_ADMIN and leaves
+		# CAP_BPF and CAP_PERFMON commented out; Cilium's own image has a
+		# bpftool that takes CAP_SYS_ADMIN, Debian's (built with libcap,
+		# in the test's image) wants the two: the chart's list with the
+		# two it documents for kernels >= 5.8. A Helm value, not a patch.
+		caps=(--set "securityContext.capabilities.ciliumAgent={CHOWN,KILL,NET_ADMIN,NET_RAW,IPC_LOCK,SYS_MODULE,SYS_ADMIN,SYS_RESOURCE,PERFMON,BPF,DAC_OVERRIDE,FOWNER,SETGID,SETUID}")
+		;;
+	esac
 	# shellcheck disable=SC2086
-	helm install cilium "${chart[@]}" --namespace kube-system \
+	helm install cilium "${chart[@]}" --namespace kube-system "${caps[@]}" \
 		--set cni.customConf=true --set cni.configMap=cilium-cni-ctscrub --set cni.exclusive=false \
 		--set ipam.mode=cluster-pool \
 		--set "ipam.operator.clusterPoolIPv4PodCIDRList={$POD_SUBNET}" \
