@@ -89,8 +89,23 @@ type SoakResult struct {
 	// The heap the last GC found live (go_gc_heap_live_bytes) at the end
 	// of the first tenth and at the end: a leak grows it, the GC's
 	// sawtooth does not.
-	HeapLiveStart   int64   `json:"heap_live_start_bytes"`
-	HeapLiveEnd     int64   `json:"heap_live_end_bytes"`
+	HeapLiveStart int64 `json:"heap_live_start_bytes"`
+	HeapLiveEnd   int64 `json:"heap_live_end_bytes"`
+	// The same medians of RssAnon alone: scrubd's own memory (heap,
+	// stacks, runtime). VmRSS also counts pages mapped from elsewhere:
+	// the binary's code as more of it runs, and the ring buffer's pages,
+	// which the kernel allocated when it created the map and which count
+	// once the reader has reached them (twice: the ring is mapped twice).
+	RSSAnonStart int64 `json:"rss_anon_start_bytes"`
+	RSSAnonEnd   int64 `json:"rss_anon_end_bytes"`
+	// RssFile and RssShmem at the end (the code pages and the ring's).
+	RSSFileEnd  int64 `json:"rss_file_end_bytes"`
+	RSSShmemEnd int64 `json:"rss_shmem_end_bytes"`
+	// Keys in scrubd's index at the end of the first tenth and at the
+	// end: the long-lived pods' flows are indexed for as long as their CT
+	// entries live, so the index (and the heap) follows the CT table.
+	IndexKeysStart  int64   `json:"index_keys_start"`
+	IndexKeysEnd    int64   `json:"index_keys_end"`
 	FDsStart        int     `json:"fds_start"`
 	FDsEnd          int     `json:"fds_end"`
 	GoroutinesStart int     `json:"goroutines_start"`
@@ -250,6 +265,18 @@ func (s *soak) leftOf(ctx context.Context, ips []netip.Addr) (int, error) {
 	return n, nil
 }
 
+// delAndCount DELs p through libcni and counts its IPs' entries left
+// once scrubd's late DEL scrub of them ran (docs/daemon.md, "The DEL
+// window"), as every cycle does.
+func (s *soak) delAndCount(ctx context.Context, p *pod) (left int, delErr, countErr error) {
+	lateBefore := s.metric("ctscrub_del_late_total")
+	if _, delErr = s.ch.Del(ctx, p); delErr == nil {
+		s.waitLate(lateBefore, len(p.IPs()))
+	}
+	left, countErr = s.leftOf(ctx, p.IPs())
+	return left, delErr, countErr
+}
+
 func (s *soak) daemon() *daemon {
 	s.dmu.Lock()
 	defer s.dmu.Unlock()
@@ -384,7 +411,7 @@ func runSoak(ctx context.Context, cfg SoakConfig, cleanup *Cleanup, w io.Writer)
 
 	faults := s.schedule()
 	tenth := max(1, cfg.Cycles/10)
-	var rssFirst, rssLast []int64 // per cycle, first and last tenth
+	var rssFirst, rssLast, anonFirst, anonLast []int64 // per cycle, first and last tenth
 	firstPid := 0
 	for i := 0; i < cfg.Cycles; i++ {
 		if ctx.Err() != nil {
@@ -402,18 +429,19 @@ func runSoak(ctx context.Context, cfg SoakConfig, cleanup *Cleanup, w io.Writer)
 		if err := s.cycle(ctx, i, others); err != nil {
 			return &s.res, err
 		}
-		switch rss, _, _ := s.procFigures(); {
+		switch m := s.memory(); {
 		case i < tenth:
 			if pid := s.daemon().cmd.Process.Pid; pid != firstPid {
-				firstPid, rssFirst = pid, nil // a restarted scrubd starts over
+				firstPid, rssFirst, anonFirst = pid, nil, nil // a restarted scrubd starts over
 			}
-			rssFirst = append(rssFirst, rss)
+			rssFirst, anonFirst = append(rssFirst, m["VmRSS"]), append(anonFirst, m["RssAnon"])
 		case i >= cfg.Cycles-tenth:
-			rssLast = append(rssLast, rss)
+			rssLast, anonLast = append(rssLast, m["VmRSS"]), append(anonLast, m["RssAnon"])
 		}
 		if i == tenth-1 {
 			_, s.res.FDsStart, s.res.GoroutinesStart = s.procFigures()
 			s.res.HeapLiveStart = int64(s.metric("go_gc_heap_live_bytes"))
+			s.res.IndexKeysStart = int64(s.metric("ctscrub_index_keys"))
 		}
 		if i%max(1, cfg.Cycles/20) == 0 {
 			s.logf("cycle %d/%d: stale %d, CRI cycles %d, failed adds %d (in fault windows %d), failed dels %d (%d), background flows %d",
@@ -422,7 +450,11 @@ func runSoak(ctx context.Context, cfg SoakConfig, cleanup *Cleanup, w io.Writer)
 	}
 	_, s.res.FDsEnd, s.res.GoroutinesEnd = s.procFigures()
 	s.res.HeapLiveEnd = int64(s.metric("go_gc_heap_live_bytes"))
+	s.res.IndexKeysEnd = int64(s.metric("ctscrub_index_keys"))
 	s.res.RSSStart, s.res.RSSEnd = median(rssFirst), median(rssLast)
+	s.res.RSSAnonStart, s.res.RSSAnonEnd = median(anonFirst), median(anonLast)
+	m := s.memory()
+	s.res.RSSFileEnd, s.res.RSSShmemEnd = m["RssFile"], m["RssShmem"]
 	stopBG()
 	bgWG.Wait()
 
@@ -671,8 +703,7 @@ func (s *soak) faultRingOverrun(ctx context.Context, cycle int) FaultResult {
 	if st != nil {
 		keys, incomplete = st.Keys, st.Incomplete
 	}
-	_, derr := s.ch.Del(ctx, p)
-	left, werr := s.leftOf(ctx, p.IPs())
+	left, derr, werr := s.delAndCount(ctx, p)
 	// The next pod gets the address again: its ADD scrub is the safety net
 	// for what the DEL missed.
 	inherited := -1
@@ -717,10 +748,10 @@ func (s *soak) faultPinsRemoved(ctx context.Context, cycle int) FaultResult {
 			continue
 		}
 		_, _ = sendTraffic(ctx, p.Netns, outsideAddr[0].Addr(), trafficCounts{TCP: 2, UDP: 2})
-		if _, err := s.ch.Del(ctx, p); err != nil {
+		n, err, _ := s.delAndCount(ctx, p)
+		if err != nil {
 			errs = append(errs, err.Error())
 		}
-		n, _ := s.leftOf(ctx, p.IPs())
 		left += n
 	}
 	s.res.StaleEntriesLeft += left
@@ -835,12 +866,11 @@ func (s *soak) faultCTMapsRecreated(ctx context.Context, cycle int) FaultResult 
 		}
 		_, _ = sendTraffic(ctx, p.Netns, outsideAddr[0].Addr(), trafficCounts{TCP: 2, UDP: 2, Ping: 1})
 		_, _ = sendTraffic(ctx, netnsPath(outsideNS), p.V4, trafficCounts{TCP: 1})
-		if _, err := s.ch.Del(ctx, p); err != nil {
-			errs = append(errs, err.Error())
-		}
-		n, err := s.leftOf(ctx, p.IPs())
-		if err != nil {
-			errs = append(errs, err.Error())
+		n, derr, err := s.delAndCount(ctx, p)
+		for _, e := range []error{derr, err} {
+			if e != nil {
+				errs = append(errs, e.Error())
+			}
 		}
 		left += n
 	}
@@ -887,10 +917,10 @@ func (s *soak) faultStarve(ctx context.Context, cycle int) FaultResult {
 		}
 		lat = append(lat, time.Since(a))
 		_, _ = sendTraffic(ctx, p.Netns, outsideAddr[0].Addr(), trafficCounts{TCP: 1, UDP: 1})
-		if _, err := s.ch.Del(ctx, p); err != nil {
+		n, err, _ := s.delAndCount(ctx, p)
+		if err != nil {
 			failed++
 		}
-		n, _ := s.leftOf(ctx, p.IPs())
 		left += n
 	}
 	stopHogs()
@@ -926,6 +956,23 @@ func burst(from string, dst netip.Addr, n int) (int, error) {
 		return nil
 	})
 	return sent, err
+}
+
+// memory reads scrubd's VmRSS, RssAnon, RssFile and RssShmem in bytes.
+func (s *soak) memory() map[string]int64 {
+	m := map[string]int64{}
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", s.daemon().cmd.Process.Pid))
+	if err != nil {
+		return m
+	}
+	for _, l := range strings.Split(string(b), "\n") {
+		if f := strings.Fields(l); len(f) >= 2 && strings.HasSuffix(f[0], ":") {
+			if kb, err := strconv.ParseInt(f[1], 10, 64); err == nil {
+				m[strings.TrimSuffix(f[0], ":")] = kb * 1024
+			}
+		}
+	}
+	return m
 }
 
 // procFigures reads scrubd's resident memory, open fds and goroutines.
