@@ -100,6 +100,7 @@ func readAnswer(r *bufio.Reader) (*answer, error) {
 		return nil, fmt.Errorf("%w: Transfer-Encoding in an %s answer", errMalformed, proto)
 	}
 	switch {
+	case a.status/100 == 1 || a.status == 204 || a.status == 304: // no body, whatever the headers say
 	case strings.EqualFold(a.header["transfer-encoding"], "chunked"):
 		a.body, err = readChunked(r)
 	case a.header["content-length"] != "":
@@ -108,7 +109,6 @@ func readAnswer(r *bufio.Reader) (*answer, error) {
 			return nil, fmt.Errorf("%w: content-length %q", errMalformed, a.header["content-length"])
 		}
 		a.body, err = readN(r, nil, n)
-	case a.status/100 == 1 || a.status == 204 || a.status == 304:
 	default: // the body ends where the connection does
 		a.body, err = io.ReadAll(io.LimitReader(r, maxAnswer+1))
 		if err == nil && len(a.body) > maxAnswer {
