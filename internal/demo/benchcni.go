@@ -134,7 +134,7 @@ func BenchCNI(ctx context.Context, cfg BenchCNIConfig, cleanup *Cleanup, w io.Wr
 		return res, err
 	}
 	p.f("CT maps: %s entries in %s (%s other pods)\n", num(put), dur(took), num(nbg))
-	dp, err := newDatapath(maps)
+	dp, err := newDatapath(maps, nil)
 	if err != nil {
 		return res, err
 	}

@@ -22,17 +22,19 @@ func (s standinDatapath) Close() error                 { return s.dp.Close() }
 // maps (the demo has no service VIPs); scrubd's recorder finds them there too.
 // The CT maps are the demo's own (sized per map for the fill), not
 // standin.CreateMaps' (one size for all).
-func newDatapath(m *ctMaps) (datapath, error) {
+// lt sets the stand-in's lifetimes (nil: Cilium's defaults, no close
+// timeout).
+func newDatapath(m *ctMaps, lt *standin.Lifetimes) (datapath, error) {
 	if err := standin.CreateServiceMaps(m.dir); err != nil {
 		return nil, err
 	}
-	return loadDatapath(m)
+	return loadDatapath(m, lt)
 }
 
 // loadDatapath loads the stand-in over the CT and service maps pinned in
 // m.dir now (after newDatapath made the service maps).
-func loadDatapath(m *ctMaps) (datapath, error) {
-	dp, err := standin.Load(m.dir, nil)
+func loadDatapath(m *ctMaps, lt *standin.Lifetimes) (datapath, error) {
+	dp, err := standin.Load(m.dir, lt)
 	if err != nil {
 		return nil, err
 	}

@@ -199,7 +199,7 @@ func Run(ctx context.Context, cfg Config, cleanup *Cleanup, w io.Writer) error {
 
 	// The stand-in and its (empty) service maps exist before scrubd starts:
 	// scrubd's recorder looks the service maps up under --ct-root.
-	dp, err := newDatapath(maps)
+	dp, err := newDatapath(maps, nil)
 	if err != nil {
 		return err
 	}

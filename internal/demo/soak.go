@@ -33,6 +33,7 @@ import (
 	"github.com/cilium/ebpf"
 
 	"github.com/ctscrub/ctscrub/internal/ciliumwalk"
+	"github.com/ctscrub/ctscrub/internal/testsupport/standin"
 	"github.com/ctscrub/ctscrub/scrubd/api"
 	"github.com/ctscrub/ctscrub/scrubd/cilium"
 	"github.com/ctscrub/ctscrub/scrubd/client"
@@ -113,6 +114,12 @@ type SoakResult struct {
 	DurationS       float64 `json:"duration_s"`
 	Pass            bool    `json:"pass"`
 }
+
+// soakLifetimes: the stand-in closes TCP entries as Cilium does (its
+// CT_CLOSE_TIMEOUT, 10 s after a FIN or an RST). Without it every closed
+// connection of the long-lived pods kept TCP's 6 h lifetime, the CT table
+// and the index grew for the whole run, and scrubd's memory with them.
+var soakLifetimes = &standin.Lifetimes{Close: 10}
 
 func soakConfigFromEnv() (SoakConfig, error) {
 	cfg := SoakConfig{Cycles: 500, Entries: 1 << 22, Starve: time.Minute, CRIEvery: 5, BinDir: "bin", RefPlugins: "/usr/lib/cni"}
@@ -324,7 +331,7 @@ func runSoak(ctx context.Context, cfg SoakConfig, cleanup *Cleanup, w io.Writer)
 	if err := s.setChecker(ctRoot); err != nil {
 		return nil, err
 	}
-	dp, err := newDatapath(maps)
+	dp, err := newDatapath(maps, soakLifetimes)
 	if err != nil {
 		return nil, err
 	}
@@ -812,7 +819,7 @@ func (s *soak) faultCTMapsRecreated(ctx context.Context, cycle int) FaultResult 
 	if err := s.maps.recreate(2 * s.cfg.Entries); err != nil {
 		return fail("re-create the CT maps", err)
 	}
-	dp, err := loadDatapath(s.maps)
+	dp, err := loadDatapath(s.maps, soakLifetimes)
 	if err != nil {
 		return fail("reload the datapath stand-in", err)
 	}

@@ -28,6 +28,13 @@ char __license[] SEC("license") = "Dual BSD/GPL";
 volatile const __u32 lifetime_tcp = 21600;
 volatile const __u32 lifetime_syn = 60;
 volatile const __u32 lifetime_nontcp = 60;
+/* Cilium's close timeout (CT_CLOSE_TIMEOUT, 10 s by default): once a TCP
+ * entry has seen a FIN or an RST, each packet sets its lifetime to this
+ * instead of lifetime_tcp. 0: off, closed connections keep lifetime_tcp. */
+volatile const __u32 lifetime_close = 0;
+
+#define TCPF_FIN 0x01
+#define TCPF_RST 0x04
 
 /* Cilium's IPv4 service loopback address (network order; 0: none): a pod
  * reaching itself through a service VIP (hairpin) is SNATed to it, so the
@@ -95,19 +102,28 @@ static __always_inline __u32 lifetime(const struct flow *f)
 	return lifetime_tcp;
 }
 
+/* entry_lifetime: lifetime(f), or the close timeout for a TCP entry that
+ * has seen a FIN or an RST (flags_seen holds every packet's flags). */
+static __always_inline __u32 entry_lifetime(const struct flow *f, __u8 flags_seen)
+{
+	if (lifetime_close && f->proto == PROTO_TCP && (flags_seen & (TCPF_FIN | TCPF_RST)))
+		return lifetime_close;
+	return lifetime(f);
+}
+
 static __always_inline void refresh(struct ct_entry *e, struct __sk_buff *skb, const struct flow *f)
 {
-	e->lifetime = now_sec() + lifetime(f);
 	e->packets++;
 	e->bytes += skb->len;
 	e->tx_flags_seen |= f->tcp_flags;
+	e->lifetime = now_sec() + entry_lifetime(f, e->tx_flags_seen);
 }
 
 static __always_inline void fill(struct ct_entry *e, struct __sk_buff *skb, const struct flow *f,
 				 __u16 rev_nat)
 {
 	__builtin_memset(e, 0, sizeof(*e));
-	e->lifetime = now_sec() + lifetime(f);
+	e->lifetime = now_sec() + entry_lifetime(f, f->tcp_flags);
 	e->packets = 1;
 	e->bytes = skb->len;
 	e->tx_flags_seen = f->tcp_flags;

@@ -114,6 +114,7 @@ const (
 	ciliumStandinMapCiliumLb6ServicesV2 = "cilium_lb6_services_v2"
 	ciliumStandinProgStandinFromPod     = "standin_from_pod"
 	ciliumStandinProgStandinToPod       = "standin_to_pod"
+	ciliumStandinVarLifetimeClose       = "lifetime_close"
 	ciliumStandinVarLifetimeNontcp      = "lifetime_nontcp"
 	ciliumStandinVarLifetimeSyn         = "lifetime_syn"
 	ciliumStandinVarLifetimeTcp         = "lifetime_tcp"
@@ -184,6 +185,7 @@ type ciliumStandinMapSpecs struct {
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type ciliumStandinVariableSpecs struct {
+	LifetimeClose    *ebpf.VariableSpec `ebpf:"lifetime_close"`
 	LifetimeNontcp   *ebpf.VariableSpec `ebpf:"lifetime_nontcp"`
 	LifetimeSyn      *ebpf.VariableSpec `ebpf:"lifetime_syn"`
 	LifetimeTcp      *ebpf.VariableSpec `ebpf:"lifetime_tcp"`
@@ -237,6 +239,7 @@ func (m *ciliumStandinMaps) Close() error {
 //
 // It can be passed to loadCiliumStandinObjects or ebpf.CollectionSpec.LoadAndAssign.
 type ciliumStandinVariables struct {
+	LifetimeClose    *ebpf.Variable `ebpf:"lifetime_close"`
 	LifetimeNontcp   *ebpf.Variable `ebpf:"lifetime_nontcp"`
 	LifetimeSyn      *ebpf.Variable `ebpf:"lifetime_syn"`
 	LifetimeTcp      *ebpf.Variable `ebpf:"lifetime_tcp"`

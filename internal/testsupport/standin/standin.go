@@ -127,8 +127,11 @@ func create(dir string, specs []*ebpf.MapSpec) error {
 
 // Lifetimes are the entries' lifetimes in seconds of Cilium's clock (ktime
 // seconds); zero fields keep Cilium's defaults (TCP 21600, SYN 60, other 60).
+// Close is Cilium's close timeout (CT_CLOSE_TIMEOUT, 10 s by default): a TCP
+// entry that has seen a FIN or an RST gets it at each packet instead of TCP.
+// Zero leaves it off: closed connections keep TCP's lifetime.
 type Lifetimes struct {
-	TCP, SYN, NonTCP uint32
+	TCP, SYN, NonTCP, Close uint32
 }
 
 // Datapath is the loaded stand-in.
@@ -171,7 +174,7 @@ func LoadOptions(dir string, o *Options) (*Datapath, error) {
 		}
 	}
 	if lt != nil {
-		for name, v := range map[string]uint32{"lifetime_tcp": lt.TCP, "lifetime_syn": lt.SYN, "lifetime_nontcp": lt.NonTCP} {
+		for name, v := range map[string]uint32{"lifetime_tcp": lt.TCP, "lifetime_syn": lt.SYN, "lifetime_nontcp": lt.NonTCP, "lifetime_close": lt.Close} {
 			if v == 0 {
 				continue
 			}

@@ -133,3 +133,36 @@ func TestServiceEntries(t *testing.T) {
 		time.Sleep(50 * time.Millisecond)
 	}
 }
+
+// With Cilium's close timeout set, a TCP connection that closed (FIN)
+// leaves entries that live the close timeout, not TCP's 6 h; without it
+// they keep TCP's lifetime, as before.
+func TestCloseTimeout(t *testing.T) {
+	for _, timeout := range []uint32{0, 10} {
+		node, pod, _, ct := setup(t, &standin.Lifetimes{Close: timeout})
+		if err := pod.TCP(node.Remote.Addr4, netpods.EchoPort); err != nil {
+			t.Fatal(err)
+		}
+		time.Sleep(200 * time.Millisecond) // the last ACK of the close
+		var k ctmap.CTKey4
+		var v ctmap.Entry
+		n := 0
+		it := ct.Map(ctmap.TCP4).Iterate()
+		for it.Next(&k, &v) {
+			if !k.Has(pod.Addr4) {
+				continue
+			}
+			n++
+			want, now := uint32(21600), monoSeconds(t)
+			if timeout != 0 {
+				want = timeout
+			}
+			if lt := v.Decode().Lifetime; lt+2 < now+want || lt > now+want+1 {
+				t.Errorf("close timeout %d: entry %s lifetime %d, want about now (%d) + %d", timeout, k, lt, now, want)
+			}
+		}
+		if err := it.Err(); err != nil || n == 0 {
+			t.Fatalf("close timeout %d: %d TCP entries of the pod (%v)", timeout, n, err)
+		}
+	}
+}
