@@ -20,6 +20,7 @@ import (
 	"context"
 	"hash/maphash"
 	"net/netip"
+	"runtime"
 	"slices"
 	"sync"
 	"sync/atomic"
@@ -495,8 +496,22 @@ func (ix *Index) Prune(ip netip.Addr, gone4 func(ctmap.CTKey4) bool, gone6 func(
 		}
 	}
 
+	// Remove them in batches, giving the lock up between batches: a set's
+	// delete costs microseconds per key, and the ring buffer reader's Add
+	// for this IP must not wait for thousands of them (20,000 stale keys
+	// held the lock for 180 ms). Keys added meanwhile are in added4/6
+	// while e.pruning is set, and are kept.
+	const batch = 256
 	e.mu.Lock()
 	defer e.mu.Unlock()
+	n := 0
+	yield := func() {
+		if n++; n%batch == 0 {
+			e.mu.Unlock()
+			runtime.Gosched() // a waiting Add takes the lock now
+			e.mu.Lock()
+		}
+	}
 	for i := range d4 {
 		var rec [RecSize4]byte
 		if pack(rec[:], e.a4[:], d4[i][:], 4) {
@@ -504,6 +519,7 @@ func (ix *Index) Prune(ip netip.Addr, gone4 func(ctmap.CTKey4) bool, gone6 func(
 				dropped++
 			}
 		}
+		yield()
 	}
 	for i := range d6 {
 		var rec [RecSize6]byte
@@ -512,6 +528,7 @@ func (ix *Index) Prune(ip netip.Addr, gone4 func(ctmap.CTKey4) bool, gone6 func(
 				dropped++
 			}
 		}
+		yield()
 	}
 	if e.pruning--; e.pruning == 0 {
 		e.added4, e.added6 = keySet{}, keySet{}
