@@ -28,6 +28,21 @@ import (
 
 // standinRoot makes a fake Cilium root with the CT and service maps and the
 // Cilium datapath stand-in's programs over them.
+// standinPod is standinRoot with a node of network namespaces, the remote
+// host answering echo, and one pod whose host-side veth carries the
+// stand-in: the set-up of every test that makes real flows of a pod.
+func standinPod(t *testing.T, entries uint32) (*ctRoot, *netpods.Node, *netpods.Pod) {
+	t.Helper()
+	root, dp := standinRoot(t, entries)
+	node := netpods.NewNode(t)
+	node.Remote.ServeEcho()
+	pod := node.AddPod()
+	if err := node.Do(func() error { return dp.AttachHostSide(pod.HostVeth) }); err != nil {
+		t.Fatal(err)
+	}
+	return root, node, pod
+}
+
 func standinRoot(t *testing.T, entries uint32) (*ctRoot, *standin.Datapath) {
 	t.Helper()
 	requireRoot(t)
@@ -96,14 +111,8 @@ func podConfig(t *testing.T, root *ctRoot) Config {
 // (through the Cilium stand-in) creates CT entries the recorder indexes, and
 // the DEL scrub deletes every one of them through the index.
 func TestIndexedPodEndToEnd(t *testing.T) {
-	root, dp := standinRoot(t, 1<<16)
-	node := netpods.NewNode(t)
-	node.Remote.ServeEcho()
-	pod := node.AddPod()
+	root, node, pod := standinPod(t, 1<<16)
 	pod.ServeEcho()
-	if err := node.Do(func() error { return dp.AttachHostSide(pod.HostVeth) }); err != nil {
-		t.Fatal(err)
-	}
 	cfg := podConfig(t, root)
 	td := startDaemon(t, cfg)
 	ctx := context.Background()
@@ -436,13 +445,7 @@ func TestIndexStartDisplacesStaleOwner(t *testing.T) {
 // buffer), and the DEL scrub takes the index path and leaves nothing. A
 // snapshot over other maps (the recorder's pins re-created) is dropped.
 func TestCleanRestartKeepsIndex(t *testing.T) {
-	root, dp := standinRoot(t, 1<<16)
-	node := netpods.NewNode(t)
-	node.Remote.ServeEcho()
-	pod := node.AddPod()
-	if err := node.Do(func() error { return dp.AttachHostSide(pod.HostVeth) }); err != nil {
-		t.Fatal(err)
-	}
+	root, node, pod := standinPod(t, 1<<16)
 	cfg := podConfig(t, root)
 	ctx := context.Background()
 	ip := pod.Addr4
@@ -516,13 +519,7 @@ func TestCleanRestartKeepsIndex(t *testing.T) {
 // those entries were never indexed while the IP stayed complete); the next
 // scrub of the IP leaves nothing.
 func TestDelKeepsRecordingUntilInterfaceGoes(t *testing.T) {
-	root, dp := standinRoot(t, 1<<16)
-	node := netpods.NewNode(t)
-	node.Remote.ServeEcho()
-	pod := node.AddPod()
-	if err := node.Do(func() error { return dp.AttachHostSide(pod.HostVeth) }); err != nil {
-		t.Fatal(err)
-	}
+	root, node, pod := standinPod(t, 1<<16)
 	td := startDaemon(t, podConfig(t, root))
 	ctx := context.Background()
 	a := api.Attachment{ContainerID: "de1", IfName: "eth0"}
@@ -569,13 +566,7 @@ func TestDelKeepsRecordingUntilInterfaceGoes(t *testing.T) {
 // the recorder indexed it. It returns the pod and the window's entries.
 func delWindow(t *testing.T) (*netpods.Node, *netpods.Pod, *ctRoot, *testDaemon, int) {
 	t.Helper()
-	root, dp := standinRoot(t, 1<<16)
-	node := netpods.NewNode(t)
-	node.Remote.ServeEcho()
-	pod := node.AddPod()
-	if err := node.Do(func() error { return dp.AttachHostSide(pod.HostVeth) }); err != nil {
-		t.Fatal(err)
-	}
+	root, node, pod := standinPod(t, 1<<16)
 	td := startDaemon(t, podConfig(t, root))
 	ctx := context.Background()
 	a := api.Attachment{ContainerID: "late1", IfName: "eth0"}

@@ -18,13 +18,7 @@ import (
 // indexed pod's interface, and marks the pod's IPs incomplete (flows to
 // services the old map lacked were recorded by VIP). Its next scrub sweeps.
 func TestServiceMapsRecreatedUnderDaemon(t *testing.T) {
-	root, dp := standinRoot(t, 1<<14)
-	node := netpods.NewNode(t)
-	node.Remote.ServeEcho()
-	pod := node.AddPod()
-	if err := node.Do(func() error { return dp.AttachHostSide(pod.HostVeth) }); err != nil {
-		t.Fatal(err)
-	}
+	root, node, pod := standinPod(t, 1<<14)
 	td := startDaemon(t, podConfig(t, root))
 	ctx := context.Background()
 	a := api.Attachment{ContainerID: "svcmaps", IfName: "eth0"}
