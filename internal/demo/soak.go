@@ -984,17 +984,8 @@ func (s *soak) memory() map[string]int64 {
 
 // procFigures reads scrubd's resident memory, open fds and goroutines.
 func (s *soak) procFigures() (rss int64, fds, goroutines int) {
-	d := s.daemon()
-	pid := d.cmd.Process.Pid
-	if b, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid)); err == nil {
-		for _, l := range strings.Split(string(b), "\n") {
-			if f := strings.Fields(l); len(f) >= 2 && f[0] == "VmRSS:" {
-				kb, _ := strconv.ParseInt(f[1], 10, 64)
-				rss = kb * 1024
-			}
-		}
-	}
-	if ents, err := os.ReadDir(fmt.Sprintf("/proc/%d/fd", pid)); err == nil {
+	rss = s.memory()["VmRSS"]
+	if ents, err := os.ReadDir(fmt.Sprintf("/proc/%d/fd", s.daemon().cmd.Process.Pid)); err == nil {
 		fds = len(ents)
 	}
 	goroutines = int(s.metric("go_goroutines"))
