@@ -76,7 +76,7 @@ demo: build ## Demo node: netns pods through the real CNI chain, CT maps, scrubs
 	./scripts/demo.sh
 
 .PHONY: soak
-soak: build ## Churn and real faults on the demo's node (CYCLES, default 500; ENTRIES, default 4M; STARVE_S, default 60; CRI_EVERY, default 5)
+soak: build ## Churn and real faults on the demo's node (CYCLES, default 500; ENTRIES, default 4M; STARVE_S, default 60; CRI_EVERY, default 5; WARMUP_S, at most 420)
 	CGO_ENABLED=0 $(GO) build -o $(BIN)/pause ./e2e/cri/pause
 	$(GO) run ./e2e/soak
 

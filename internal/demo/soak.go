@@ -44,10 +44,13 @@ import (
 
 // SoakConfig is what `make soak` reads from the environment.
 type SoakConfig struct {
-	Cycles     int           // CYCLES (default 500)
-	Entries    int           // ENTRIES (default 4194304)
-	Starve     time.Duration // STARVE_S: the CPU starvation fault's length (default 60 s; 0: skipped)
-	CRIEvery   int           // CRI_EVERY: every n-th cycle's pod goes through containerd's CRI (default 5; 0: none)
+	Cycles   int           // CYCLES (default 500)
+	Entries  int           // ENTRIES (default 4194304)
+	Starve   time.Duration // STARVE_S: the CPU starvation fault's length (default 60 s; 0: skipped)
+	CRIEvery int           // CRI_EVERY: every n-th cycle's pod goes through containerd's CRI (default 5; 0: none)
+	// WARMUP_S: the longest warm-up before the first cycle (default 420 s;
+	// 0: none). See warmUp.
+	WarmupMax  time.Duration
 	BinDir     string
 	RefPlugins string
 }
@@ -82,8 +85,8 @@ type SoakResult struct {
 	AddP50S          float64       `json:"add_p50_s"`
 	Faults           []FaultResult `json:"faults"`
 	// RSS: the median of one reading per cycle over the first tenth of
-	// the cycles (those after the SIGKILL fault's restart) and over the
-	// last tenth. One reading at each end lands anywhere on the GC's
+	// the cycles (after the warm-up, before the first fault) and over the
+	// last tenth (after the last fault). One reading at each end lands anywhere on the GC's
 	// sawtooth (a few MiB here), the medians compare like with like.
 	RSSStart int64 `json:"rss_start_bytes"`
 	RSSEnd   int64 `json:"rss_end_bytes"`
@@ -105,14 +108,22 @@ type SoakResult struct {
 	// Keys in scrubd's index at the end of the first tenth and at the
 	// end: the long-lived pods' flows are indexed for as long as their CT
 	// entries live, so the index (and the heap) follows the CT table.
-	IndexKeysStart  int64   `json:"index_keys_start"`
-	IndexKeysEnd    int64   `json:"index_keys_end"`
-	FDsStart        int     `json:"fds_start"`
-	FDsEnd          int     `json:"fds_end"`
-	GoroutinesStart int     `json:"goroutines_start"`
-	GoroutinesEnd   int     `json:"goroutines_end"`
-	DurationS       float64 `json:"duration_s"`
-	Pass            bool    `json:"pass"`
+	// The warm-up before the first cycle (warmUp): how long it ran, and
+	// scrubd's RSS and index keys when it began (scrubd just started) and
+	// when it ended. Nothing of the run is hidden by it: the cycles' first
+	// tenth starts where it ends.
+	WarmupS            float64 `json:"warmup_s"`
+	RSSWarmupStart     int64   `json:"rss_warmup_start_bytes"`
+	RSSWarmupEnd       int64   `json:"rss_warmup_end_bytes"`
+	IndexKeysWarmupEnd int64   `json:"index_keys_warmup_end"`
+	IndexKeysStart     int64   `json:"index_keys_start"`
+	IndexKeysEnd       int64   `json:"index_keys_end"`
+	FDsStart           int     `json:"fds_start"`
+	FDsEnd             int     `json:"fds_end"`
+	GoroutinesStart    int     `json:"goroutines_start"`
+	GoroutinesEnd      int     `json:"goroutines_end"`
+	DurationS          float64 `json:"duration_s"`
+	Pass               bool    `json:"pass"`
 }
 
 // soakLifetimes: the stand-in closes TCP entries as Cilium does (its
@@ -122,7 +133,7 @@ type SoakResult struct {
 var soakLifetimes = &standin.Lifetimes{Close: 10}
 
 func soakConfigFromEnv() (SoakConfig, error) {
-	cfg := SoakConfig{Cycles: 500, Entries: 1 << 22, Starve: time.Minute, CRIEvery: 5, BinDir: "bin", RefPlugins: "/usr/lib/cni"}
+	cfg := SoakConfig{Cycles: 500, Entries: 1 << 22, Starve: time.Minute, CRIEvery: 5, WarmupMax: 7 * time.Minute, BinDir: "bin", RefPlugins: "/usr/lib/cni"}
 	for _, e := range []struct {
 		name     string
 		dst      *int
@@ -142,6 +153,13 @@ func soakConfigFromEnv() (SoakConfig, error) {
 			return cfg, fmt.Errorf("STARVE_S=%q: want seconds", v)
 		}
 		cfg.Starve = time.Duration(n) * time.Second
+	}
+	if v := os.Getenv("WARMUP_S"); v != "" {
+		n, err := strconv.Atoi(v)
+		if err != nil || n < 0 {
+			return cfg, fmt.Errorf("WARMUP_S=%q: want seconds", v)
+		}
+		cfg.WarmupMax = time.Duration(n) * time.Second
 	}
 	if v := os.Getenv("DEMO_BIN"); v != "" {
 		cfg.BinDir = v
@@ -411,6 +429,9 @@ func runSoak(ctx context.Context, cfg SoakConfig, cleanup *Cleanup, w io.Writer)
 	defer func() { stopBG(); bgWG.Wait() }()
 	s.others = others
 	time.Sleep(time.Second)
+	if err := s.warmUp(ctx); err != nil {
+		return nil, err
+	}
 	if s.keep, err = keysOf(maps, append(others[0].IPs(), others[1].IPs()...)); err != nil {
 		return nil, err
 	}
@@ -597,25 +618,77 @@ func (s *soak) openWindow() func() float64 {
 
 type faultFn func(ctx context.Context, cycle int) FaultResult
 
-// schedule spreads the faults over the run: SIGKILL early (so that the
-// first tenth's figures are of the restarted process), the CPU starvation in
-// the middle.
+// schedule spreads the faults over the middle of the run, from 15 % to
+// 75 %: the first tenth of the cycles is the node at its steady state before
+// any fault (the baseline of rss_start), the last tenth the node at least
+// 15 % of the run after the last one (rss_end). The SIGKILL comes first, so
+// the restarted scrubd has most of the run to fill its index again.
 func (s *soak) schedule() map[int]faultFn {
 	n := s.cfg.Cycles
 	at := func(frac float64) int { return min(n-1, max(1, int(float64(n)*frac))) }
 	m := map[int]faultFn{
-		at(0.05): s.faultKill,
-		at(0.20): s.faultDeadline,
-		at(0.30): s.faultRingOverrun,
-		at(0.40): s.faultPinsRemoved,
+		at(0.15): s.faultKill,
+		at(0.25): s.faultDeadline,
+		at(0.35): s.faultRingOverrun,
+		at(0.45): s.faultPinsRemoved,
 		at(0.50): s.faultSocketRemoved,
-		at(0.70): s.faultCTMapsRecreated,
-		at(0.80): s.faultContainerdRestart,
+		at(0.65): s.faultCTMapsRecreated,
+		at(0.75): s.faultContainerdRestart,
 	}
 	if s.cfg.Starve > 0 {
-		m[at(0.60)] = s.faultStarve
+		m[at(0.55)] = s.faultStarve
 	}
 	return m
+}
+
+// warmUpMin is the shortest warm-up: one lifetime of the background's UDP
+// entries (the stand-in's non-TCP lifetime, 60 s) and one expiry interval
+// (60 s), after which the long-lived pods' CT entries, and so their index
+// keys, are as many as they will be.
+const warmUpMin = 2 * time.Minute
+
+// warmUp lets the background traffic run, before the first cycle, until
+// scrubd is at the steady state of that load: neither its RSS (by more than
+// 1 %) nor its index's key count (by more than 2 %) has set a new high for
+// 60 s, and at least warmUpMin has passed; at most cfg.WarmupMax. The index
+// keeps an IP's stale keys until its set has doubled (then prunes it), so
+// its key count rises for a few minutes after the CT entries have levelled
+// off, and scrubd's heap with it. Without the warm-up the first tenth of a
+// 500-cycle run (about a minute) caught scrubd mid-fill and rss_end was 13-19
+// % above rss_start with no leak behind it (docs/soak.md).
+func (s *soak) warmUp(ctx context.Context) error {
+	start := time.Now()
+	rss := func() int64 { return s.memory()["VmRSS"] }
+	s.res.RSSWarmupStart = rss()
+	defer func() {
+		s.res.WarmupS = time.Since(start).Seconds()
+		s.res.RSSWarmupEnd = rss()
+		s.res.IndexKeysWarmupEnd = int64(s.metric("ctscrub_index_keys"))
+		s.logf("warm-up: %.0f s; scrubd RSS %.1f -> %.1f MiB, index %d keys", s.res.WarmupS,
+			float64(s.res.RSSWarmupStart)/(1<<20), float64(s.res.RSSWarmupEnd)/(1<<20), s.res.IndexKeysWarmupEnd)
+	}()
+	if s.cfg.WarmupMax <= 0 {
+		return nil
+	}
+	var highRSS, highKeys float64
+	lastHigh := start
+	for {
+		now := time.Now()
+		if r, k := float64(rss()), s.metric("ctscrub_index_keys"); r > highRSS*1.01 || k > highKeys*1.02 {
+			highRSS, highKeys, lastHigh = max(highRSS, r), max(highKeys, k), now
+		}
+		switch {
+		case now.Sub(start) >= s.cfg.WarmupMax:
+			return nil
+		case now.Sub(start) >= warmUpMin && now.Sub(lastHigh) >= time.Minute:
+			return nil
+		}
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(5 * time.Second):
+		}
+	}
 }
 
 // faultKill: scrubd is SIGKILLed while a sweep runs in the kernel (a scrub
