@@ -388,29 +388,79 @@ func (c *Backend) deleteKeys(ctx context.Context, k4 []ctmap.CTKey4, k6 []ctmap.
 			any6 = append(any6, k)
 		}
 	}
+	// One job per CT map. Each map has its own LRU lists and bucket locks,
+	// so the jobs of different maps run at once (one goroutine each, so on
+	// as many CPUs) without contending in the kernel: a scrub's deletes
+	// take as long as its largest map's share, not the sum. A scrub of few
+	// keys (under parallelMin) runs them in turn: a goroutine's start costs
+	// more than it saves.
+	type job struct {
+		run  func(deleted map[string]int) error
+		skip func() // not run: every key is left
+		done map[string]int
+		err  error
+	}
 	chunk := c.opts.DeleteChunk
-	for _, j := range []struct {
-		k    ctmap.Kind
-		keys []ctmap.CTKey4
-	}{{ctmap.TCP4, tcp4}, {ctmap.Any4, any4}} {
-		if err != nil {
-			left4 = append(left4, j.keys...)
-			continue
+	var mu sync.Mutex // left4, left6
+	jobs := make([]*job, 0, 4)
+	add4 := func(k ctmap.Kind, keys []ctmap.CTKey4) {
+		if len(keys) > 0 {
+			jobs = append(jobs, &job{run: func(d map[string]int) error {
+				var left []ctmap.CTKey4
+				err := deleteFrom(ctx, c.maps.Map(k), c.del, k, keys, chunk, d, &left)
+				mu.Lock()
+				left4 = append(left4, left...)
+				mu.Unlock()
+				return err
+			}, skip: func() { left4 = append(left4, keys...) }})
 		}
-		err = deleteFrom(ctx, c.maps.Map(j.k), c.del, j.k, j.keys, chunk, deleted, &left4)
 	}
-	for _, j := range []struct {
-		k    ctmap.Kind
-		keys []ctmap.CTKey6
-	}{{ctmap.TCP6, tcp6}, {ctmap.Any6, any6}} {
-		if err != nil {
-			left6 = append(left6, j.keys...)
-			continue
+	add6 := func(k ctmap.Kind, keys []ctmap.CTKey6) {
+		if len(keys) > 0 {
+			jobs = append(jobs, &job{run: func(d map[string]int) error {
+				var left []ctmap.CTKey6
+				err := deleteFrom(ctx, c.maps.Map(k), c.del, k, keys, chunk, d, &left)
+				mu.Lock()
+				left6 = append(left6, left...)
+				mu.Unlock()
+				return err
+			}, skip: func() { left6 = append(left6, keys...) }})
 		}
-		err = deleteFrom(ctx, c.maps.Map(j.k), c.del, j.k, j.keys, chunk, deleted, &left6)
 	}
-	return left4, left6, err
+	add4(ctmap.TCP4, tcp4)
+	add4(ctmap.Any4, any4)
+	add6(ctmap.TCP6, tcp6)
+	add6(ctmap.Any6, any6)
+	if len(jobs) < 2 || len(k4)+len(k6) < parallelMin {
+		for _, j := range jobs {
+			if err != nil {
+				j.skip()
+				continue
+			}
+			err = j.run(deleted)
+		}
+		return left4, left6, err
+	}
+	var wg sync.WaitGroup
+	for _, j := range jobs[1:] {
+		j.done = map[string]int{}
+		wg.Go(func() { j.err = j.run(j.done) })
+	}
+	jobs[0].err = jobs[0].run(deleted)
+	wg.Wait()
+	var errs []error
+	for _, j := range jobs {
+		for name, n := range j.done {
+			deleted[name] += n
+		}
+		errs = append(errs, j.err)
+	}
+	return left4, left6, errors.Join(errs...)
 }
+
+// parallelMin is the fewest keys a scrub deletes from its CT maps at once
+// (deleteKeys); below it the maps are done in turn.
+const parallelMin = 256
 
 // deleteFrom deletes keys (all of kind k) from m, adds the count to
 // deleted[k.Name()] and appends the keys it did not attempt to *left.

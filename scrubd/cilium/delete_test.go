@@ -3,6 +3,7 @@ package cilium
 import (
 	"context"
 	"net/netip"
+	"strings"
 	"testing"
 
 	"github.com/ctscrub/ctscrub/scrubd/ctmap"
@@ -79,6 +80,47 @@ func TestDeleteSkipsAbsentKeys(t *testing.T) {
 	for _, k := range keep6 {
 		if err := maps.Map(k.Kind()).Lookup(k, &val); err != nil {
 			t.Fatalf("%s deleted but not listed: %v", k, err)
+		}
+	}
+}
+
+// TestDeleteKeysMapFails: deleteKeys runs the maps' deletes at once
+// (parallelMin and more keys). When one map's job fails (here: the IPv6 maps
+// are not there), its keys come back as left and the error says why, while
+// the other maps' keys are deleted and counted as in turn.
+func TestDeleteKeysMapFails(t *testing.T) {
+	needRoot(t)
+	maps := pinnedMaps(t, 1<<14, false)
+	c := newCilium(t, maps, newIndex())
+	pod4, peer4 := netip.MustParseAddr("10.244.0.8"), netip.MustParseAddr("192.0.2.10")
+	pod6, peer6 := netip.MustParseAddr("fd00:244::8"), netip.MustParseAddr("2001:db8::10")
+	var val ctmap.Entry
+	var k4 []ctmap.CTKey4
+	var k6 []ctmap.CTKey6
+	for port := uint16(1); port <= parallelMin; port++ {
+		for _, proto := range []uint8{6, 17} {
+			a := ctmap.NewKey4(pod4, peer4, 80, port, proto, ctmap.FlagOut)
+			if err := maps.Map(a.Kind()).Put(a, val); err != nil {
+				t.Fatal(err)
+			}
+			k4 = append(k4, a)
+		}
+		k6 = append(k6, ctmap.NewKey6(pod6, peer6, 80, port, 6, ctmap.FlagOut))
+	}
+	deleted := map[string]int{}
+	left4, left6, err := c.deleteKeys(context.Background(), k4, k6, deleted)
+	if err == nil || !strings.Contains(err.Error(), "map not present") {
+		t.Fatalf("deleteKeys without the IPv6 maps: err %v, want one saying the map is not present", err)
+	}
+	if len(left4) != 0 || len(left6) != len(k6) {
+		t.Fatalf("left %d IPv4 and %d IPv6 keys, want 0 and %d", len(left4), len(left6), len(k6))
+	}
+	if deleted[ctmap.TCP4.Name()] != parallelMin || deleted[ctmap.Any4.Name()] != parallelMin {
+		t.Fatalf("deleted %v, want %d in each IPv4 map", deleted, parallelMin)
+	}
+	for _, k := range k4 {
+		if maps.Map(k.Kind()).Lookup(k, &val) == nil {
+			t.Fatalf("%s left", k)
 		}
 	}
 }
