@@ -120,10 +120,12 @@ func parseConfig() (config, error) {
 }
 
 // Walk runs at most: sweep, batch walk, NextKey walk.
-const sweepReps, batchReps, nextKeyReps = 5, 5, 3
+const sweepReps, batchReps, nextKeyReps, floorReps = 5, 5, 3, 10
 
 // targets is the size of the target pool: every scrub takes a fresh one.
-func (c config) targets() int { return 2*c.indexReps + sweepReps + batchReps + nextKeyReps }
+func (c config) targets() int {
+	return 2*c.indexReps + sweepReps + batchReps + nextKeyReps + floorReps
+}
 
 // result is the JSON line.
 type result struct {
@@ -155,14 +157,19 @@ type result struct {
 	// steps, the client's connect "dial" and the rest "client").
 	SocketSteps     map[string]float64 `json:"socket_steps_p50_s,omitempty"`
 	SocketMedian1MS float64            `json:"socket_median_1m_s,omitempty"`
-	IndexerNsPacket float64            `json:"indexer_ns_per_packet"`
-	IndexerNsNew    float64            `json:"indexer_ns_new_flow"`
-	ApplyNsRecord   float64            `json:"index_apply_ns_per_record"`
-	IndexBytesKey   float64            `json:"index_bytes_per_key"`
-	IndexKeys       int64              `json:"index_keys"`
-	CountUs         float64            `json:"count_us"`
-	CountCheap      bool               `json:"count_kfunc"`
-	FillS           float64            `json:"fill_s"`
+	// The kernel's own cost of deleting one present, cold entry
+	// (BPF_MAP_DELETE_BATCH of a fresh target's PER_IP keys, no other
+	// work), median over floorReps targets: PER_IP times it is the floor
+	// under any scrub of those entries, however it finds the keys.
+	DeleteFloorNsKey float64 `json:"delete_floor_ns_per_key"`
+	IndexerNsPacket  float64 `json:"indexer_ns_per_packet"`
+	IndexerNsNew     float64 `json:"indexer_ns_new_flow"`
+	ApplyNsRecord    float64 `json:"index_apply_ns_per_record"`
+	IndexBytesKey    float64 `json:"index_bytes_per_key"`
+	IndexKeys        int64   `json:"index_keys"`
+	CountUs          float64 `json:"count_us"`
+	CountCheap       bool    `json:"count_kfunc"`
+	FillS            float64 `json:"fill_s"`
 
 	NextKeyOverIndex float64 `json:"nextkey_over_index"`
 	BatchOverIndex   float64 `json:"batch_over_index"`
@@ -176,6 +183,36 @@ type result struct {
 	Targets       map[string]bool `json:"targets"`
 	TargetEntries int             `json:"target_entries"`
 	TargetsAtSize bool            `json:"targets_at_size"`
+}
+
+// deleteFloor times BPF_MAP_DELETE_BATCH of floorReps fresh targets' keys
+// (each map's share in one call), untouched since the fill, and returns the
+// median. The index still holds them: the target is marked incomplete so
+// nothing scrubs it later by index.
+func deleteFloor(nd *node) (time.Duration, error) {
+	var took []time.Duration
+	for range floorReps {
+		target, t, err := nd.take()
+		if err != nil {
+			return 0, err
+		}
+		nd.ix.MarkIncomplete(target, index.ReasonLost)
+		byKind := map[ctmap.Kind][]ctmap.CTKey4{}
+		for _, k := range nd.target4[t] {
+			byKind[k.Kind()] = append(byKind[k.Kind()], k)
+		}
+		start := time.Now()
+		for kind, keys := range byKind {
+			if n, err := nd.maps.Map(kind).BatchDelete(keys, nil); err != nil || n != len(keys) {
+				return 0, fmt.Errorf("delete floor: %d of %d keys of %s deleted: %v", n, len(keys), kind.Name(), err)
+			}
+		}
+		took = append(took, time.Since(start))
+		if err := nd.scrubbed("delete floor", t, false); err != nil {
+			return 0, err
+		}
+	}
+	return median(took), nil
 }
 
 func main() {
@@ -300,6 +337,16 @@ func run(cfg config) (result, error) {
 	res.IndexCPUMedianS = quantile(idxCPU, 0.5).Seconds()
 	res.IndexCPUP99S = quantile(idxCPU, 0.99).Seconds()
 	res.IndexWaitP99S = quantile(idxWait, 0.99).Seconds()
+
+	// (5) The kernel's floor: deleting the target's present keys and
+	// nothing else.
+	floor, err := deleteFloor(nd)
+	if err != nil {
+		return res, err
+	}
+	res.DeleteFloorNsKey = float64(floor.Nanoseconds()) / float64(nd.k)
+	fmt.Printf("  kernel floor: BPF_MAP_DELETE_BATCH of a fresh target's %d present keys, median of %d: %s (%.0f ns per key)\n",
+		nd.k, floorReps, fmtDur(floor), res.DeleteFloorNsKey)
 
 	// (3) The sweep, through the backend (the IP marked incomplete).
 	sweep, err := series("sweep", sweepReps, 30*time.Second, nd, func(target netip.Addr) error {
