@@ -86,8 +86,9 @@ type SoakResult struct {
 	Faults           []FaultResult `json:"faults"`
 	// RSS: the median of one reading per cycle over the first tenth of
 	// the cycles (after the warm-up, before the first fault) and over the
-	// last tenth (after the last fault). One reading at each end lands anywhere on the GC's
-	// sawtooth (a few MiB here), the medians compare like with like.
+	// last tenth (after the last fault). One reading at each end lands
+	// anywhere on the GC's sawtooth (a few MiB here), the medians compare
+	// like with like.
 	RSSStart int64 `json:"rss_start_bytes"`
 	RSSEnd   int64 `json:"rss_end_bytes"`
 	// The heap the last GC found live (go_gc_heap_live_bytes) at the end
