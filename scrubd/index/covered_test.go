@@ -42,7 +42,8 @@ func BenchmarkCovered(b *testing.B) {
 	pod, peer := netip.MustParseAddr("10.129.0.1"), netip.MustParseAddr("10.128.0.2")
 	var k4 []ctmap.CTKey4
 	for p := uint16(0); p < 500; p++ {
-		pa := peer.As4(); pa[2], pa[3] = byte(p>>8), byte(p)
+		pa := peer.As4()
+		pa[2], pa[3] = byte(p>>8), byte(p)
 		k := ctmap.NewKey4(pod, netip.AddrFrom4(pa), 80, 1000+p, 6, ctmap.FlagOut)
 		k4 = append(k4, k, k.Related())
 	}
