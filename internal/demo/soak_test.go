@@ -5,40 +5,30 @@ import (
 	"time"
 )
 
-// TestSoakConfigFromEnv: CRI_EVERY's default, 0 (no CRI pods), and refused
-// values with the variable named in the error.
+// TestSoakConfigFromEnv: the defaults of CRI_EVERY (5) and WARMUP_S (7
+// min), 0 for either (none), and refused values.
 func TestSoakConfigFromEnv(t *testing.T) {
+	criEvery := func(c SoakConfig) any { return c.CRIEvery }
+	warmup := func(c SoakConfig) any { return c.WarmupMax }
 	for _, c := range []struct {
-		val  string
-		want int
-		ok   bool
-	}{{"", 5, true}, {"0", 0, true}, {"3", 3, true}, {"-1", 0, false}, {"x", 0, false}} {
-		t.Setenv("CRI_EVERY", c.val)
-		cfg, err := soakConfigFromEnv()
-		if c.ok && (err != nil || cfg.CRIEvery != c.want) {
-			t.Errorf("CRI_EVERY=%q: %d, %v; want %d", c.val, cfg.CRIEvery, err, c.want)
-		}
-		if !c.ok && err == nil {
-			t.Errorf("CRI_EVERY=%q accepted (%d)", c.val, cfg.CRIEvery)
-		}
-	}
-}
-
-// TestSoakWarmupFromEnv: WARMUP_S's default (7 min), 0 (no warm-up), and
-// refused values.
-func TestSoakWarmupFromEnv(t *testing.T) {
-	for _, c := range []struct {
-		val  string
-		want time.Duration
-		ok   bool
-	}{{"", 7 * time.Minute, true}, {"0", 0, true}, {"90", 90 * time.Second, true}, {"-1", 0, false}, {"2m", 0, false}} {
-		t.Setenv("WARMUP_S", c.val)
-		cfg, err := soakConfigFromEnv()
-		if c.ok && (err != nil || cfg.WarmupMax != c.want) {
-			t.Errorf("WARMUP_S=%q: %s, %v; want %s", c.val, cfg.WarmupMax, err, c.want)
-		}
-		if !c.ok && err == nil {
-			t.Errorf("WARMUP_S=%q accepted (%s)", c.val, cfg.WarmupMax)
-		}
+		env, val string
+		get      func(SoakConfig) any
+		want     any // nil: refused
+	}{
+		{"CRI_EVERY", "", criEvery, 5}, {"CRI_EVERY", "0", criEvery, 0}, {"CRI_EVERY", "3", criEvery, 3},
+		{"CRI_EVERY", "-1", criEvery, nil}, {"CRI_EVERY", "x", criEvery, nil},
+		{"WARMUP_S", "", warmup, 7 * time.Minute}, {"WARMUP_S", "0", warmup, time.Duration(0)},
+		{"WARMUP_S", "90", warmup, 90 * time.Second}, {"WARMUP_S", "-1", warmup, nil}, {"WARMUP_S", "2m", warmup, nil},
+	} {
+		t.Run(c.env+"="+c.val, func(t *testing.T) {
+			t.Setenv(c.env, c.val) // restored when the subtest ends
+			cfg, err := soakConfigFromEnv()
+			switch {
+			case c.want != nil && (err != nil || c.get(cfg) != c.want):
+				t.Errorf("%v, %v; want %v", c.get(cfg), err, c.want)
+			case c.want == nil && err == nil:
+				t.Errorf("accepted (%v)", c.get(cfg))
+			}
+		})
 	}
 }

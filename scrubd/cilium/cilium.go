@@ -394,43 +394,24 @@ func (c *Backend) deleteKeys(ctx context.Context, k4 []ctmap.CTKey4, k6 []ctmap.
 	// take as long as its largest map's share, not the sum. A scrub of few
 	// keys (under parallelMin) runs them in turn: a goroutine's start costs
 	// more than it saves.
-	type job struct {
-		run  func(deleted map[string]int) error
-		skip func() // not run: every key is left
-		done map[string]int
-		err  error
-	}
-	chunk := c.opts.DeleteChunk
 	var mu sync.Mutex // left4, left6
-	jobs := make([]*job, 0, 4)
-	add4 := func(k ctmap.Kind, keys []ctmap.CTKey4) {
-		if len(keys) > 0 {
-			jobs = append(jobs, &job{run: func(d map[string]int) error {
-				var left []ctmap.CTKey4
-				err := deleteFrom(ctx, c.maps.Map(k), c.del, k, keys, chunk, d, &left)
-				mu.Lock()
-				left4 = append(left4, left...)
-				mu.Unlock()
-				return err
-			}, skip: func() { left4 = append(left4, keys...) }})
+	var jobs []*deleteJob
+	for _, j := range []struct {
+		k    ctmap.Kind
+		keys []ctmap.CTKey4
+	}{{ctmap.TCP4, tcp4}, {ctmap.Any4, any4}} {
+		if len(j.keys) > 0 {
+			jobs = append(jobs, newDeleteJob(ctx, c, j.k, j.keys, &mu, &left4))
 		}
 	}
-	add6 := func(k ctmap.Kind, keys []ctmap.CTKey6) {
-		if len(keys) > 0 {
-			jobs = append(jobs, &job{run: func(d map[string]int) error {
-				var left []ctmap.CTKey6
-				err := deleteFrom(ctx, c.maps.Map(k), c.del, k, keys, chunk, d, &left)
-				mu.Lock()
-				left6 = append(left6, left...)
-				mu.Unlock()
-				return err
-			}, skip: func() { left6 = append(left6, keys...) }})
+	for _, j := range []struct {
+		k    ctmap.Kind
+		keys []ctmap.CTKey6
+	}{{ctmap.TCP6, tcp6}, {ctmap.Any6, any6}} {
+		if len(j.keys) > 0 {
+			jobs = append(jobs, newDeleteJob(ctx, c, j.k, j.keys, &mu, &left6))
 		}
 	}
-	add4(ctmap.TCP4, tcp4)
-	add4(ctmap.Any4, any4)
-	add6(ctmap.TCP6, tcp6)
-	add6(ctmap.Any6, any6)
 	if len(jobs) < 2 || len(k4)+len(k6) < parallelMin {
 		for _, j := range jobs {
 			if err != nil {
@@ -456,6 +437,30 @@ func (c *Backend) deleteKeys(ctx context.Context, k4 []ctmap.CTKey4, k6 []ctmap.
 		errs = append(errs, j.err)
 	}
 	return left4, left6, errors.Join(errs...)
+}
+
+// deleteJob is one CT map's share of a scrub's deletes (deleteKeys).
+type deleteJob struct {
+	run  func(deleted map[string]int) error // adds the keys it did not attempt to the left list
+	skip func()                             // not run: every key is left
+	done map[string]int                     // run's counts when it ran on its own goroutine
+	err  error
+}
+
+// newDeleteJob returns the job deleting keys (all of kind k) from c's maps;
+// mu guards *left, which the other jobs of the scrub may add to at once.
+func newDeleteJob[K ctmap.CTKey4 | ctmap.CTKey6](ctx context.Context, c *Backend, k ctmap.Kind, keys []K, mu *sync.Mutex, left *[]K) *deleteJob {
+	return &deleteJob{
+		run: func(deleted map[string]int) error {
+			var l []K
+			err := deleteFrom(ctx, c.maps.Map(k), c.del, k, keys, c.opts.DeleteChunk, deleted, &l)
+			mu.Lock()
+			*left = append(*left, l...)
+			mu.Unlock()
+			return err
+		},
+		skip: func() { *left = append(*left, keys...) },
+	}
 }
 
 // parallelMin is the fewest keys a scrub deletes from its CT maps at once
