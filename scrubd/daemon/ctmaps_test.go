@@ -65,12 +65,7 @@ func recreateCTMaps(t *testing.T, root *ctRoot, dp *standin.Datapath, entries ui
 func TestCTMapsRecreatedUnderDaemon(t *testing.T) {
 	const entries = 1 << 14
 	root, dp := standinRoot(t, entries)
-	node := netpods.NewNode(t)
-	node.Remote.ServeEcho()
-	pod := node.AddPod()
-	if err := node.Do(func() error { return dp.AttachHostSide(pod.HostVeth) }); err != nil {
-		t.Fatal(err)
-	}
+	node, pod := standinNode(t, dp)
 	cfg := podConfig(t, root)
 	cfg.Expiry.Mode = "report" // its programs move to the new maps too
 	td := startDaemon(t, cfg)

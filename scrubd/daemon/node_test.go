@@ -26,23 +26,30 @@ import (
 	"github.com/ctscrub/ctscrub/scrubd/scrub"
 )
 
-// standinRoot makes a fake Cilium root with the CT and service maps and the
-// Cilium datapath stand-in's programs over them.
-// standinPod is standinRoot with a node of network namespaces, the remote
-// host answering echo, and one pod whose host-side veth carries the
-// stand-in: the set-up of every test that makes real flows of a pod.
+// standinPod is standinRoot with standinNode: the set-up of every test that
+// makes real flows of a pod.
 func standinPod(t *testing.T, entries uint32) (*ctRoot, *netpods.Node, *netpods.Pod) {
 	t.Helper()
 	root, dp := standinRoot(t, entries)
+	node, pod := standinNode(t, dp)
+	return root, node, pod
+}
+
+// standinNode is a node of network namespaces, the remote host answering
+// echo, and one pod whose host-side veth carries the stand-in dp.
+func standinNode(t *testing.T, dp *standin.Datapath) (*netpods.Node, *netpods.Pod) {
+	t.Helper()
 	node := netpods.NewNode(t)
 	node.Remote.ServeEcho()
 	pod := node.AddPod()
 	if err := node.Do(func() error { return dp.AttachHostSide(pod.HostVeth) }); err != nil {
 		t.Fatal(err)
 	}
-	return root, node, pod
+	return node, pod
 }
 
+// standinRoot makes a fake Cilium root with the CT and service maps and the
+// Cilium datapath stand-in's programs over them.
 func standinRoot(t *testing.T, entries uint32) (*ctRoot, *standin.Datapath) {
 	t.Helper()
 	requireRoot(t)
