@@ -1,9 +1,10 @@
 package daemon
 
 import (
+	"regexp"
+
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
-	"regexp"
 
 	"github.com/ctscrub/ctscrub/scrubd/scrub"
 )
