@@ -61,6 +61,7 @@ type SweepIp6 struct {
 const (
 	SweepMapCt4       = "ct4"
 	SweepMapCt6       = "ct6"
+	SweepMapDelFound  = "del_found"
 	SweepMapDelKeys4  = "del_keys4"
 	SweepMapDelKeys6  = "del_keys6"
 	SweepMapIps4      = "ips4"
@@ -132,6 +133,7 @@ type SweepProgramSpecs struct {
 type SweepMapSpecs struct {
 	Ct4      *ebpf.MapSpec `ebpf:"ct4"`
 	Ct6      *ebpf.MapSpec `ebpf:"ct6"`
+	DelFound *ebpf.MapSpec `ebpf:"del_found"`
 	DelKeys4 *ebpf.MapSpec `ebpf:"del_keys4"`
 	DelKeys6 *ebpf.MapSpec `ebpf:"del_keys6"`
 	Ips4     *ebpf.MapSpec `ebpf:"ips4"`
@@ -169,6 +171,7 @@ func (o *SweepObjects) Close() error {
 type SweepMaps struct {
 	Ct4      *ebpf.Map `ebpf:"ct4"`
 	Ct6      *ebpf.Map `ebpf:"ct6"`
+	DelFound *ebpf.Map `ebpf:"del_found"`
 	DelKeys4 *ebpf.Map `ebpf:"del_keys4"`
 	DelKeys6 *ebpf.Map `ebpf:"del_keys6"`
 	Ips4     *ebpf.Map `ebpf:"ips4"`
@@ -179,6 +182,7 @@ func (m *SweepMaps) Close() error {
 	return _SweepClose(
 		m.Ct4,
 		m.Ct6,
+		m.DelFound,
 		m.DelKeys4,
 		m.DelKeys6,
 		m.Ips4,

@@ -450,6 +450,12 @@ func setup(cfg config, n int) (*node, *cilium.Backend, error) {
 		nd.close()
 		return nil, nil, err
 	}
+	if err := c.DeleteError(); err != nil {
+		// The figures would time the fallback, not the index scrub.
+		c.Close()
+		nd.close()
+		return nil, nil, fmt.Errorf("the kernel refused the delete program: %w", err)
+	}
 	if c.CountIsCheap() {
 		nd.count = c.Count
 	}

@@ -623,6 +623,15 @@ func (c *Backend) CountError() error {
 	return c.countErr
 }
 
+// DeleteError says why index scrubs delete with BPF_MAP_DELETE_BATCH, one
+// syscall per absent key, instead of the delete program (nil when they do
+// not), for the daemon's startup log.
+func (c *Backend) DeleteError() error {
+	c.mu.RLock()
+	defer c.mu.RUnlock()
+	return c.delErr
+}
+
 // CountIsCheap reports whether Count uses the kernel's element counter
 // rather than a walk.
 func (c *Backend) CountIsCheap() bool {

@@ -31,6 +31,7 @@ type delArgs struct {
 type deleter struct {
 	progs [ctmap.NumKinds]*ebpf.Program
 	keys  [2]*ebpf.Map // del_keys4, del_keys6
+	found *ebpf.Map    // del_found: the first pass's answers
 	slots chan uint32  // free slots: one per concurrent caller
 }
 
@@ -50,6 +51,10 @@ func loadDeleter(maps *ctmap.Maps) (*deleter, error) {
 			return nil, fmt.Errorf("create %s: %w", name, err)
 		}
 	}
+	if d.found, err = ebpf.NewMap(spec.Maps["del_found"]); err != nil {
+		d.close()
+		return nil, fmt.Errorf("create del_found: %w", err)
+	}
 	for _, k := range ctmap.Kinds {
 		m := maps.Map(k)
 		if m == nil {
@@ -61,12 +66,12 @@ func loadDeleter(maps *ctmap.Maps) (*deleter, error) {
 		}
 		s := placeholderSpec(spec, m, fam)
 		s.Programs = map[string]*ebpf.ProgramSpec{"del": s.Programs["delete"+fam]}
-		s.Maps = map[string]*ebpf.MapSpec{"ct" + fam: s.Maps["ct"+fam], "del_keys" + fam: s.Maps["del_keys"+fam]}
+		s.Maps = map[string]*ebpf.MapSpec{"ct" + fam: s.Maps["ct"+fam], "del_keys" + fam: s.Maps["del_keys"+fam], "del_found": s.Maps["del_found"]}
 		var objs struct {
 			Del *ebpf.Program `ebpf:"del"`
 		}
 		if err := s.LoadAndAssign(&objs, &ebpf.CollectionOptions{
-			MapReplacements: map[string]*ebpf.Map{"ct" + fam: m, "del_keys" + fam: keys},
+			MapReplacements: map[string]*ebpf.Map{"ct" + fam: m, "del_keys" + fam: keys, "del_found": d.found},
 		}); err != nil {
 			d.close()
 			return nil, fmt.Errorf("load delete program for %s: %w", k.Name(), err)
@@ -82,7 +87,7 @@ func (d *deleter) close() {
 			p.Close()
 		}
 	}
-	for _, m := range d.keys {
+	for _, m := range append(d.keys[:], d.found) {
 		if m != nil {
 			m.Close()
 		}

@@ -47,6 +47,12 @@ func Open(cfg Config, log *slog.Logger, version string) (*Daemon, error) {
 				return fail(fmt.Errorf("cilium backend: load the sweep programs: %w", err))
 			}
 			closers = append(closers, c.Close)
+			if err := c.DeleteError(); err != nil {
+				log.Warn("cilium backend: the kernel refused the delete program; index scrubs delete with BPF_MAP_DELETE_BATCH, one syscall per absent key", "err", err)
+			}
+			if err := c.CountError(); err != nil {
+				log.Warn("cilium backend: no kernel entry counter; ctscrub_ct_entries counts by a walk of each map", "err", err)
+			}
 			rec, err := recorder.Load(recorder.Options{PinDir: cfg.PinDir, CTRoot: cfg.CTRoot, Log: log, CT: maps, RingBytes: cfg.RingBytes})
 			if err != nil {
 				return fail(err)
