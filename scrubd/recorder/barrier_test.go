@@ -8,6 +8,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/cilium/ebpf/ringbuf"
+
 	"github.com/ctscrub/ctscrub/scrubd/ctmap"
 	"github.com/ctscrub/ctscrub/scrubd/index"
 )
@@ -87,5 +89,66 @@ func TestSyncWaitsForRecordsInTheRing(t *testing.T) {
 		if !has(first + 4999) {
 			t.Fatalf("round %d: Sync returned before the burst's last record was applied", round)
 		}
+	}
+
+	// The reader has caught up: a Sync finds the ring's producer position
+	// where the reader noted its last record and returns without waking it.
+	fast := r.FastSyncs()
+	if err := ix.Sync(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	if got := r.FastSyncs(); got != fast+1 {
+		t.Errorf("Sync with the ring empty and every record applied: %d fast syncs, want %d", got, fast+1)
+	}
+}
+
+// TestSyncFastPathNeedsAppliedRecords: Sync's fast path (caughtUp) must
+// not pass while a record is in the ring, nor while one is consumed and
+// not yet applied (the reader between ReadInto and Apply); only once the
+// reader notes it applied.
+func TestSyncFastPathNeedsAppliedRecords(t *testing.T) {
+	requireRoot(t)
+	dir, err := os.MkdirTemp("/sys/fs/bpf", "ctscrub-test-")
+	if err != nil {
+		t.Fatalf("bpffs dir (is bpffs mounted at /sys/fs/bpf?): %v", err)
+	}
+	t.Cleanup(func() { os.RemoveAll(dir) })
+	r, err := Load(Options{PinDir: filepath.Join(dir, "ctscrub"), CTRoot: t.TempDir()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { r.Close() })
+	rd, err := ringbuf.NewReader(r.objs.RecEvents)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { rd.Close() })
+	b := &barrier{rd: rd, pos: mapPositions(r.objs.RecEvents)}
+	t.Cleanup(b.pos.close)
+	if b.pos == nil {
+		t.Fatal("the ring buffer's position pages could not be mapped read-only")
+	}
+	if !b.caughtUp() {
+		t.Fatal("an empty ring that never held a record: not caught up")
+	}
+	frame := eth(0x0800).add(ipv4(17, 0, pod4, peer4)...).add(ports(1000, 53, 8)...).b
+	if err := r.RunFrame(true, frame); err != nil {
+		t.Fatal(err)
+	}
+	if b.caughtUp() {
+		t.Fatal("a record in the ring, none applied: caught up")
+	}
+	// Consumed but not noted as applied (the reader between ReadInto and
+	// Apply): still not caught up.
+	var rec ringbuf.Record
+	if err := rd.ReadInto(&rec); err != nil {
+		t.Fatal(err)
+	}
+	if b.caughtUp() {
+		t.Fatal("a record consumed and not applied: caught up")
+	}
+	b.appliedUpTo()
+	if !b.caughtUp() {
+		t.Fatal("every record consumed and applied: not caught up")
 	}
 }

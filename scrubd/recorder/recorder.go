@@ -16,6 +16,7 @@ import (
 	"path/filepath"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/ctscrub/ctscrub/internal/nsexec"
@@ -123,6 +124,18 @@ type Recorder struct {
 	genMu sync.Mutex // one generation bump at a time (read, add one, write)
 
 	ctMu sync.RWMutex // guards opts.CT: held by a prune, taken by SetCT
+
+	bar atomic.Pointer[barrier] // Run's, while it runs
+}
+
+// FastSyncs returns how many Index.Sync calls of the running Run found the
+// reader caught up and returned without waking it; 0 when Run is not
+// running.
+func (r *Recorder) FastSyncs() uint64 {
+	if b := r.bar.Load(); b != nil {
+		return b.fast.Load()
+	}
+	return 0
 }
 
 // SetCT points the prune at other CT maps (Cilium re-created them). It
@@ -549,7 +562,10 @@ func (r *Recorder) Run(ctx context.Context, ix *index.Index) error {
 	if err != nil {
 		return fmt.Errorf("recorder: open ring buffer: %w", err)
 	}
-	bar := &barrier{rd: rd}
+	bar := &barrier{rd: rd, pos: mapPositions(r.objs.RecEvents)}
+	defer bar.pos.close()
+	r.bar.Store(bar)
+	defer r.bar.Store(nil)
 	hooks := r.hooks(ix)
 	hooks.Sync = bar.wait
 	ix.SetHooks(hooks)
@@ -607,6 +623,7 @@ func (r *Recorder) Run(ctx context.Context, ix *index.Index) error {
 		upTo := bar.noted()
 		if err := rd.ReadInto(&rec); err != nil {
 			if isFlushed(err) {
+				bar.appliedUpTo()
 				bar.flushed(upTo)
 				continue
 			}
@@ -621,9 +638,11 @@ func (r *Recorder) Run(ctx context.Context, ix *index.Index) error {
 		rc, err := ParseRecord(rec.RawSample)
 		if err != nil {
 			r.opts.Log.Warn("recorder: bad record", "err", err)
+			bar.appliedUpTo()
 			continue
 		}
 		Apply(ix, &rc)
+		bar.appliedUpTo()
 		if q != nil {
 			for _, ip := range rc.addrs() {
 				if ix.Owns(ip) && ix.NeedsPrune(ip) {
