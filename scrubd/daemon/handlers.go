@@ -11,6 +11,8 @@ import (
 	"net/http"
 	"net/http/pprof"
 	"net/netip"
+	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"time"
@@ -86,10 +88,20 @@ func withDeadline(next http.Handler) http.Handler {
 	})
 }
 
+// writeJSON answers v with its Content-Length, so a client has the whole
+// answer once it is flushed, before the handler's work after the answer
+// (afterAnswer) and the connection's close.
 func writeJSON(w http.ResponseWriter, status int, v any) {
+	b, err := json.Marshal(v)
+	if err != nil {
+		status = http.StatusInternalServerError
+		b, _ = json.Marshal(api.Error{Code: api.CodeInternal, Message: "encode answer: " + err.Error()})
+	}
+	b = append(b, '\n')
 	w.Header().Set("Content-Type", "application/json")
+	w.Header().Set("Content-Length", strconv.Itoa(len(b)))
 	w.WriteHeader(status)
-	json.NewEncoder(w).Encode(v)
+	w.Write(b)
 }
 
 func writeError(w http.ResponseWriter, e *api.Error) {
@@ -328,18 +340,25 @@ func (d *Daemon) scrub(ctx context.Context, ips []netip.Addr, reason scrub.Reaso
 			r.Method = scrub.MethodIndex
 		}
 		d.m.observe(reason, *r)
-		lvl := slog.LevelInfo
-		if r.Outcome == scrub.Failed {
-			lvl = slog.LevelError
-		} else if r.Outcome == scrub.Cancelled {
-			lvl = slog.LevelWarn
-		}
-		d.log.Log(ctx, lvl, "scrub", "ips", ips, "reason", reason, "backend", r.Backend, "method", r.Method,
-			"deleted", r.Total, "per_map", r.Deleted, "duration_s", elapsed.Seconds(), "result", r.Outcome,
-			"shared", sharedAny, "dry_run", dry, "container_id", containerID, "error", r.Error,
-			"work_start", workStart, "work_end", workEnd)
 	}
-	api.StepsFrom(ctx).Mark("log")
+	// Logged once answered (a copy: the caller may change the results it
+	// answers with). Observed before: a scrape right after the answer
+	// counts the scrub.
+	done := slices.Clone(merged)
+	afterAnswer(ctx, func() {
+		for _, r := range done {
+			lvl := slog.LevelInfo
+			if r.Outcome == scrub.Failed {
+				lvl = slog.LevelError
+			} else if r.Outcome == scrub.Cancelled {
+				lvl = slog.LevelWarn
+			}
+			d.log.Log(context.Background(), lvl, "scrub", "ips", ips, "reason", reason, "backend", r.Backend, "method", r.Method,
+				"deleted", r.Total, "per_map", r.Deleted, "duration_s", elapsed.Seconds(), "result", r.Outcome,
+				"shared", sharedAny, "dry_run", dry, "container_id", containerID, "error", r.Error,
+				"work_start", workStart, "work_end", workEnd)
+		}
+	})
 	return merged
 }
 
@@ -484,8 +503,9 @@ func (d *Daemon) handleIndexStart(w http.ResponseWriter, r *http.Request) {
 			}
 		}
 	}
-	d.log.Info("index start", "container_id", req.ContainerID, "ifname", req.IfName, "netns", req.Netns, "ips", ips, "ifindex", pod.Ifindex)
-	steps.Mark("log")
+	afterAnswer(r.Context(), func() {
+		d.log.Info("index start", "container_id", req.ContainerID, "ifname", req.IfName, "netns", req.Netns, "ips", ips, "ifindex", pod.Ifindex)
+	})
 	writeJSON(w, http.StatusOK, pod)
 }
 
@@ -612,8 +632,9 @@ func (d *Daemon) handleIndexStop(w http.ResponseWriter, r *http.Request) {
 	if known {
 		d.scheduleLateDel(pod, netns)
 	}
-	d.log.Info("index stop", "container_id", req.ContainerID, "ifname", req.IfName, "netns", netns, "known", known, "ips", pod.IPs)
-	api.StepsFrom(r.Context()).Mark("log")
+	afterAnswer(r.Context(), func() {
+		d.log.Info("index stop", "container_id", req.ContainerID, "ifname", req.IfName, "netns", netns, "known", known, "ips", pod.IPs)
+	})
 	if req.Del != nil {
 		del.Known = known
 		writeJSON(w, http.StatusOK, del)

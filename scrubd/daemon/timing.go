@@ -4,6 +4,7 @@ import (
 	"context"
 	"log/slog"
 	"net/http"
+	"sync"
 	"time"
 
 	"github.com/ctscrub/ctscrub/scrubd/api"
@@ -15,6 +16,27 @@ import (
 // Always on: a mark is a clock read and an append, about 50 ns.
 
 type acceptKey struct{}
+
+// afterKey holds a request's work for after its answer (afterAnswer).
+type afterKey struct{}
+
+type afterList struct {
+	mu  sync.Mutex
+	fns []func()
+}
+
+// afterAnswer runs fn once the answer of ctx's request is sent: its log
+// lines and metrics, which the caller (a CNI ADD or DEL waiting on a pod's
+// start or removal) need not wait for. Outside a request it runs fn at once.
+func afterAnswer(ctx context.Context, fn func()) {
+	if l, ok := ctx.Value(afterKey{}).(*afterList); ok {
+		l.mu.Lock()
+		l.fns = append(l.fns, fn)
+		l.mu.Unlock()
+		return
+	}
+	fn()
+}
 
 var knownPaths = map[string]bool{
 	api.PathScrub: true, api.PathIndexStart: true, api.PathIndexStop: true, api.PathIndexList: true,
@@ -61,7 +83,9 @@ func (d *Daemon) withTiming(next http.Handler) http.Handler {
 			steps.Add("read", start.Sub(at))
 		}
 		tw := &timingWriter{ResponseWriter: w, steps: steps}
-		next.ServeHTTP(tw, r.WithContext(api.WithSteps(r.Context(), steps)))
+		after := &afterList{}
+		ctx := context.WithValue(api.WithSteps(r.Context(), steps), afterKey{}, after)
+		next.ServeHTTP(tw, r.WithContext(ctx))
 		steps.Mark("write")
 		path := r.URL.Path
 		if !knownPaths[path] {
@@ -70,6 +94,18 @@ func (d *Daemon) withTiming(next http.Handler) http.Handler {
 		list := steps.List()
 		for _, st := range list {
 			d.m.steps.WithLabelValues(path, st.Name).Observe(st.Dur.Seconds())
+		}
+		// The answer (sized by Content-Length, writeJSON) leaves now, so the
+		// client reads it while the logs below are written. Its metrics are
+		// in already: a scrape right after the answer sees them.
+		if tw.wrote {
+			http.NewResponseController(w).Flush()
+		}
+		after.mu.Lock()
+		fns := after.fns
+		after.mu.Unlock()
+		for _, fn := range fns {
+			fn()
 		}
 		if d.log.Enabled(r.Context(), slog.LevelDebug) {
 			attrs := make([]any, 0, 2*len(list)+2)

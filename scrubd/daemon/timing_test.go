@@ -39,7 +39,7 @@ func TestAPIStepsTimed(t *testing.T) {
 		names = append(names, s.Name)
 	}
 	// The request's own steps, the flight's and the Cilium backend's.
-	for _, want := range []string{"read", "decode", "check", "ownership", "handoff", "queue", "lock", "sync", "take", "delete", "backends", "wait", "log", "release", "handler"} {
+	for _, want := range []string{"read", "decode", "check", "ownership", "handoff", "queue", "lock", "sync", "take", "delete", "backends", "wait", "release", "handler"} {
 		if !slices.Contains(names, want) {
 			t.Errorf("server steps %v: no %q", names, want)
 		}
