@@ -2,6 +2,7 @@ package index
 
 import (
 	"net/netip"
+	"slices"
 	"testing"
 
 	"github.com/ctscrub/ctscrub/scrubd/ctmap"
@@ -54,4 +55,84 @@ func BenchmarkCovered(b *testing.B) {
 		n = len(x)
 	}
 	b.ReportMetric(float64(n), "keys")
+}
+
+// coveredRef is Covered written the plain way, through ctmap's methods and
+// a Go map: what the byte-level covered must equal, order included.
+func coveredRef[K interface {
+	comparable
+	Flags() uint8
+	Related() K
+	WithFlags(uint8) K
+}](keys []K, mirror func(K) K) []K {
+	var out []K
+	seen := map[K]bool{}
+	add := func(k K) {
+		if !seen[k] {
+			seen[k] = true
+			out = append(out, k)
+		}
+	}
+	for _, k := range keys {
+		add(k)
+		if k.Flags()&ctmap.FlagService != 0 {
+			continue
+		}
+		m := mirror(k)
+		add(m)
+		if k.Flags()&ctmap.FlagRelated == 0 {
+			add(k.Related())
+			add(m.Related())
+			tw := k.WithFlags(k.Flags() ^ ctmap.FlagIn)
+			add(tw)
+			add(tw.Related())
+		}
+	}
+	return out
+}
+
+// mirrorRef4 and mirrorRef6 build the other-initiator key from its fields.
+func mirrorRef4(k ctmap.CTKey4) ctmap.CTKey4 {
+	return ctmap.NewKey4(k.SAddr(), k.DAddr(), k.SPort(), k.DPort(), k.NextHdr(), k.Flags()^ctmap.FlagIn)
+}
+
+func mirrorRef6(k ctmap.CTKey6) ctmap.CTKey6 {
+	return ctmap.NewKey6(k.SAddr(), k.DAddr(), k.SPort(), k.DPort(), k.NextHdr(), k.Flags()^ctmap.FlagIn)
+}
+
+// TestCoveredMatchesReference: both families, every flag, flows sharing
+// peers (so RELATED forms repeat), both directions of one flow (so a mirror
+// is another indexed key), at sizes that use each table type, appended
+// after keys already in the buffer.
+func TestCoveredMatchesReference(t *testing.T) {
+	pod4, pod6 := netip.MustParseAddr("10.244.0.9"), netip.MustParseAddr("fd00::9")
+	flags := []uint8{ctmap.FlagOut, ctmap.FlagIn, ctmap.FlagRelated, ctmap.FlagRelated | ctmap.FlagIn, ctmap.FlagService}
+	for _, n := range []int{1, 7, 1000, 12000} { // 12,000 keys: more forms than a uint16 table holds
+		var k4 []ctmap.CTKey4
+		var k6 []ctmap.CTKey6
+		for i := range n {
+			peer4 := netip.AddrFrom4([4]byte{198, 51, byte(i % 37), 1})
+			peer6 := netip.AddrFrom16([16]byte{0x20, 0x01, 0x0d, 0xb8, 15: byte(i % 37)})
+			f := flags[i%len(flags)]
+			proto := []uint8{ctmap.ProtoTCP, ctmap.ProtoUDP}[i%2]
+			sport, dport := uint16(30000+i), uint16(80+i%3)
+			k := ctmap.NewKey4(pod4, peer4, dport, sport, proto, f)
+			k4 = append(k4, k)
+			k6 = append(k6, ctmap.NewKey6(peer6, pod6, sport, dport, proto, f))
+			if i%11 == 0 {
+				k4 = append(k4, mirrorRef4(k)) // both initiators indexed
+			}
+		}
+		want4, want6 := coveredRef(k4, mirrorRef4), coveredRef(k6, mirrorRef6)
+		got4, got6 := Covered(k4, k6)
+		if !slices.Equal(got4, want4) || !slices.Equal(got6, want6) {
+			t.Fatalf("%d keys: Covered gave %d and %d keys, the reference %d and %d (or another order)", n, len(got4), len(got6), len(want4), len(want6))
+		}
+		pre4 := []ctmap.CTKey4{want4[0], ctmap.NewKey4(pod4, pod4, 1, 1, ctmap.ProtoUDP, 0)}
+		pre6 := []ctmap.CTKey6{want6[0]}
+		got4, got6 = AppendCovered(slices.Clone(pre4), slices.Clone(pre6), k4, k6)
+		if !slices.Equal(got4, append(pre4, want4...)) || !slices.Equal(got6, append(pre6, want6...)) {
+			t.Fatalf("%d keys: AppendCovered did not append Covered's keys after the buffer's", n)
+		}
+	}
 }
