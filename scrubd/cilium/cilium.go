@@ -300,11 +300,16 @@ func (c *Backend) Scrub(ctx context.Context, req scrub.Request) (scrub.Result, e
 		res.PerIP[ip.String()] = scrub.MethodIndex
 		// Every key the index holds, plus the forms Cilium may re-create
 		// them in (index.Covered): the one definition the audit checks.
-		x4, x6 := index.Covered(k4, k6)
+		buf := coverBufs.Get().(*coverBuf)
+		x4, x6 := index.AppendCovered(buf.k4[:0], buf.k6[:0], k4, k6)
 		steps.Mark("take")
 		left4, left6, err := c.deleteKeys(ctx, x4, x6, res.Deleted)
 		steps.Mark("delete")
 		c.ix.Return(ip, left4, left6)
+		if cap(x4)+cap(x6) <= maxPooledKeys {
+			buf.k4, buf.k6 = x4, x6
+			coverBufs.Put(buf)
+		}
 		if err != nil {
 			return finish(err)
 		}
@@ -371,23 +376,12 @@ func (c *Backend) syncIndex(ctx context.Context) error {
 // or an error). A key that is already gone (Cilium's GC, LRU eviction) is
 // skipped: the kernel stops the batch at it with ENOENT and reports how many
 // it deleted before it.
+//
+// It reorders k4 and k6 (each map's keys together), and the left lists are
+// copies: the caller may reuse both slices.
 func (c *Backend) deleteKeys(ctx context.Context, k4 []ctmap.CTKey4, k6 []ctmap.CTKey6, deleted map[string]int) (left4 []ctmap.CTKey4, left6 []ctmap.CTKey6, err error) {
-	var tcp4, any4 []ctmap.CTKey4
-	for _, k := range k4 {
-		if k.Kind() == ctmap.TCP4 {
-			tcp4 = append(tcp4, k)
-		} else {
-			any4 = append(any4, k)
-		}
-	}
-	var tcp6, any6 []ctmap.CTKey6
-	for _, k := range k6 {
-		if k.Kind() == ctmap.TCP6 {
-			tcp6 = append(tcp6, k)
-		} else {
-			any6 = append(any6, k)
-		}
-	}
+	tcp4, any4 := splitTCP(k4, ctmap.TCP4)
+	tcp6, any6 := splitTCP(k6, ctmap.TCP6)
 	// One job per CT map. Each map has its own LRU lists and bucket locks,
 	// so the jobs of different maps run at once (one goroutine each, so on
 	// as many CPUs) without contending in the kernel: a scrub's deletes
@@ -437,6 +431,31 @@ func (c *Backend) deleteKeys(ctx context.Context, k4 []ctmap.CTKey4, k6 []ctmap.
 		errs = append(errs, j.err)
 	}
 	return left4, left6, errors.Join(errs...)
+}
+
+// coverBuf is a scrub's buffers for index.AppendCovered's keys.
+type coverBuf struct {
+	k4 []ctmap.CTKey4
+	k6 []ctmap.CTKey6
+}
+
+var coverBufs = sync.Pool{New: func() any { return new(coverBuf) }}
+
+// maxPooledKeys bounds the buffers kept for the next scrub (about 0.9 MB):
+// a pod of a million flows does not keep its scrub's memory after it.
+const maxPooledKeys = 1 << 16
+
+// splitTCP moves the keys of the TCP map (kind tcp) to the front of keys, in
+// place, and returns them and the rest (the "any" map's).
+func splitTCP[K interface{ Kind() ctmap.Kind }](keys []K, tcp ctmap.Kind) (tcpKeys, rest []K) {
+	n := 0
+	for i := range keys {
+		if keys[i].Kind() == tcp {
+			keys[n], keys[i] = keys[i], keys[n]
+			n++
+		}
+	}
+	return keys[:n], keys[n:]
 }
 
 // deleteJob is one CT map's share of a scrub's deletes (deleteKeys).
