@@ -380,12 +380,20 @@ func (d *Daemon) runFlight(f *flight) {
 	f.start = time.Now()
 	steps.Mark("queue")
 	req := scrub.Request{IPs: []netip.Addr{f.key.ip}, Reason: f.reason, DryRun: f.key.dry}
+	// The first backend on this goroutine, any other on one of its own: a
+	// goroutine started for the only backend (Cilium's, on most nodes) cost
+	// the scrub a wake-up of the other CPU, 0.05 ms on this VM.
 	var wg sync.WaitGroup
-	for i, b := range d.backends {
+	for i, b := range d.backends[1:] {
 		wg.Go(func() {
 			res, err := b.Scrub(f.ctx, req)
-			f.results[i] = normalize(b, f.ctx, res, err)
+			f.results[i+1] = normalize(b, f.ctx, res, err)
 		})
+	}
+	if len(d.backends) > 0 {
+		b := d.backends[0]
+		res, err := b.Scrub(f.ctx, req)
+		f.results[0] = normalize(b, f.ctx, res, err)
 	}
 	wg.Wait()
 	f.end = time.Now()
