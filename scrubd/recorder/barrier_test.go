@@ -107,22 +107,8 @@ func TestSyncWaitsForRecordsInTheRing(t *testing.T) {
 // not yet applied (the reader between ReadInto and Apply); only once the
 // reader notes it applied.
 func TestSyncFastPathNeedsAppliedRecords(t *testing.T) {
-	requireRoot(t)
-	dir, err := os.MkdirTemp("/sys/fs/bpf", "ctscrub-test-")
-	if err != nil {
-		t.Fatalf("bpffs dir (is bpffs mounted at /sys/fs/bpf?): %v", err)
-	}
-	t.Cleanup(func() { os.RemoveAll(dir) })
-	r, err := Load(Options{PinDir: filepath.Join(dir, "ctscrub"), CTRoot: t.TempDir()})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { r.Close() })
-	rd, err := ringbuf.NewReader(r.objs.RecEvents)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { rd.Close() })
+	l := loadPinned(t, Options{})
+	r, rd := l.Recorder, l.rd
 	b := &barrier{rd: rd, pos: mapPositions(r.objs.RecEvents)}
 	t.Cleanup(b.pos.close)
 	if b.pos == nil {
