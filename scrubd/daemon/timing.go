@@ -26,7 +26,7 @@ type afterList struct {
 }
 
 // afterAnswer runs fn once the answer of ctx's request is sent: its log
-// lines and metrics, which the caller (a CNI ADD or DEL waiting on a pod's
+// lines, which the caller (a CNI ADD or DEL waiting on a pod's
 // start or removal) need not wait for. Outside a request it runs fn at once.
 func afterAnswer(ctx context.Context, fn func()) {
 	if l, ok := ctx.Value(afterKey{}).(*afterList); ok {
