@@ -120,21 +120,22 @@ func (k CTKey6) String() string { return k.Tuple().String() }
 // Related returns the "related" ICMP key Cilium creates beside every entry:
 // same addresses, ports 0, protocol ICMP, flags | TUPLE_F_RELATED. It lives in
 // the "any" map.
-func (k CTKey4) Related() CTKey4 {
-	r := k
-	clear(r[8:12])
-	r[12] = ProtoICMP
-	r[13] = k[13] | FlagRelated
-	return r
-}
+func (k CTKey4) Related() CTKey4 { MakeRelated(k[:]); return k }
 
 // Related returns the ICMPv6 "related" key; see CTKey4.Related.
-func (k CTKey6) Related() CTKey6 {
-	r := k
-	clear(r[32:36])
-	r[36] = ProtoICMPv6
-	r[37] = k[37] | FlagRelated
-	return r
+func (k CTKey6) Related() CTKey6 { MakeRelated(k[:]); return k }
+
+// MakeRelated turns the bytes of a CT key (KeySize4 or KeySize6 long) into
+// its related key's, in place: the one definition, for the keys' Related
+// and for code that works on the bytes (index.Covered).
+func MakeRelated(b []byte) {
+	a := (len(b) - 6) / 2 // address size
+	clear(b[2*a : 2*a+4])
+	b[len(b)-2] = ProtoICMP
+	if len(b) == KeySize6 {
+		b[len(b)-2] = ProtoICMPv6
+	}
+	b[len(b)-1] |= FlagRelated
 }
 
 // WithFlags returns the key with its flags replaced, e.g. the IN twin of an
