@@ -66,10 +66,7 @@ FUZZTIME ?= 20s
 
 .PHONY: fuzz
 fuzz: ## Fuzz every parser briefly (FUZZTIME each, default 20s)
-	@set -e; for t in $(FUZZ_TARGETS); do \
-		echo "fuzz $${t#*:} ($${t%%:*}, $(FUZZTIME))"; \
-		$(GO) test ./$${t%%:*} -run '^$$' -fuzz "^$${t#*:}\$$" -fuzztime $(FUZZTIME) -timeout 0; \
-	done
+	GO=$(GO) FUZZTIME=$(FUZZTIME) ./scripts/fuzz.sh $(FUZZ_TARGETS)
 
 .PHONY: demo
 demo: build ## Demo node: netns pods through the real CNI chain, CT maps, scrubs (ENTRIES, default 1M)
