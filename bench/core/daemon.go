@@ -23,7 +23,8 @@ import (
 // the answer).
 type scrubd struct {
 	d      *daemon.Daemon
-	c      *client.Client
+	c      *client.Client // in this process: the untimed sweeps of complete
+	proc   *clientProc    // in a child process: the timed scrubs
 	sock   string
 	stop   context.CancelFunc
 	runErr chan error
@@ -55,10 +56,13 @@ func startScrubd(dir string) (*scrubd, error) {
 	}
 	ctx, stop := context.WithCancel(context.Background())
 	s := &scrubd{d: d, c: client.New(cfg.Socket), sock: sockDir, stop: stop, runErr: make(chan error, 1)}
-	s.c.Trace = true
 	go func() { s.runErr <- d.Run(ctx) }()
 	for {
 		if st, err := s.c.Status(context.Background()); err == nil && st.Ready {
+			if s.proc, err = startClient(cfg.Socket); err != nil {
+				s.close()
+				return nil, err
+			}
 			return s, nil
 		}
 		select {
@@ -72,36 +76,42 @@ func startScrubd(dir string) (*scrubd, error) {
 }
 
 func (s *scrubd) close() {
+	if s.proc != nil {
+		s.proc.close()
+	}
 	s.stop()
 	<-s.runErr
 	s.d.Close()
 	os.RemoveAll(s.sock)
 }
 
-// scrub is one scrub through the socket, as the plugin's DEL sends it.
-func (s *scrubd) scrub(ips []netip.Addr, reason scrub.Reason) (scrub.Result, error) {
-	resp, err := s.c.Scrub(context.Background(), api.ScrubRequest{IPs: ips, Reason: reason})
-	if n := len(s.c.Timings); n > 0 {
-		t := s.c.Timings[n-1]
-		s.c.Timings = s.c.Timings[:0]
-		if s.steps == nil {
-			s.steps = map[string][]time.Duration{}
-		}
-		s.steps["dial"] = append(s.steps["dial"], t.Dial)
-		rest := t.Total - t.Dial
-		for _, st := range t.Server {
-			s.steps[st.Name] = append(s.steps[st.Name], st.Dur)
-			rest -= st.Dur
-		}
-		s.steps["client"] = append(s.steps["client"], rest)
-	}
+// scrub is one scrub through the socket, as the plugin's DEL sends it,
+// from the child process; it returns the child's time for the whole call.
+func (s *scrubd) scrub(ips []netip.Addr, reason scrub.Reason) (scrub.Result, time.Duration, error) {
+	a, err := s.proc.scrub(api.ScrubRequest{IPs: ips, Reason: reason})
 	if err != nil {
-		return scrub.Result{}, err
+		return scrub.Result{}, 0, err
 	}
-	if len(resp.Results) != 1 {
-		return scrub.Result{}, fmt.Errorf("%d results, want one (cilium)", len(resp.Results))
+	s.record(a.Timing)
+	if a.Err != "" {
+		return scrub.Result{}, a.Timing.Total, fmt.Errorf("%s", a.Err)
 	}
-	return resp.Results[0], nil
+	return a.Result, a.Timing.Total, nil
+}
+
+// record adds one call's steps to s.steps: the client's connect ("dial"),
+// scrubd's steps and the rest of the round trip ("client").
+func (s *scrubd) record(t client.Timing) {
+	if s.steps == nil {
+		s.steps = map[string][]time.Duration{}
+	}
+	s.steps["dial"] = append(s.steps["dial"], t.Dial)
+	rest := t.Total - t.Dial
+	for _, st := range t.Server {
+		s.steps[st.Name] = append(s.steps[st.Name], st.Dur)
+		rest -= st.Dur
+	}
+	s.steps["client"] = append(s.steps["client"], rest)
 }
 
 // complete makes ips complete the way scrubd does for a pod it has not seen
@@ -111,11 +121,14 @@ func (s *scrubd) complete(ips []netip.Addr) error {
 	const chunk = 256
 	for len(ips) > 0 {
 		n := min(chunk, len(ips))
-		r, err := s.scrub(ips[:n], scrub.ReasonAdd)
+		resp, err := s.c.Scrub(context.Background(), api.ScrubRequest{IPs: ips[:n], Reason: scrub.ReasonAdd})
+		if err == nil && len(resp.Results) != 1 {
+			err = fmt.Errorf("%d results, want one (cilium)", len(resp.Results))
+		}
 		if err != nil {
 			return fmt.Errorf("sweep to make the pods complete: %w", err)
 		}
-		if r.Method != scrub.MethodSweep {
+		if r := resp.Results[0]; r.Method != scrub.MethodSweep {
 			return fmt.Errorf("scrub of %d unknown IPs: method %s, want sweep", n, r.Method)
 		}
 		for _, ip := range ips[:n] {
