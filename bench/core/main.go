@@ -49,6 +49,7 @@ import (
 	"github.com/cilium/ebpf/rlimit"
 	"golang.org/x/sys/unix"
 
+	"github.com/ctscrub/ctscrub/internal/machcost"
 	"github.com/ctscrub/ctscrub/internal/ciliumwalk"
 	"github.com/ctscrub/ctscrub/scrubd/cilium"
 	"github.com/ctscrub/ctscrub/scrubd/ctmap"
@@ -131,6 +132,9 @@ func (c config) targets() int {
 type result struct {
 	Date    string `json:"date"`
 	Machine string `json:"machine"`
+	// What the machine charged for a page fault, a syscall and a process
+	// start in this run (internal/machcost): compare runs by these.
+	MachineCosts machcost.Costs `json:"machine_costs"`
 	Entries int    `json:"entries"`
 	PerIP   int    `json:"per_ip"`
 	Pods    int    `json:"pods"`
@@ -271,6 +275,11 @@ func run(cfg config) (result, error) {
 	}
 	fmt.Printf("ctscrub core bench: %d entries, %d of them the target IP's, %d pod IPs; %s\n",
 		cfg.entries, cfg.perIP, cfg.pods, res.Machine)
+	var err error
+	if res.MachineCosts, err = machcost.Measure(); err != nil {
+		return res, fmt.Errorf("machine costs: %w", err)
+	}
+	fmt.Println("this machine now:", res.MachineCosts)
 
 	// The recorder's cost per packet (H1's measurement, BPF_PROG_TEST_RUN).
 	newNs, estNs, err := recorder.MeasurePacketCost(20000)

@@ -37,6 +37,7 @@ import (
 	"github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"
 
+	"github.com/ctscrub/ctscrub/internal/machcost"
 	"github.com/ctscrub/ctscrub/internal/nsexec"
 	"github.com/ctscrub/ctscrub/internal/testsupport/standin"
 	"github.com/ctscrub/ctscrub/scrubd/recorder"
@@ -64,6 +65,9 @@ type result struct {
 	HotEmpty    float64 `json:"hot_empty_ns"`
 	HotNewNs    float64 `json:"hot_new_flow_ns"`
 	LoadAverage string  `json:"loadavg"`
+	// What the machine charged for a page fault, a syscall and a process
+	// start (internal/machcost), measured after the phases.
+	MachineCosts machcost.Costs `json:"machine_costs"`
 }
 
 func envInt(name string, def int) int {
@@ -355,12 +359,18 @@ func run() error {
 	if b, err := os.ReadFile("/proc/loadavg"); err == nil {
 		res.LoadAverage = string(b[:len(b)-1])
 	}
+	mc, err := machcost.Measure()
+	if err != nil {
+		return fmt.Errorf("machine costs: %w", err)
+	}
+	res.MachineCosts = mc
 	fmt.Printf("recorder, %d concurrent flows (TCP and UDP), %.0f%% new per second, %d CPUs:\n", res.Flows, res.NewPerS*100, runtime.NumCPU())
 	fmt.Printf("  attach %.2f ms (p99 %.2f), detach %.2f ms\n", res.AttachP50*1e3, res.AttachP99*1e3, res.DetachP50*1e3)
 	fmt.Printf("  ns/packet (kernel run time; minus the %.1f ns floor): established TCP %.1f (%.1f), established UDP %.1f (%.1f), new flow %.1f (%.1f), mix %.1f (%.1f)\n",
 		res.FloorNs, res.TCPNs, res.TCPNetNs, res.UDPNs, res.UDPNetNs, res.NewNs, res.NewNetNs, res.MixNs, res.MixNetNs)
 	fmt.Printf("  hot (one packet repeated, BPF_PROG_TEST_RUN; empty program %.1f ns): established TCP4 %.1f, UDP4 %.1f, TCP6 %.1f, new flow %.0f\n",
 		res.HotEmpty, res.HotTCP4, res.HotUDP4, res.HotTCP6, res.HotNewNs)
+	fmt.Println("  this machine now:", res.MachineCosts)
 	out, _ := json.Marshal(res)
 	fmt.Println(string(out))
 	return nil

@@ -16,6 +16,8 @@ import (
 	"time"
 
 	current "github.com/containernetworking/cni/pkg/types/100"
+
+	"github.com/ctscrub/ctscrub/internal/machcost"
 )
 
 // BenchCNIConfig is `make bench-cni`'s environment.
@@ -68,6 +70,9 @@ type BenchCNIResult struct {
 	ChecksLeft   int     `json:"entries_left_at_checks"`
 	Checks       int     `json:"checks"`
 	Load1        string  `json:"load"`
+	// What the machine charged for a page fault, a syscall and a process
+	// start, measured before the pairs (internal/machcost).
+	MachineCosts machcost.Costs `json:"machine_costs"`
 	// Each step's median (seconds) of the ctscrub ADD and DEL calls
 	// (stepSamples.addCall names them); absent with TRACE=0.
 	AddSteps  map[string]float64 `json:"add_steps_p50_s,omitempty"`
@@ -106,6 +111,12 @@ func BenchCNI(ctx context.Context, cfg BenchCNIConfig, cleanup *Cleanup, w io.Wr
 	if err := removeLeftovers(w); err != nil {
 		return res, err
 	}
+	mc, err := machcost.Measure()
+	if err != nil {
+		return res, fmt.Errorf("machine costs: %w", err)
+	}
+	res.MachineCosts = mc
+	p.f("this machine now: %s\n", mc)
 	if err := os.MkdirAll(WorkDir, 0o700); err != nil {
 		return res, err
 	}
