@@ -49,8 +49,8 @@ import (
 	"github.com/cilium/ebpf/rlimit"
 	"golang.org/x/sys/unix"
 
-	"github.com/ctscrub/ctscrub/internal/machcost"
 	"github.com/ctscrub/ctscrub/internal/ciliumwalk"
+	"github.com/ctscrub/ctscrub/internal/machcost"
 	"github.com/ctscrub/ctscrub/scrubd/cilium"
 	"github.com/ctscrub/ctscrub/scrubd/ctmap"
 	"github.com/ctscrub/ctscrub/scrubd/index"
@@ -135,9 +135,9 @@ type result struct {
 	// What the machine charged for a page fault, a syscall and a process
 	// start in this run (internal/machcost): compare runs by these.
 	MachineCosts machcost.Costs `json:"machine_costs"`
-	Entries int    `json:"entries"`
-	PerIP   int    `json:"per_ip"`
-	Pods    int    `json:"pods"`
+	Entries      int            `json:"entries"`
+	PerIP        int            `json:"per_ip"`
+	Pods         int            `json:"pods"`
 
 	NextKeyWalkS    float64 `json:"nextkey_walk_s"`
 	NextKeyReps     int     `json:"nextkey_reps"`
