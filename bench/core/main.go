@@ -501,7 +501,7 @@ func indexOnly(cfg config, n int) (backend, sock time.Duration, err error) {
 // through the backend alone, alternating, each of a fresh target, and
 // checks each scrub.
 func indexSeries(nd *node, c *cilium.Backend, reps int) (d, sock, cpu, waited []time.Duration, err error) {
-	gcDuring := 0
+	gcDuring, gcDuringSock := 0, 0
 	// One OS thread for the whole series, so its CPU time and its wait for a
 	// CPU (schedstat) can be read around each backend scrub: on a shared
 	// machine the slow tail is time spent runnable but not running.
@@ -518,8 +518,12 @@ func indexSeries(nd *node, c *cilium.Backend, reps int) (d, sock, cpu, waited []
 		var r scrub.Result
 		if i%2 == 0 {
 			var took time.Duration
+			gc0 := gcCycles()
 			r, took, err = nd.scrubd.scrub([]netip.Addr{target}, scrub.ReasonDel)
 			sock = append(sock, took)
+			if gcCycles() != gc0 {
+				gcDuringSock++
+			}
 		} else {
 			gc0, wait0 := gcCycles(), runDelay()
 			cpu0 := threadCPU()
@@ -545,8 +549,8 @@ func indexSeries(nd *node, c *cilium.Backend, reps int) (d, sock, cpu, waited []
 	slow := slices.Clone(sock)
 	slices.Sort(slow)
 	slow = slow[max(0, len(slow)-5):]
-	fmt.Printf("  index scrubs: slowest through the socket %v; backend only: a Go GC cycle ran during %d of %d, CPU time median %s p99 %s, waiting for a CPU p99 %s\n",
-		slow, gcDuring, len(d), fmtDur(quantile(cpu, 0.5)), fmtDur(quantile(cpu, 0.99)), fmtDur(quantile(waited, 0.99)))
+	fmt.Printf("  index scrubs: slowest through the socket %v, a Go GC cycle of scrubd's ran during %d of %d; backend only: a Go GC cycle ran during %d of %d, CPU time median %s p99 %s, waiting for a CPU p99 %s\n",
+		slow, gcDuringSock, len(sock), gcDuring, len(d), fmtDur(quantile(cpu, 0.5)), fmtDur(quantile(cpu, 0.99)), fmtDur(quantile(waited, 0.99)))
 	return d, sock, cpu, waited, nil
 }
 
