@@ -267,6 +267,19 @@ func waitServing(t *testing.T, c *client.Client, done <-chan error) {
 	}
 }
 
+// waitScrubLines waits for at least n "scrub" log lines and returns them
+// all: scrubd writes a scrub's line after its answer has left
+// (afterAnswer), so a client may read the answer first.
+func (b *logBuffer) waitScrubLines(t *testing.T, n int) []map[string]any {
+	t.Helper()
+	var lines []map[string]any
+	waitFor(t, fmt.Sprintf("%d scrub log lines", n), func() bool {
+		lines = b.scrubLines(t)
+		return len(lines) >= n
+	})
+	return lines
+}
+
 // waitFor polls cond (a state of the daemon, not a timer) for up to 10 s.
 func waitFor(t *testing.T, what string, cond func() bool) {
 	t.Helper()
@@ -454,7 +467,7 @@ func TestScrubsOfDifferentIPsOverlap(t *testing.T) {
 	// The work intervals (logged per scrub) all overlap: the latest start
 	// comes before the earliest end.
 	var latestStart, earliestEnd time.Time
-	lines := td.logs.scrubLines(t)
+	lines := td.logs.waitScrubLines(t, pods)
 	if len(lines) != pods {
 		t.Fatalf("%d scrub log lines, want %d", len(lines), pods)
 	}
@@ -681,7 +694,7 @@ func TestDeadlineCancelsSweepAndRetryCompletes(t *testing.T) {
 	if st := td.Index().State(ip); st.Complete {
 		t.Errorf("IP marked complete after a cancelled sweep")
 	}
-	lines := td.logs.scrubLines(t)
+	lines := td.logs.waitScrubLines(t, 1)
 	if len(lines) != 1 || lines[0]["result"] != string(scrub.Cancelled) {
 		t.Fatalf("scrub log lines %v, want one cancelled scrub", lines)
 	}
