@@ -303,16 +303,30 @@ func TestDeleteHonoursFlowID(t *testing.T) {
 		t.Fatalf("delete the first flow: %d, %v", d, err)
 	}
 	// The kernel's ID hashes the entry's address: let fillers take the freed
-	// slab slot so the new flow lands elsewhere and gets another ID.
-	var fillers []Entry
-	for i := 0; i < 64; i++ {
-		fillers = append(fillers, udp("10.1.0.1", "10.1.0.2", uint16(i+1), 9))
+	// slab slot so the new flow lands elsewhere and gets another ID. The
+	// slab's free lists are per CPU, and the fillers may be made on the
+	// other CPU than the new flow (CI found the same ID once): then free
+	// the new flow's slot again and take it with more fillers.
+	var cur Entry
+	port := uint16(1)
+	for try := 0; ; try++ {
+		var fillers []Entry
+		for i := 0; i < 64; i++ {
+			fillers = append(fillers, udp("10.1.0.1", "10.1.0.2", port, 9))
+			port++
+		}
+		fill(t, tab, fillers)
+		fill(t, tab, []Entry{e})
+		cur = snapshot(t, tab)[keyOf(&e)]
+		if cur.ID != old.ID || try == 9 {
+			break
+		}
+		if d, err := n.deleteFlows(context.Background(), netip.Addr{}, []flow{{keyOf(&e), cur.ID}}); err != nil || d != 1 {
+			t.Fatalf("delete the recreated flow that took the old slot: %d, %v", d, err)
+		}
 	}
-	fill(t, tab, fillers)
-	fill(t, tab, []Entry{e})
-	cur := snapshot(t, tab)[keyOf(&e)]
 	if cur.ID == old.ID || cur.ID == 0 {
-		t.Fatalf("recreated flow has ID %d, old %d: cannot test the guard", cur.ID, old.ID)
+		t.Fatalf("recreated flow has ID %d, old %d after 10 tries: cannot test the guard", cur.ID, old.ID)
 	}
 	d, err := n.deleteFlows(context.Background(), netip.Addr{}, []flow{{keyOf(&e), old.ID}})
 	if err != nil || d != 0 {
