@@ -131,6 +131,8 @@ type Daemon struct {
 	hostAddrs map[netip.Addr]bool
 	hostAt    time.Time
 
+	ownNetns nsID // scrubd's own network namespace (netns.go); zero if unknown
+
 	// workCtx is the parent of every request and flight: cancelled when the
 	// shutdown grace runs out.
 	workCtx    context.Context
@@ -172,6 +174,11 @@ func New(opts Options) (*Daemon, error) {
 	}
 	for _, b := range opts.EntriesSplit {
 		d.entriesSplit[b] = true
+	}
+	if id, err := netnsID("/proc/self/ns/net"); err == nil {
+		d.ownNetns = id
+	} else {
+		opts.Logger.Warn("cannot read scrubd's own network namespace: an index start naming it is not refused", "err", err)
 	}
 	if d.ctEntries == nil {
 		d.ctEntries = prometheus.NewGaugeVec(prometheus.GaugeOpts{

@@ -466,6 +466,11 @@ func (d *Daemon) handleIndexStart(w http.ResponseWriter, r *http.Request) {
 		writeError(w, &api.Error{Code: api.CodeBadRequest, Message: "index start needs container_id, ifname and netns (the CNI_CONTAINERID, CNI_IFNAME and CNI_NETNS of the ADD)"})
 		return
 	}
+	if e := d.checkPodNetns(req.Netns); e != nil {
+		d.log.Warn("index start refused", "container_id", req.ContainerID, "ifname", req.IfName, "netns", req.Netns, "err", e.Message)
+		writeError(w, e)
+		return
+	}
 	ips, e := d.checkIPs(req.IPs)
 	steps.Mark("check")
 	if e != nil {

@@ -3,6 +3,7 @@ package daemon
 import (
 	"context"
 	"errors"
+	"fmt"
 	"net/netip"
 	"os"
 	"os/exec"
@@ -691,5 +692,43 @@ func TestDelLateLeavesNewOwnerAlone(t *testing.T) {
 	}
 	if left := root.entriesOf(t, pod.Addr4); left != live {
 		t.Errorf("the new owner's entries: %d before the old interface went, %d after", live, left)
+	}
+}
+
+// An index start whose netns is scrubd's own (the node's, with hostNetwork)
+// is refused before anything is attached: the recorder would otherwise put
+// its filters on the node's interface of that name. The plugin leaves this
+// check to scrubd (plugin/main.go).
+func TestIndexStartRefusesOwnNetns(t *testing.T) {
+	root, _ := standinRoot(t, 1<<12)
+	td := startDaemon(t, podConfig(t, root))
+	// An Ethernet interface of this process's (so scrubd's) namespace that
+	// the attach would take without the check.
+	la := netlink.NewLinkAttrs()
+	la.Name = "ctsown0"
+	veth := &netlink.Veth{LinkAttrs: la, PeerName: "ctsown1"}
+	if err := netlink.LinkAdd(veth); err != nil {
+		t.Fatalf("add a veth pair: %v", err)
+	}
+	t.Cleanup(func() { netlink.LinkDel(veth) })
+	ctx := context.Background()
+	own := fmt.Sprintf("/proc/%d/ns/net", os.Getpid())
+	ip := netpods.PodCIDR4.Addr().Next().Next()
+	err := td.c.IndexStart(ctx, api.IndexStartRequest{Attachment: api.Attachment{ContainerID: "c1", IfName: la.Name}, Netns: own, IPs: []netip.Addr{ip}})
+	e, ok := client.APIError(err)
+	if !ok || e.Code != api.CodeBadRequest || !strings.Contains(e.Message, "scrubd's own network namespace") {
+		t.Fatalf("index start in scrubd's own netns: %v, want %s naming the namespace", err, api.CodeBadRequest)
+	}
+	if on, err := recorder.Attached(own, la.Name); err != nil || on {
+		t.Errorf("recorder on %s of scrubd's netns: %v, %v; want not attached", la.Name, on, err)
+	}
+	if list, err := td.c.IndexList(ctx); err != nil || len(list.Pods) != 0 {
+		t.Errorf("attachments after the refusal: %+v, %v; want none", list, err)
+	}
+	// A pod's own namespace still attaches.
+	node := netpods.NewNode(t)
+	pod := node.AddPod()
+	if err := td.c.IndexStart(ctx, api.IndexStartRequest{Attachment: api.Attachment{ContainerID: "c2", IfName: "eth0"}, Netns: pod.Path, IPs: []netip.Addr{pod.Addr4}}); err != nil {
+		t.Fatalf("index start in the pod's netns: %v", err)
 	}
 }
