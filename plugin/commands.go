@@ -112,6 +112,9 @@ func attachmentID(args *skel.CmdArgs) string {
 // the pod gets no traffic before its IPs are clean and its flows recorded.
 func cmdAdd(args *skel.CmdArgs) error {
 	tr := newTrace("ADD")
+	if err := checkNetns(args.Netns); err != nil {
+		return err
+	}
 	conf, err := parseConfig(args.StdinData)
 	if err != nil {
 		return err
@@ -243,11 +246,15 @@ func cmdDel(args *skel.CmdArgs) error {
 		if client.IsUnavailable(err.err) && neverAdded(conf) {
 			fmt.Fprintf(stderr, "ctscrub: DEL %s: scrubd is unavailable, but without prevResult at cniVersion %s the runtime has no successful ADD on record: the pod never ran, nothing of it to scrub; letting the chain release its IP\n",
 				id, conf.CNIVersion)
-			return nil
+			return checkNetns(args.Netns)
 		}
-		return failure(conf, "DEL", id, err.what, err.err)
+		if err := failure(conf, "DEL", id, err.what, err.err); err != nil {
+			return err
+		}
 	}
-	return nil
+	// After the DEL's work, as skel checked it: the pod's entries are
+	// scrubbed whatever the runtime got wrong.
+	return checkNetns(args.Netns)
 }
 
 // neverAdded reports whether a DEL's config says the runtime has no record of

@@ -36,6 +36,7 @@ func main() {
 		}
 		return
 	}
+	skipSkelNetnsCheck() // ctscrub checks CNI_NETNS itself (netns.go)
 	skel.PluginMainFuncs(skel.CNIFuncs{
 		Add:    cmdAdd,
 		Del:    cmdDel,

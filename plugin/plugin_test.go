@@ -5,6 +5,7 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"net"
 	"net/http"
 	"net/netip"
@@ -403,25 +404,7 @@ func mustIPNet(t *testing.T, s string) net.IPNet {
 // The binary through skel: the environment, the error JSON on stdout and the
 // exit code are what a runtime sees.
 func TestBinaryThroughSkel(t *testing.T) {
-	self, err := os.Executable()
-	if err != nil {
-		t.Fatal(err)
-	}
-	exe := func(env []string, in []byte) (string, int) {
-		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-		defer cancel()
-		c := exec.CommandContext(ctx, self)
-		c.Env = append([]string{"CTSCRUB_TEST_AS_PLUGIN=1", "CNI_PATH=/opt/cni/bin", "CNI_CONTAINERID=c0ffee", "CNI_IFNAME=eth0"}, env...)
-		c.Stdin = bytes.NewReader(in)
-		out, err := c.Output()
-		var ee *exec.ExitError
-		if errors.As(err, &ee) {
-			return string(out), ee.ExitCode()
-		} else if err != nil {
-			t.Fatal(err)
-		}
-		return string(out), 0
-	}
+	exe := func(env []string, in []byte) (string, int) { return runAsPlugin(t, env, in) }
 
 	out, code := exe([]string{"CNI_COMMAND=VERSION"}, nil)
 	var vi struct{ SupportedVersions []string }
@@ -446,5 +429,60 @@ func TestBinaryThroughSkel(t *testing.T) {
 	out, code = exe([]string{"CNI_COMMAND=STATUS"}, stdin(t, "1.0.0", nil, nil))
 	if code != 1 || !strings.Contains(out, "does not allow STATUS") {
 		t.Fatalf("STATUS at 1.0.0: exit %d, %s", code, out)
+	}
+}
+
+// runAsPlugin runs the test binary as the plugin, through skel, with env
+// added to a runtime's usual variables; it returns stdout and the exit code.
+func runAsPlugin(t *testing.T, env []string, in []byte) (string, int) {
+	t.Helper()
+	self, err := os.Executable()
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	c := exec.CommandContext(ctx, self)
+	c.Env = append([]string{"CTSCRUB_TEST_AS_PLUGIN=1", "CNI_PATH=/opt/cni/bin", "CNI_CONTAINERID=c0ffee", "CNI_IFNAME=eth0"}, env...)
+	c.Stdin = bytes.NewReader(in)
+	out, err := c.Output()
+	var ee *exec.ExitError
+	if errors.As(err, &ee) {
+		return string(out), ee.ExitCode()
+	} else if err != nil {
+		t.Fatal(err)
+	}
+	return string(out), 0
+}
+
+// CNI_NETNS naming the plugin's own network namespace (plugin/netns.go):
+// an ADD is refused with skel's error before it asks scrubd anything; a
+// DEL does its work first, as skel had it; a runtime's CNI_NETNS_OVERRIDE
+// lets both through.
+func TestOwnNetnsRefused(t *testing.T) {
+	own := fmt.Sprintf("/proc/%d/ns/net", os.Getpid()) // the child's too
+	noDaemon := map[string]any{"socket": missingSocket(t)}
+	decode := func(out string) types.Error {
+		var e types.Error
+		json.Unmarshal([]byte(out), &e)
+		return e
+	}
+
+	out, code := runAsPlugin(t, []string{"CNI_COMMAND=ADD", "CNI_NETNS=" + own}, stdin(t, "1.0.0", noDaemon, prevResult("1.0.0")))
+	if e := decode(out); code != 1 || e.Code != types.ErrInvalidNetNS || strings.Contains(out, "unavailable") {
+		t.Fatalf("ADD in the plugin's own netns: exit %d, %s; want error %d before scrubd is asked", code, out, types.ErrInvalidNetNS)
+	}
+	out, code = runAsPlugin(t, []string{"CNI_COMMAND=ADD", "CNI_NETNS=" + own, "CNI_NETNS_OVERRIDE=true"}, stdin(t, "1.0.0", noDaemon, prevResult("1.0.0")))
+	if e := decode(out); code != 1 || e.Code == types.ErrInvalidNetNS || !strings.Contains(out, "unavailable") {
+		t.Fatalf("ADD in the plugin's own netns with CNI_NETNS_OVERRIDE: exit %d, %s; want it to go on to scrubd (unavailable)", code, out)
+	}
+	ignore := map[string]any{"socket": missingSocket(t), "failurePolicy": "ignore"}
+	out, code = runAsPlugin(t, []string{"CNI_COMMAND=DEL", "CNI_NETNS=" + own}, stdin(t, "1.0.0", ignore, prevResult("1.0.0")))
+	if e := decode(out); code != 1 || e.Code != types.ErrInvalidNetNS {
+		t.Fatalf("DEL in the plugin's own netns: exit %d, %s; want error %d after the DEL", code, out, types.ErrInvalidNetNS)
+	}
+	out, code = runAsPlugin(t, []string{"CNI_COMMAND=DEL", "CNI_NETNS=" + own, "CNI_NETNS_OVERRIDE=1"}, stdin(t, "1.0.0", ignore, prevResult("1.0.0")))
+	if code != 0 || out != "" {
+		t.Fatalf("DEL in the plugin's own netns with CNI_NETNS_OVERRIDE, policy ignore: exit %d, %s; want success", code, out)
 	}
 }
