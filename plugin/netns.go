@@ -24,8 +24,13 @@ const netnsOverrideEnv = "CNI_NETNS_OVERRIDE"
 var runtimeNetnsOverride = os.Getenv(netnsOverrideEnv)
 
 // skipSkelNetnsCheck turns skel's check off; main calls it before skel
-// reads the environment.
-func skipSkelNetnsCheck() { os.Setenv(netnsOverrideEnv, "1") }
+// reads the environment. Only ADD and DEL have the check (the first
+// os.Setenv copies the environment into a map: no cost for the others).
+func skipSkelNetnsCheck() {
+	if c := os.Getenv("CNI_COMMAND"); c == "ADD" || c == "DEL" {
+		os.Setenv(netnsOverrideEnv, "1")
+	}
+}
 
 func netnsOverridden() bool {
 	return strings.EqualFold(runtimeNetnsOverride, "true") || runtimeNetnsOverride == "1"
