@@ -5,7 +5,8 @@ import (
 	"strings"
 
 	"github.com/containernetworking/cni/pkg/types"
-	"golang.org/x/sys/unix"
+
+	"github.com/ctscrub/ctscrub/internal/netnsid"
 )
 
 // The CNI library's skel refuses an ADD or DEL whose CNI_NETNS is the
@@ -43,11 +44,11 @@ func checkNetns(netns string) error {
 	if netns == "" || netnsOverridden() {
 		return nil
 	}
-	var ns, self unix.Stat_t
-	if unix.Stat(netns, &ns) != nil || unix.Stat("/proc/self/ns/net", &self) != nil {
+	ns, err := netnsid.Of(netns)
+	if err != nil {
 		return nil
 	}
-	if ns.Dev == self.Dev && ns.Ino == self.Ino {
+	if self, err := netnsid.Self(); err == nil && ns == self {
 		return types.NewError(types.ErrInvalidNetNS, "plugin's netns and netns from CNI_NETNS should not be the same", "")
 	}
 	return nil

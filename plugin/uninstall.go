@@ -16,6 +16,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/ctscrub/ctscrub/internal/netnsid"
 	"github.com/ctscrub/ctscrub/scrubd/api"
 	"github.com/ctscrub/ctscrub/scrubd/recorder/tcfilter"
 )
@@ -148,15 +149,13 @@ func podNetns(dirs []string, stateFile, proc string) (paths []string, warn, err 
 			}
 		}
 	}
-	type nsID struct{ dev, ino uint64 }
-	seen := map[nsID]bool{}
+	seen := map[netnsid.ID]bool{}
 	for _, p := range cands {
-		var st unix.Stat_t
 		var fs unix.Statfs_t
-		if unix.Stat(p, &st) != nil || unix.Statfs(p, &fs) != nil || fs.Type != unix.NSFS_MAGIC {
+		id, err := netnsid.Of(p)
+		if err != nil || unix.Statfs(p, &fs) != nil || fs.Type != unix.NSFS_MAGIC {
 			continue
 		}
-		id := nsID{uint64(st.Dev), st.Ino}
 		if !seen[id] {
 			seen[id] = true
 			paths = append(paths, p)

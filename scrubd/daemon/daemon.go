@@ -26,6 +26,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/ctscrub/ctscrub/internal/netnsid"
 	"github.com/ctscrub/ctscrub/scrubd/api"
 	"github.com/ctscrub/ctscrub/scrubd/expiry"
 	"github.com/ctscrub/ctscrub/scrubd/index"
@@ -131,7 +132,7 @@ type Daemon struct {
 	hostAddrs map[netip.Addr]bool
 	hostAt    time.Time
 
-	ownNetns nsID // scrubd's own network namespace (netns.go); zero if unknown
+	ownNetns netnsid.ID // scrubd's own network namespace (netns.go); zero if unknown
 
 	// workCtx is the parent of every request and flight: cancelled when the
 	// shutdown grace runs out.
@@ -175,7 +176,7 @@ func New(opts Options) (*Daemon, error) {
 	for _, b := range opts.EntriesSplit {
 		d.entriesSplit[b] = true
 	}
-	if id, err := netnsID("/proc/self/ns/net"); err == nil {
+	if id, err := netnsid.Self(); err == nil {
 		d.ownNetns = id
 	} else {
 		opts.Logger.Warn("cannot read scrubd's own network namespace: an index start naming it is not refused", "err", err)

@@ -3,23 +3,9 @@ package daemon
 import (
 	"fmt"
 
-	"golang.org/x/sys/unix"
-
+	"github.com/ctscrub/ctscrub/internal/netnsid"
 	"github.com/ctscrub/ctscrub/scrubd/api"
 )
-
-// nsID is a network namespace's identity: the device and inode of its nsfs
-// file, whatever path names it (/proc/PID/ns/net, a bind mount under
-// /var/run/netns).
-type nsID struct{ dev, ino uint64 }
-
-func netnsID(path string) (nsID, error) {
-	var st unix.Stat_t
-	if err := unix.Stat(path, &st); err != nil {
-		return nsID{}, err
-	}
-	return nsID{dev: st.Dev, ino: st.Ino}, nil
-}
 
 // checkPodNetns refuses an index start whose netns is scrubd's own: with
 // hostNetwork (conf/daemonset.yaml) that is the node's, and the recorder
@@ -30,10 +16,10 @@ func netnsID(path string) (nsID, error) {
 // check (plugin/main.go) since this one runs before anything is attached.
 // A path that cannot be read is left to the attach, which says why.
 func (d *Daemon) checkPodNetns(path string) *api.Error {
-	if d.ownNetns == (nsID{}) {
+	if d.ownNetns == (netnsid.ID{}) {
 		return nil
 	}
-	id, err := netnsID(path)
+	id, err := netnsid.Of(path)
 	if err != nil || id != d.ownNetns {
 		return nil
 	}
