@@ -10,10 +10,9 @@ import (
 // checkPodNetns refuses an index start whose netns is scrubd's own: with
 // hostNetwork (conf/daemonset.yaml) that is the node's, and the recorder
 // would put its filters on the node's interface of that name. A runtime
-// that hands the node's namespace as CNI_NETNS is misconfigured; the CNI
-// library's skel checks the same thing against the plugin's namespace, but
-// only after the plugin's ADD has done its work, and the plugin skips that
-// check (plugin/main.go) since this one runs before anything is attached.
+// that hands the node's namespace as CNI_NETNS is misconfigured. The
+// plugin checks CNI_NETNS against its own namespace before an ADD
+// (plugin/netns.go); this check also covers any other caller of the API.
 // A path that cannot be read is left to the attach, which says why.
 func (d *Daemon) checkPodNetns(path string) *api.Error {
 	if d.ownNetns == (netnsid.ID{}) {

@@ -697,8 +697,8 @@ func TestDelLateLeavesNewOwnerAlone(t *testing.T) {
 
 // An index start whose netns is scrubd's own (the node's, with hostNetwork)
 // is refused before anything is attached: the recorder would otherwise put
-// its filters on the node's interface of that name. The plugin leaves this
-// check to scrubd (plugin/main.go).
+// its filters on the node's interface of that name. The plugin makes the
+// same check before it calls scrubd (plugin/netns.go).
 func TestIndexStartRefusesOwnNetns(t *testing.T) {
 	root, _ := standinRoot(t, 1<<12)
 	td := startDaemon(t, podConfig(t, root))
