@@ -27,8 +27,8 @@ func TestHooks(t *testing.T) {
 			tracked = append(tracked, ips...)
 		},
 	})
-	ix.Add4(k)
 	ix.Track(pod)
+	ix.Add4(k)
 	if len(tracked) != 1 || tracked[0] != pod {
 		t.Fatalf("Tracked hook got %v, want [%s]", tracked, pod)
 	}

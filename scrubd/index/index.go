@@ -18,6 +18,8 @@ package index
 
 import (
 	"context"
+	"errors"
+	"fmt"
 	"hash/maphash"
 	"net/netip"
 	"runtime"
@@ -42,7 +44,19 @@ const (
 	// ReasonServiceMaps: the recorder read service maps Cilium no longer
 	// filled until it reloaded its programs over the new ones.
 	ReasonServiceMaps = "Cilium's service maps changed under the recorder (agent restart)"
+	// ReasonNotFed is what a scrub reports for the IPs it swept because no
+	// recorder was feeding the index (not started yet, or stopped): flows
+	// since then may sit unread in the ring buffer or be missing. Sync
+	// fails with ErrNotFed; no slot is marked.
+	ReasonNotFed = "the recorder is not running: the index may miss flows"
+	// ReasonNotSynced: the recorder's reader did not apply the records
+	// produced before the scrub within the scrub's bound.
+	ReasonNotSynced = "the recorder's reader did not catch up in time"
 )
+
+// ErrNotFed is Sync's error while no recorder feeds the index (it has not
+// started, or it stopped): a scrub then trusts no IP's set and sweeps.
+var ErrNotFed = errors.New("index: " + ReasonNotFed)
 
 // Config bounds the index.
 type Config struct {
@@ -63,6 +77,13 @@ type Index struct {
 	incomplete atomic.Int64 // IPs marked incomplete
 
 	hooks atomic.Pointer[Hooks]
+	// feedMu guards feedUp and feedDown, the recorder's presence as Sync
+	// sees it: feedUp is closed once hooks are installed; feedDown is set
+	// when they are removed (the recorder stopped) and cleared when they
+	// are installed again.
+	feedMu   sync.Mutex
+	feedUp   chan struct{}
+	feedDown bool
 
 	gens atomic.Uint64 // source of IPEntry.gen values: never repeats
 }
@@ -84,19 +105,62 @@ type Hooks struct {
 	Sync func(ctx context.Context) error
 }
 
-// SetHooks installs h (nil removes them). scrubd/recorder.Run sets them.
-func (ix *Index) SetHooks(h *Hooks) { ix.hooks.Store(h) }
+// SetHooks installs h (nil removes them). scrubd/recorder.Run installs its
+// hooks when it starts reading and removes them when it stops; code that
+// adds every key itself, synchronously (benchmarks, tests), installs hooks
+// without Sync.
+func (ix *Index) SetHooks(h *Hooks) {
+	ix.feedMu.Lock()
+	defer ix.feedMu.Unlock()
+	ix.hooks.Store(h)
+	if h != nil {
+		ix.feedDown = false
+		select {
+		case <-ix.feedUp:
+		default:
+			close(ix.feedUp)
+		}
+		return
+	}
+	ix.feedDown = true
+	select {
+	case <-ix.feedUp:
+		ix.feedUp = make(chan struct{})
+	default:
+	}
+}
+
+// Fed reports whether hooks are installed: a recorder (or a caller adding
+// keys itself) feeds the index now.
+func (ix *Index) Fed() bool { return ix.hooks.Load() != nil }
 
 // Sync waits until the recorder has applied every record produced before the
 // call, so that an IP's set holds every flow the kernel reported until now.
-// A scrub calls it before it trusts the index. With no recorder running
-// (no hooks) there is nothing to wait for.
+// A scrub calls it before it trusts the index, and trusts no IP when it
+// fails. It fails closed: before the recorder has installed its hooks (the
+// daemon serves while the recorder starts) it waits for them within ctx;
+// after the recorder stopped it fails at once with ErrNotFed. Hooks
+// without Sync mean their installer adds every key synchronously.
 func (ix *Index) Sync(ctx context.Context) error {
-	h := ix.hooks.Load()
-	if h == nil || h.Sync == nil {
-		return nil
+	for {
+		if h := ix.hooks.Load(); h != nil {
+			if h.Sync == nil {
+				return nil
+			}
+			return h.Sync(ctx)
+		}
+		ix.feedMu.Lock()
+		up, down := ix.feedUp, ix.feedDown
+		ix.feedMu.Unlock()
+		if down {
+			return ErrNotFed
+		}
+		select {
+		case <-up:
+		case <-ctx.Done():
+			return fmt.Errorf("%w (waited for it to start: %w)", ErrNotFed, ctx.Err())
+		}
 	}
-	return h.Sync(ctx)
 }
 
 type shard struct {
@@ -114,6 +178,7 @@ type IPEntry struct {
 	keys4      keySet   // IPv4 keys, records relative to a4
 	keys6      keySet   // IPv6 keys, records relative to a16
 	tracked    bool     // swept (or created fresh) since the index started
+	held       bool     // a pod on this node holds the IP (Hold, Release)
 	incomplete string   // first reason it cannot prove completeness; "" when complete
 	pruneAt    int      // size at which the set is checked for stale keys
 	gen        uint64   // changes on every Take and Track (see State.Gen)
@@ -183,7 +248,7 @@ func New(cfg Config) *Index {
 	if cfg.MaxKeysPerIP == 0 {
 		cfg.MaxKeysPerIP = 1 << 20
 	}
-	ix := &Index{cfg: cfg, seed: maphash.MakeSeed()}
+	ix := &Index{cfg: cfg, seed: maphash.MakeSeed(), feedUp: make(chan struct{})}
 	for i := range ix.shards {
 		ix.shards[i].ips = make(map[netip.Addr]*IPEntry)
 	}
@@ -235,51 +300,157 @@ func (ix *Index) entry(ip netip.Addr, create bool) *IPEntry {
 // recorder's records and the benchmark's fills enter the index.
 func (ix *Index) Add4(k ctmap.CTKey4) {
 	for _, ip := range [2]netip.Addr{k.DAddr(), k.SAddr()} {
-		if !ix.Owns(ip) {
+		// Only IPs with a slot collect keys: this node's pods (Hold) and
+		// IPs a scrub tracks. A peer's address gets no slot of its own.
+		e := ix.slot(ip)
+		if e == nil {
 			continue
 		}
-		e := ix.entry(ip, true)
 		e.mu.Lock()
+		drop := false
 		if e.size() >= ix.cfg.MaxKeysPerIP && !e.has4(&k) {
-			ix.markLocked(e, ReasonFull)
+			drop = ix.markLocked(e, ReasonFull)
 		} else if e.add4(&k) {
 			ix.keys.Add(1)
 		}
 		e.mu.Unlock()
+		if drop {
+			ix.dropSlot(ip, e)
+		}
 	}
 }
 
 // Add6 is Add4 for IPv6 keys.
 func (ix *Index) Add6(k ctmap.CTKey6) {
 	for _, ip := range [2]netip.Addr{k.DAddr(), k.SAddr()} {
-		if !ix.Owns(ip) {
+		e := ix.slot(ip)
+		if e == nil {
 			continue
 		}
-		e := ix.entry(ip, true)
 		e.mu.Lock()
+		drop := false
 		if e.size() >= ix.cfg.MaxKeysPerIP && !e.has6(&k) {
-			ix.markLocked(e, ReasonFull)
+			drop = ix.markLocked(e, ReasonFull)
 		} else if e.add6(&k) {
 			ix.keys.Add(1)
 		}
 		e.mu.Unlock()
+		if drop {
+			ix.dropSlot(ip, e)
+		}
 	}
 }
 
-func (ix *Index) markLocked(e *IPEntry, reason string) {
+// slot returns ip's slot, or nil when it has none or lies outside the pod
+// CIDRs.
+func (ix *Index) slot(ip netip.Addr) *IPEntry {
+	if !ix.Owns(ip) {
+		return nil
+	}
+	return ix.entry(ip, false)
+}
+
+// markLocked marks e incomplete. A slot no pod of this node holds is
+// dropped instead (drop reports it; the caller drops it after unlocking):
+// an IP without a slot is incomplete already (ReasonUnknown), so nothing is
+// lost, and a node-wide marking (Cilium's maps re-created, the lost counter
+// full) does not leave the IPs of released pods and of peers marked for
+// ever.
+func (ix *Index) markLocked(e *IPEntry, reason string) (drop bool) {
 	if e.incomplete == "" {
 		e.incomplete = reason
 		ix.incomplete.Add(1)
 	}
+	return !e.held
 }
 
 // MarkIncomplete records that ip's index cannot prove completeness; its next
-// scrub sweeps.
+// scrub sweeps. An IP no pod of this node holds loses its slot instead
+// (markLocked).
 func (ix *Index) MarkIncomplete(ip netip.Addr, reason string) {
+	e := ix.entry(ip, false)
+	if e == nil {
+		return // no slot: incomplete already
+	}
+	e.mu.Lock()
+	drop := ix.markLocked(e, reason)
+	e.mu.Unlock()
+	if drop {
+		ix.dropSlot(ip, e)
+	}
+}
+
+// Hold records that a pod on this node holds ip (an index start, or the
+// attachments restored at start): its slot is kept whatever marks it, and
+// created (not tracked) when missing, so the pod's flows are indexed from
+// its first packet.
+func (ix *Index) Hold(ip netip.Addr) {
+	if !ix.Owns(ip) {
+		return
+	}
 	e := ix.entry(ip, true)
 	e.mu.Lock()
-	ix.markLocked(e, reason)
+	e.held = true
 	e.mu.Unlock()
+}
+
+// Release records that no pod of this node holds ip any more (its pod was
+// deleted). A complete slot stays: it keeps collecting the keys of live
+// pods' flows towards the IP, so the scrub at the IP's next ADD needs no
+// sweep. An incomplete one is dropped (markLocked).
+func (ix *Index) Release(ip netip.Addr) {
+	e := ix.entry(ip, false)
+	if e == nil {
+		return
+	}
+	e.mu.Lock()
+	e.held = false
+	drop := e.incomplete != "" || !e.tracked
+	e.mu.Unlock()
+	if drop {
+		ix.dropSlot(ip, e)
+	}
+}
+
+// Slots is the number of IP slots (metrics: the index's size in IPs).
+func (ix *Index) Slots() int {
+	n := 0
+	for i := range ix.shards {
+		sh := &ix.shards[i]
+		sh.mu.RLock()
+		n += len(sh.ips)
+		sh.mu.RUnlock()
+	}
+	return n
+}
+
+// dropSlot removes e, ip's slot, unless it was replaced or is held again.
+func (ix *Index) dropSlot(ip netip.Addr, e *IPEntry) {
+	sh := ix.shard(ip)
+	sh.mu.Lock()
+	if sh.ips[ip] != e {
+		sh.mu.Unlock()
+		return
+	}
+	e.mu.Lock()
+	if e.held {
+		// Held again meanwhile: the slot stays, with its mark.
+		e.mu.Unlock()
+		sh.mu.Unlock()
+		return
+	}
+	delete(sh.ips, ip)
+	ix.keys.Add(-int64(e.size()))
+	if e.incomplete != "" {
+		ix.incomplete.Add(-1)
+	}
+	// Anyone still holding e (a Take, an Add that found it) works on a
+	// slot no longer in the index: the IP has no slot, so it is not
+	// tracked (ReasonUnknown) whatever they do to e.
+	e.keys4, e.keys6 = keySet{}, keySet{}
+	e.incomplete, e.tracked = "", false
+	e.mu.Unlock()
+	sh.mu.Unlock()
 }
 
 // Track declares ip complete from now on: called after a sweep removed every
@@ -400,7 +571,10 @@ func (ix *Index) Return(ip netip.Addr, k4 []ctmap.CTKey4, k6 []ctmap.CTKey6) {
 	if len(k4)+len(k6) == 0 {
 		return
 	}
-	e := ix.entry(ip, true)
+	e := ix.entry(ip, false)
+	if e == nil {
+		return // dropped meanwhile: not tracked, its keys do not matter
+	}
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	for i := range k4 {

@@ -18,6 +18,9 @@ var (
 
 func TestAddIndexesPodAddressesOnly(t *testing.T) {
 	ix := New(Config{PodCIDRs: cidrs})
+	ix.Hold(podA)
+	ix.Hold(podB)
+	ix.Hold(remote) // outside the pod CIDRs: no slot
 	ix.Add4(ctmap.NewKey4(podA, remote, 443, 40000, ctmap.ProtoTCP, ctmap.FlagOut))
 	ix.Add4(ctmap.NewKey4(podA, podB, 80, 40001, ctmap.ProtoTCP, ctmap.FlagOut))
 	if got := ix.State(podA).Keys; got != 2 {
@@ -36,6 +39,7 @@ func TestAddIndexesPodAddressesOnly(t *testing.T) {
 
 func TestCompleteness(t *testing.T) {
 	ix := New(Config{PodCIDRs: cidrs})
+	ix.Hold(podA)
 	k := ctmap.NewKey4(podA, remote, 53, 5353, ctmap.ProtoUDP, ctmap.FlagOut)
 	ix.Add4(k)
 	if st := ix.State(podA); st.Complete || st.Incomplete != ReasonUnknown {
@@ -57,6 +61,8 @@ func TestCompleteness(t *testing.T) {
 
 func TestTakeReturn(t *testing.T) {
 	ix := New(Config{PodCIDRs: cidrs})
+	ix.Hold(podA)
+	ix.Hold(netip.MustParseAddr("fd00:244::a"))
 	for p := range uint16(10) {
 		ix.Add4(ctmap.NewKey4(podA, remote, 80, 1000+p, ctmap.ProtoTCP, ctmap.FlagOut))
 	}
@@ -73,6 +79,7 @@ func TestTakeReturn(t *testing.T) {
 
 func TestFullMarksIncomplete(t *testing.T) {
 	ix := New(Config{PodCIDRs: cidrs, MaxKeysPerIP: 5})
+	ix.Hold(podA)
 	ix.Track(podA)
 	for p := range uint16(8) {
 		ix.Add4(ctmap.NewKey4(podA, remote, 80, p, ctmap.ProtoTCP, ctmap.FlagOut))
@@ -85,6 +92,7 @@ func TestFullMarksIncomplete(t *testing.T) {
 
 func TestPrune(t *testing.T) {
 	ix := New(Config{PodCIDRs: cidrs})
+	ix.Track(podA)
 	for p := range uint16(2048) {
 		ix.Add4(ctmap.NewKey4(podA, remote, 80, p, ctmap.ProtoTCP, ctmap.FlagOut))
 	}
@@ -106,6 +114,7 @@ func TestConcurrentIPs(t *testing.T) {
 		go func() {
 			defer wg.Done()
 			ip := netip.AddrFrom4([4]byte{10, 244, 1, byte(g)})
+			ix.Hold(ip)
 			for p := range uint16(1000) {
 				ix.Add4(ctmap.NewKey4(ip, remote, 80, p, ctmap.ProtoTCP, ctmap.FlagOut))
 				if p%100 == 0 {
@@ -134,6 +143,7 @@ func TestMemoryPerKey(t *testing.T) {
 	ix := New(Config{PodCIDRs: cidrs})
 	for p := range pods {
 		ip := netip.AddrFrom4([4]byte{10, 244, byte(p >> 8), byte(p)})
+		ix.Hold(ip)
 		for f := range perPod {
 			ix.Add4(ctmap.NewKey4(ip, remote, 443, uint16(f), ctmap.ProtoTCP, ctmap.FlagOut))
 		}

@@ -16,6 +16,7 @@ import (
 func TestKeySetMatchesMap(t *testing.T) {
 	rng := rand.New(rand.NewPCG(1, 2))
 	ix := New(Config{PodCIDRs: cidrs})
+	ix.Hold(podA)
 	want := map[ctmap.CTKey4]bool{}
 	randKey := func() ctmap.CTKey4 {
 		// Few distinct values so that adds hit present keys and removals
@@ -78,6 +79,9 @@ func TestKeySetMatchesMap(t *testing.T) {
 // and a key naming the IP on both sides is stored once and comes back whole.
 func TestKeySetBothSides(t *testing.T) {
 	ix := New(Config{PodCIDRs: cidrs})
+	ix.Hold(podA)
+	ix.Hold(podB)
+	ix.Hold(netip.MustParseAddr("fd00:244::1"))
 	self := ctmap.NewKey4(podA, podA, 80, 40000, ctmap.ProtoTCP, ctmap.FlagOut)
 	pair := ctmap.NewKey4(podB, podA, 80, 40000, ctmap.ProtoTCP, ctmap.FlagOut)
 	v6 := ctmap.NewKey6(netip.MustParseAddr("fd00:244::1"), netip.MustParseAddr("2001:db8::1"), 53, 999, ctmap.ProtoUDP, ctmap.FlagOut)
@@ -106,6 +110,7 @@ func TestKeySetBothSides(t *testing.T) {
 // Add for the IP completes while gone is blocked.
 func TestPruneKeepsKeysAddedMeanwhile(t *testing.T) {
 	ix := New(Config{PodCIDRs: cidrs})
+	ix.Hold(podA)
 	k1 := ctmap.NewKey4(podA, remote, 443, 40000, ctmap.ProtoTCP, ctmap.FlagOut)
 	k2 := ctmap.NewKey4(podA, remote, 443, 40001, ctmap.ProtoTCP, ctmap.FlagOut)
 	k3 := ctmap.NewKey4(podA, remote, 443, 40002, ctmap.ProtoTCP, ctmap.FlagOut)

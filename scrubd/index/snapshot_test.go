@@ -12,6 +12,8 @@ func TestSnapshotRoundTrip(t *testing.T) {
 	a, b, c := netip.MustParseAddr("10.0.0.1"), netip.MustParseAddr("fd00::2"), netip.MustParseAddr("10.0.0.3")
 	remote := netip.MustParseAddr("192.0.2.9")
 	ix.Track(a)
+	ix.Hold(b)
+	ix.Hold(c)
 	for i := range 10 {
 		ix.Add4(ctmap.NewKey4(a, remote, 80, uint16(1000+i), ctmap.ProtoTCP, ctmap.FlagOut))
 	}
