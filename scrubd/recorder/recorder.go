@@ -113,9 +113,10 @@ type Recorder struct {
 	reloaded []*ebpf.Program
 
 	ifaces   [64]sync.Mutex // striped by interface: Attach/Detach of one interface in turn
-	lostMu   sync.Mutex
-	lostSeen map[[16]byte]uint64 // last lost count acted on, per IP
-	overflow uint64              // last overflow count acted on
+	lostMu    sync.Mutex
+	lostSeen  map[[16]byte]uint64 // last lost count acted on, per IP
+	overflow  uint64              // last overflow count acted on
+	lostTotal atomic.Uint64       // rec_lost_total when PollLost last read the counts
 	// An older recorder's per-IP lost counter (LRU, pin removed): its
 	// programs count into it until Attach replaces them, so it is polled too.
 	legacy     *ebpf.Map
@@ -428,16 +429,8 @@ func (r *Recorder) attachFilters(netnsPath, ifname string, mark func(string)) (a
 			return fmt.Errorf("add clsact qdisc to %s: %w", ifname, err)
 		}
 		mark("qdisc")
-		in, eg := r.programs()
-		for _, f := range []*netlink.BpfFilter{
-			recorderFilter(ifindex, netlink.HANDLE_MIN_INGRESS, in),
-			recorderFilter(ifindex, netlink.HANDLE_MIN_EGRESS, eg),
-		} {
-			// Creates the filter, or swaps the program of ours in place.
-			if err := h.FilterReplace(f); err != nil {
-				return fmt.Errorf("add cls_bpf filter (priority %d, handle %#x) to %s: %w (another filter of another kind at priority %d?)",
-					FilterPriority, FilterHandle, ifname, err, FilterPriority)
-			}
+		if err := r.replaceFilters(h, ifindex, ifname); err != nil {
+			return err
 		}
 		mark("filters")
 		list, err := h.AddrList(l, netlink.FAMILY_ALL)
@@ -453,6 +446,24 @@ func (r *Recorder) attachFilters(netnsPath, ifname string, mark func(string)) (a
 		return nil
 	})
 	return addrs, ifindex, err
+}
+
+// replaceFilters creates the interface's two filters or swaps their program
+// in place. The programs' fds are used under progMu's read lock:
+// ReloadPrograms closes the programs it replaces under the write lock.
+func (r *Recorder) replaceFilters(h *netlink.Handle, ifindex int, ifname string) error {
+	r.progMu.RLock()
+	defer r.progMu.RUnlock()
+	for _, f := range []*netlink.BpfFilter{
+		recorderFilter(ifindex, netlink.HANDLE_MIN_INGRESS, r.prog[0]),
+		recorderFilter(ifindex, netlink.HANDLE_MIN_EGRESS, r.prog[1]),
+	} {
+		if err := h.FilterReplace(f); err != nil {
+			return fmt.Errorf("add cls_bpf filter (priority %d, handle %#x) to %s: %w (another filter of another kind at priority %d?)",
+				FilterPriority, FilterHandle, ifname, err, FilterPriority)
+		}
+	}
+	return nil
 }
 
 // Attached reports whether ctscrub's filters are on ifname in netnsPath
@@ -570,7 +581,12 @@ func (r *Recorder) Run(ctx context.Context, ix *index.Index) error {
 	r.bar.Store(bar)
 	defer r.bar.Store(nil)
 	hooks := r.hooks(ix)
-	hooks.Sync = bar.wait
+	hooks.Sync = func(ctx context.Context) error {
+		if err := bar.wait(ctx); err != nil {
+			return err
+		}
+		return r.syncLost(ix)
+	}
 	ix.SetHooks(hooks)
 	defer ix.SetHooks(nil)
 	ctx, cancel := context.WithCancel(ctx)
@@ -579,17 +595,20 @@ func (r *Recorder) Run(ctx context.Context, ix *index.Index) error {
 	wg.Add(1)
 	go func() {
 		defer wg.Done()
+		// Scrubs do not wait for this poll: Sync reads the counters
+		// itself (syncLost). It keeps the marks (and their metric)
+		// current between scrubs.
 		t := time.NewTicker(time.Second)
 		defer t.Stop()
-		for tick := 0; ; tick++ {
-			if err := r.PollLost(ix); err != nil {
-				r.opts.Log.Warn("recorder: poll lost counters", "err", err)
-			}
+		for {
 			select {
 			case <-ctx.Done():
 				rd.Close()
 				return
 			case <-t.C:
+			}
+			if err := r.PollLost(ix); err != nil {
+				r.opts.Log.Warn("recorder: poll lost counters", "err", err)
 			}
 		}
 	}()
@@ -719,7 +738,13 @@ func (r *Recorder) ReloadPrograms() error {
 	r.progMu.Lock()
 	r.prog = [2]*ebpf.Program{objs.RecorderIngress, objs.RecorderEgress}
 	r.vip, r.svc = vip, ids
-	r.reloaded = append(r.reloaded, objs.RecorderIngress, objs.RecorderEgress)
+	// The programs an earlier reload made: filters still using them hold
+	// their own references (until Attach moves them), so only this
+	// process's fds go. Load's own stay in r.objs until Close.
+	for _, p := range r.reloaded {
+		p.Close()
+	}
+	r.reloaded = []*ebpf.Program{objs.RecorderIngress, objs.RecorderEgress}
 	r.progMu.Unlock()
 	r.opts.Log.Warn("recorder: Cilium's service maps changed; programs reloaded over the maps pinned now",
 		"vip_detection_v4", vip[0], "vip_detection_v6", vip[1])
@@ -733,12 +758,45 @@ func (r *Recorder) programs() (ingress, egress *ebpf.Program) {
 	return r.prog[0], r.prog[1]
 }
 
+// syncLost is the second half of Index.Sync, after the ring's barrier: a
+// record lost before the scrub asked is in no ring, only in the lost
+// counters, and the poll of those runs once a second. One lookup of
+// rec_lost_total tells whether any loss happened since the counts were last
+// read; if so, PollLost marks the IPs now, before the scrub reads their
+// state. The program counts a loss per IP (or as overflow) before it counts
+// it in the total, so a total that moved means the per-IP count is there.
+func (r *Recorder) syncLost(ix *index.Index) error {
+	var total uint64
+	if err := r.objs.RecLostTotal.Lookup(uint32(0), &total); err != nil {
+		return fmt.Errorf("recorder: read lost counter: %w", err)
+	}
+	if total == r.lostTotal.Load() {
+		return nil
+	}
+	return r.PollLost(ix)
+}
+
 // PollLost marks incomplete every IP whose lost count grew since the last
 // poll, and every IP of the index when rec_lost_ip had no room to count a
-// loss (its overflow counter grew). Run calls it every second.
+// loss (its overflow counter grew). Run calls it every second, and Sync
+// when the total moved (syncLost).
 func (r *Recorder) PollLost(ix *index.Index) error {
 	r.lostMu.Lock()
 	defer r.lostMu.Unlock()
+	// The total first: a loss counted after this read is seen by the next
+	// poll or Sync, since its per-IP count may not be read below.
+	var total uint64
+	if err := r.objs.RecLostTotal.Lookup(uint32(0), &total); err != nil {
+		return fmt.Errorf("recorder: read lost counter: %w", err)
+	}
+	if err := r.pollLostLocked(ix); err != nil {
+		return err
+	}
+	r.lostTotal.Store(total)
+	return nil
+}
+
+func (r *Recorder) pollLostLocked(ix *index.Index) error {
 	var over uint64
 	if err := r.objs.RecLostOverflow.Lookup(uint32(0), &over); err != nil {
 		return fmt.Errorf("recorder: read lost overflow counter: %w", err)
@@ -780,6 +838,14 @@ func (r *Recorder) Lost() uint64 {
 		return 0
 	}
 	return v
+}
+
+// Reloaded reports how many reloaded programs the recorder holds open (2
+// after any number of reloads, 0 before the first).
+func (r *Recorder) Reloaded() int {
+	r.progMu.RLock()
+	defer r.progMu.RUnlock()
+	return len(r.reloaded)
 }
 
 // Close releases the programs and maps. Pinned maps and the filters stay, so

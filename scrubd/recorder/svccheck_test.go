@@ -67,3 +67,40 @@ func TestServiceMapChangeNoticed(t *testing.T) {
 		t.Fatalf("after ReloadPrograms: VIP detection v4 %v v6 %v, changed %v", v4, v6, r2.ServiceMapsChanged())
 	}
 }
+
+// Each service-map reload closes the programs of the reload before it (the
+// filters that still use them hold their own references): reloads on every
+// agent restart must not pile up programs in scrubd.
+func TestReloadsDoNotAccumulatePrograms(t *testing.T) {
+	requireRoot(t)
+	dir := standin.TempDir(t)
+	if err := standin.CreateServiceMaps(dir); err != nil {
+		t.Fatal(err)
+	}
+	r, err := Load(Options{PinDir: filepath.Join(dir, "ctscrub"), CTRoot: dir})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { r.Close() })
+	first, _ := r.Programs()
+	var prev [2]int
+	for i := range 5 {
+		if err := standin.RecreateServiceMap4(dir); err != nil {
+			t.Fatal(err)
+		}
+		if err := r.ReloadPrograms(); err != nil {
+			t.Fatal(err)
+		}
+		in, eg := r.Programs()
+		if i > 0 && (prev[0] == in.FD() || prev[1] == eg.FD()) {
+			t.Fatalf("reload %d: programs unchanged", i)
+		}
+		prev = [2]int{in.FD(), eg.FD()}
+		if n := r.Reloaded(); n != 2 {
+			t.Fatalf("reload %d: %d reloaded programs held open, want 2", i, n)
+		}
+	}
+	if first.FD() < 0 {
+		t.Fatal("Load's own program closed by a reload (Close owns it)")
+	}
+}

@@ -1,0 +1,66 @@
+package recorder
+
+import (
+	"context"
+	"net/netip"
+	"os"
+	"path/filepath"
+	"testing"
+	"time"
+
+	"github.com/ctscrub/ctscrub/scrubd/index"
+)
+
+// A ring overflow marks the IPs whose records it lost before any scrub
+// trusts them: Index.Sync reads the lost counters itself, so a scrub right
+// after a burst (many pods starting at once, the ring full) does not wait
+// for the once-a-second poll. Real losses: a one-page ring and the reader
+// stopped while the pod opens more flows than the ring holds.
+func TestSyncSeesLossesAtOnce(t *testing.T) {
+	requireRoot(t)
+	dir, err := os.MkdirTemp("/sys/fs/bpf", "ctscrub-test-")
+	if err != nil {
+		t.Fatalf("bpffs dir (is bpffs mounted at /sys/fs/bpf?): %v", err)
+	}
+	t.Cleanup(func() { os.RemoveAll(dir) })
+	r, err := Load(Options{PinDir: filepath.Join(dir, "ctscrub"), CTRoot: t.TempDir(), RingBytes: os.Getpagesize()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { r.Close() })
+	ix := index.New(index.Config{PodCIDRs: []netip.Prefix{netip.MustParsePrefix("10.244.0.0/16")}})
+	ix.Hold(pod4)
+	ix.Track(pod4) // complete: swept at its ADD
+
+	// The burst, with no reader: more new flows than the ring holds.
+	for sport := range uint16(400) {
+		frame := eth(0x0800).add(ipv4(17, 0, pod4, peer4)...).add(ports(10000+sport, 53, 8)...).b
+		if err := r.RunFrame(true, frame); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if r.Lost() == 0 {
+		t.Fatal("no record lost: the burst did not overflow the ring")
+	}
+
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- r.Run(ctx, ix) }()
+	t.Cleanup(func() {
+		cancel()
+		if err := <-done; err != nil {
+			t.Error(err)
+		}
+	})
+	// The scrub's first step, as soon as the reader runs.
+	sctx, scancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer scancel()
+	began := time.Now()
+	if err := ix.Sync(sctx); err != nil {
+		t.Fatal(err)
+	}
+	if st := ix.State(pod4); st.Complete || st.Incomplete != index.ReasonLost {
+		t.Fatalf("%s right after Sync (%v after the reader started), %d records lost: %+v, want incomplete (%s)",
+			pod4, time.Since(began), r.Lost(), st, index.ReasonLost)
+	}
+}
