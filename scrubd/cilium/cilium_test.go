@@ -149,7 +149,7 @@ func TestScrubWhileOthersInsert(t *testing.T) {
 func TestScrubIncompleteTakesSweep(t *testing.T) {
 	needRoot(t)
 	maps := pinnedMaps(t, 1<<16, true)
-	ix := index.New(index.Config{PodCIDRs: []netip.Prefix{podCIDR4, podCIDR6}, MaxKeysPerIP: 50})
+	ix := fedIndex(index.Config{PodCIDRs: []netip.Prefix{podCIDR4, podCIDR6}, MaxKeysPerIP: 50})
 	w := newWorld(t, maps, ix)
 	untracked := netip.MustParseAddr("10.244.0.20") // never tracked: flows from before the index started
 	lost := netip.MustParseAddr("10.244.0.21")

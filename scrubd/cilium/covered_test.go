@@ -133,6 +133,7 @@ func TestDryRunChangesNoKernelState(t *testing.T) {
 	// the recorder forget that probe's cached flows (a generation bump).
 	probe := netip.MustParseAddr("10.244.9.9")
 	pk := ctmap.NewKey4(probe, remote4, 80, 999, ctmap.ProtoTCP, ctmap.FlagOut)
+	c.ix.Hold(probe)
 	deadline := time.Now().Add(5 * time.Second)
 	for {
 		g := sum()

@@ -74,7 +74,16 @@ func newCilium(t testing.TB, maps *ctmap.Maps, ix *index.Index) *Backend {
 }
 
 func newIndex() *index.Index {
-	return index.New(index.Config{PodCIDRs: []netip.Prefix{podCIDR4, podCIDR6}})
+	return fedIndex(index.Config{PodCIDRs: []netip.Prefix{podCIDR4, podCIDR6}})
+}
+
+// fedIndex is an index these tests feed themselves, synchronously: hooks
+// without Sync tell the backend that nothing is left to apply (without
+// them a scrub finds no recorder and sweeps).
+func fedIndex(cfg index.Config) *index.Index {
+	ix := index.New(cfg)
+	ix.SetHooks(&index.Hooks{})
+	return ix
 }
 
 // flow is one connection as Cilium's datapath stores it: the key of the
@@ -151,6 +160,9 @@ func (w *world) nextPort() uint16 { w.port++; return w.port }
 // recorder.Apply as the recorder would.
 func (w *world) addFlows(ip, peer netip.Addr, n int, record bool) {
 	w.t.Helper()
+	// Pods of this node: they hold their IPs, as after their ADD.
+	w.ix.Hold(ip)
+	w.ix.Hold(peer)
 	var flows []flow
 	remote := remote4
 	if ip.Is6() {

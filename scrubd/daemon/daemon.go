@@ -282,12 +282,7 @@ func (d *Daemon) Run(ctx context.Context) error {
 	bgCtx, stopBG := context.WithCancel(context.Background())
 	defer stopBG()
 	if d.rec != nil {
-		bg.Go(func() {
-			if err := d.rec.Run(bgCtx, d.ix); err != nil && bgCtx.Err() == nil {
-				d.log.Error("recorder stopped: new flows are not indexed; their IPs will sweep", "err", err)
-				d.ready.Store(false)
-			}
-		})
+		bg.Go(func() { d.runRecorder(bgCtx) })
 	}
 	for _, t := range d.tasks {
 		bg.Go(func() {
@@ -343,6 +338,52 @@ func (d *Daemon) Run(ctx context.Context) error {
 	return runErr
 }
 
+// Recorder restart backoff: the first retry after recorderRetryMin, doubling
+// to recorderRetryMax; a run that lasted recorderRetryMax starts over.
+const (
+	recorderRetryMin = 500 * time.Millisecond
+	recorderRetryMax = 30 * time.Second
+)
+
+// runRecorder runs the recorder's reader until ctx ends, restarting it when
+// it stops with an error. While it is down the index has no hooks, so
+// Index.Sync fails and every scrub sweeps (fails closed) and /readyz says
+// so; the kernel side keeps recording into the pinned ring buffer, and the
+// records made meanwhile are applied when it runs again (losses are
+// counted per IP and mark those IPs).
+func (d *Daemon) runRecorder(ctx context.Context) {
+	wait := recorderRetryMin
+	for {
+		began := time.Now()
+		err := d.rec.Run(ctx, d.ix)
+		if ctx.Err() != nil {
+			return
+		}
+		if err == nil {
+			err = errors.New("returned without an error before shutdown")
+		}
+		d.m.recorderRestarts.Inc()
+		if time.Since(began) >= recorderRetryMax {
+			wait = recorderRetryMin
+		}
+		d.log.Error("recorder stopped: no IP's index is trusted, every scrub sweeps until it runs again",
+			"err", err, "restart_in", wait.String())
+		select {
+		case <-ctx.Done():
+			return
+		case <-time.After(wait):
+		}
+		wait = min(2*wait, recorderRetryMax)
+	}
+}
+
+// recorderUp reports whether the recorder feeds the index now (true when
+// the daemon runs without one).
+func (d *Daemon) recorderUp() bool { return d.rec == nil || d.ix.Fed() }
+
+// isReady is /readyz's answer: serving, and the recorder running.
+func (d *Daemon) isReady() bool { return d.ready.Load() && d.recorderUp() }
+
 // Close releases the backends and the recorder. Pins stay in place.
 func (d *Daemon) Close() error {
 	var errs []error
@@ -379,7 +420,17 @@ func (d *Daemon) restore() error {
 	if restored {
 		d.log.Info("index restored from the snapshot of a clean stop", "keys", d.ix.Keys(), "incomplete_ips", d.ix.IncompleteIPs())
 	}
+	// The restored pods hold their IPs (before any mark: a mark drops a
+	// slot no pod holds); a restored slot no pod holds is kept only when
+	// complete (index.Release).
 	active, _ := d.pods.list()
+	held := map[netip.Addr]bool{}
+	for _, pod := range active {
+		for _, ip := range pod.IPs {
+			d.ix.Hold(ip)
+			held[ip] = true
+		}
+	}
 	for _, pod := range active {
 		if !restored {
 			for _, ip := range pod.IPs {
@@ -415,7 +466,12 @@ func (d *Daemon) restore() error {
 			}
 		}
 	}
-	if len(active) > 0 {
+	for _, ip := range d.ix.IPs() {
+		if d.pods.owner(ip) == nil { // incl. pods gone while scrubd was down
+			d.ix.Release(ip)
+		}
+	}
+	if len(active) > 0 && !restored {
 		d.log.Info("restored attachments; their IPs are marked incomplete until a sweep", "pods", len(active))
 	}
 	return nil

@@ -144,6 +144,7 @@ func podFlows(ip netip.Addr, n int) []ctmap.CTKey4 {
 // through recorder.Apply, after declaring the IP tracked (a pod whose every
 // flow the recorder saw).
 func indexFlows(d *Daemon, ip netip.Addr, keys []ctmap.CTKey4) {
+	d.Index().Hold(ip) // a pod of this node holds it, as after its ADD
 	d.Index().Track(ip)
 	for _, k := range keys {
 		if k.Flags()&ctmap.FlagRelated != 0 {

@@ -31,6 +31,7 @@ func TestFeatureReasonInAPIAndMetrics(t *testing.T) {
 
 	scrubAndState := func(ip netip.Addr) *api.IPState {
 		t.Helper()
+		td.Index().Hold(ip) // a pod of this node, as after its ADD
 		root.put4(t, podFlows(ip, 5))
 		resp, err := td.c.Scrub(ctx, api.ScrubRequest{IPs: []netip.Addr{ip}, Reason: scrub.ReasonDel})
 		if err != nil {

@@ -477,6 +477,17 @@ func (d *Daemon) handleIndexStart(w http.ResponseWriter, r *http.Request) {
 		writeError(w, e)
 		return
 	}
+	// Held from before its scrub: a slot no pod holds is dropped when
+	// marked, and this pod's flows must be indexed from its first packet.
+	for _, ip := range ips {
+		d.ix.Hold(ip)
+	}
+	started := false
+	defer func() {
+		if !started {
+			d.releaseUnheld(ips)
+		}
+	}()
 	if req.Scrub && !d.scrubBeforeStart(w, r, req, ips) {
 		return
 	}
@@ -508,6 +519,7 @@ func (d *Daemon) handleIndexStart(w http.ResponseWriter, r *http.Request) {
 		writeError(w, &api.Error{Code: api.CodeInternal, Message: err.Error()})
 		return
 	}
+	started = true
 	for _, old := range displaced {
 		d.log.Warn("index start: an older attachment held the same IP; stopped it (its DEL never reached scrubd)",
 			"container_id", old.ContainerID, "ifname", old.IfName, "ips", old.IPs, "new_container_id", req.ContainerID)
@@ -633,6 +645,7 @@ func (d *Daemon) handleIndexStop(w http.ResponseWriter, r *http.Request) {
 	if !known {
 		d.unseenOwner("DEL of an attachment scrubd never indexed", "container_id", req.ContainerID, "ifname", req.IfName)
 	}
+	d.releaseUnheld(pod.IPs)
 	netns := req.Netns
 	if netns == "" {
 		netns = pod.Netns
@@ -700,7 +713,7 @@ func (d *Daemon) Status() api.Status {
 	return api.Status{
 		Version:       d.version,
 		Backends:      d.backendNames(),
-		Ready:         d.ready.Load(),
+		Ready:         d.isReady(),
 		PodCIDRs:      d.cidrs,
 		IndexedPods:   d.pods.activeCount(),
 		IndexKeys:     keys,
@@ -725,9 +738,23 @@ func (d *Daemon) handleReadyz(w http.ResponseWriter, r *http.Request) {
 		http.Error(w, "not ready: CT maps not open, programs not loaded, or shutting down", http.StatusServiceUnavailable)
 		return
 	}
+	if !d.recorderUp() {
+		http.Error(w, "not ready: the recorder is not running (scrubs sweep until it runs again; see scrubd's log)", http.StatusServiceUnavailable)
+		return
+	}
 	w.Write([]byte("ready\n"))
 }
 
 func (d *Daemon) handleCTStats(w http.ResponseWriter, r *http.Request) {
 	writeJSON(w, http.StatusOK, api.CTStats{Maps: d.refreshStats(r.Context())})
+}
+
+// releaseUnheld tells the index that no pod holds those of ips no active
+// attachment holds (index.Release).
+func (d *Daemon) releaseUnheld(ips []netip.Addr) {
+	for _, ip := range ips {
+		if d.pods.owner(ip) == nil {
+			d.ix.Release(ip)
+		}
+	}
 }

@@ -25,15 +25,16 @@ var stepBuckets = []float64{
 type metrics struct {
 	reg *prometheus.Registry
 
-	duration   *prometheus.HistogramVec
-	steps      *prometheus.HistogramVec
-	deleted    *prometheus.CounterVec
-	refused    *prometheus.CounterVec
-	shared     prometheus.Counter
-	ctEntries  *prometheus.GaugeVec
-	ctMax      *prometheus.GaugeVec
-	statsError *prometheus.CounterVec
-	late       *prometheus.CounterVec
+	duration         *prometheus.HistogramVec
+	steps            *prometheus.HistogramVec
+	deleted          *prometheus.CounterVec
+	refused          *prometheus.CounterVec
+	shared           prometheus.Counter
+	ctEntries        *prometheus.GaugeVec
+	ctMax            *prometheus.GaugeVec
+	statsError       *prometheus.CounterVec
+	late             *prometheus.CounterVec
+	recorderRestarts prometheus.Counter
 }
 
 func newMetrics(d *Daemon, reg *prometheus.Registry) *metrics {
@@ -84,7 +85,11 @@ func newMetrics(d *Daemon, reg *prometheus.Registry) *metrics {
 			Help: "Late DEL scrubs (once the deleted pod's interface is gone, docs/daemon.md) per IP: scrubbed, new_owner (an ADD of the IP came first: left alone), incomplete (index incomplete: left to the next ADD's sweep), failed.",
 		}, []string{"result"}),
 	}
-	reg.MustRegister(m.duration, m.steps, m.deleted, m.refused, m.shared, m.ctMax, m.statsError, m.late)
+	m.recorderRestarts = prometheus.NewCounter(prometheus.CounterOpts{
+		Name: "ctscrub_recorder_restarts_total",
+		Help: "Times the recorder's reader stopped with an error and was restarted (every scrub sweeps while it is down).",
+	})
+	reg.MustRegister(m.duration, m.steps, m.deleted, m.refused, m.shared, m.ctMax, m.statsError, m.late, m.recorderRestarts)
 	// The entries gauge may be shared with (and registered by) the expiry pass.
 	if err := reg.Register(m.ctEntries); err != nil {
 		if _, ok := err.(prometheus.AlreadyRegisteredError); !ok {
@@ -97,6 +102,19 @@ func newMetrics(d *Daemon, reg *prometheus.Registry) *metrics {
 			Help: "Scrub requests admitted and not yet answered (running or queued).",
 		}, func() float64 { return float64(d.admitted.Load()) }),
 		indexCollector{d},
+		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+			Name: "ctscrub_recorder_running",
+			Help: "1 while the recorder feeds the index (or scrubd runs without one); 0 while it is down and every scrub sweeps.",
+		}, func() float64 {
+			if d.recorderUp() {
+				return 1
+			}
+			return 0
+		}),
+		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+			Name: "ctscrub_index_ips",
+			Help: "IP slots in the Cilium index: this node's pods' IPs and released IPs kept complete.",
+		}, func() float64 { return float64(d.ix.Slots()) }),
 		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 			Name: "ctscrub_indexed_pods",
 			Help: "Pod interfaces the recorder is attached to.",

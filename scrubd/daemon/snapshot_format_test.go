@@ -17,6 +17,7 @@ func TestSnapshotFormatVersions(t *testing.T) {
 	pod6 := netip.MustParseAddr("fd00::1")
 	ix := index.New(index.Config{})
 	ix.Track(pod)
+	ix.Hold(pod6)
 	var v1 []snapshotIP
 	o4 := snapshotIP{IP: pod, Tracked: true}
 	for i := range 100 {
