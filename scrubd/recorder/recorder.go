@@ -112,7 +112,7 @@ type Recorder struct {
 	// reloaded: programs of a ReloadPrograms (r.objs holds the first ones).
 	reloaded []*ebpf.Program
 
-	ifaces   [64]sync.Mutex // striped by interface: Attach/Detach of one interface in turn
+	ifaces    [64]sync.Mutex // striped by interface: Attach/Detach of one interface in turn
 	lostMu    sync.Mutex
 	lostSeen  map[[16]byte]uint64 // last lost count acted on, per IP
 	overflow  uint64              // last overflow count acted on
