@@ -250,8 +250,10 @@ func (c *Backend) Scrub(ctx context.Context, req scrub.Request) (scrub.Result, e
 				featured = map[netip.Addr]string{}
 			}
 			featured[ip] = r
-			c.ix.MarkIncomplete(ip, r)
-			c.features.counted(r)
+			if !req.DryRun { // a dry run changes nothing, and still sweeps
+				c.ix.MarkIncomplete(ip, r)
+				c.features.counted(r)
+			}
 		}
 	}
 	steps.Mark("features")
@@ -264,7 +266,7 @@ func (c *Backend) Scrub(ctx context.Context, req scrub.Request) (scrub.Result, e
 		}
 		// The index only holds keys of IPs in the pod CIDRs: any other IP
 		// always takes the sweep, whatever its slot says.
-		if !synced || !c.ix.Owns(ip) || !c.ix.State(ip).Complete {
+		if !synced || featured[ip] != "" || !c.ix.Owns(ip) || !c.ix.State(ip).Complete {
 			if req.IndexOnly {
 				continue
 			}
@@ -339,8 +341,10 @@ func (c *Backend) Scrub(ctx context.Context, req scrub.Request) (scrub.Result, e
 	// One TrackAll: the recorder forgets the flows of all these IPs in
 	// shared passes over its seen caches rather than one pass per IP.
 	c.ix.TrackAll(track)
-	for ip, r := range featured {
-		c.ix.MarkIncomplete(ip, r)
+	for _, ip := range track {
+		if r := featured[ip]; r != "" {
+			c.ix.MarkIncomplete(ip, r)
+		}
 	}
 	steps.Mark("take")
 	sr, err := c.sweeper.Sweep(ctx, sweepIPs, req.DryRun)

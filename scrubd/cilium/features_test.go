@@ -320,3 +320,36 @@ func BenchmarkFeaturesReason(b *testing.B) {
 		}
 	})
 }
+
+// A dry run changes nothing: a feature that makes a real scrub of the IP
+// sweep makes the dry run report the sweep, but it neither marks the IP
+// incomplete (its next real scrub would sweep for a dry run's sake, and the
+// IP would count in ctscrub_index_incomplete_ips) nor counts a feature mark.
+func TestDryRunMarksNothing(t *testing.T) {
+	w, c := trackedWorld(t, 1<<14)
+	spec := ctmap.TCP4.Spec(64000)
+	spec.Name = "cilium_ct4_00042"
+	m, err := ebpf.NewMap(spec)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer m.Close()
+	if err := m.Pin(filepath.Join(w.maps.Root, "cilium_ct4_00042")); err != nil {
+		t.Fatal(err)
+	}
+	want := w.expected(podA)
+	res, err := c.Scrub(context.Background(), scrub.Request{IPs: []netip.Addr{podA}, Reason: scrub.ReasonDel, DryRun: true})
+	if err != nil || res.Outcome != scrub.Complete || res.PerIP[podA.String()] != scrub.MethodSweep {
+		t.Fatalf("dry run with a per-endpoint CT map: %+v, %v; want a complete sweep", res, err)
+	}
+	checkDeleted(t, res, want)
+	if st := c.ix.State(podA); !st.Complete || st.Incomplete != "" {
+		t.Errorf("the dry run changed the index: %+v", st)
+	}
+	for _, r := range FeatureReasons {
+		if n := c.Features().Marks(r.Label); n != 0 {
+			t.Errorf("the dry run counted %d %s marks", n, r.Label)
+		}
+	}
+	w.verify() // nothing deleted
+}
