@@ -386,13 +386,20 @@ func (s *scrubRun) sweep() error {
 	}
 	if err != nil && !s.req.DryRun {
 		// Entries from before the pass may be left: the next scrub sweeps.
+		why := ReasonSweepFailed
+		if cancelled(err) {
+			why = index.ReasonCancelled
+		}
 		for _, h := range s.taken {
 			s.c.ix.Return(h.ip, h.k4, h.k6)
-			s.c.ix.MarkIncomplete(h.ip, index.ReasonCancelled)
+			s.c.ix.MarkIncomplete(h.ip, why)
 		}
 	}
 	return err
 }
+
+// ReasonSweepFailed marks the IPs of a sweep that failed (not cancelled).
+const ReasonSweepFailed = "sweep failed before it finished"
 
 func cancelled(err error) bool {
 	return errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded)

@@ -110,8 +110,9 @@ func TestSweepRefusedWhileSetIsDirty(t *testing.T) {
 	if err == nil || !strings.Contains(err.Error(), "sweep refused") || res.Outcome != scrub.Failed || res.Total != 0 {
 		t.Fatalf("a pass with a dirty set: %+v, %v; want refused, nothing deleted", res, err)
 	}
-	if st := c.ix.State(podA); st.Complete {
-		t.Errorf("an IP whose sweep was refused is complete: %+v", st)
+	// Marked for what happened: a failure, not a cancel.
+	if st := c.ix.State(podA); st.Complete || st.Incomplete != ReasonSweepFailed {
+		t.Errorf("an IP whose sweep was refused: %+v; want incomplete, %q", st, ReasonSweepFailed)
 	}
 	w.verify() // nothing deleted
 
