@@ -526,6 +526,20 @@ func (d *Daemon) handleIndexStart(w http.ResponseWriter, r *http.Request) {
 	writeJSON(w, http.StatusOK, pod)
 }
 
+// reasonNotReattached marks the IPs of a pod the recorder could not re-attach
+// to after a restart: its flows since then are not recorded.
+const reasonNotReattached = "recorder could not re-attach to the pod after a restart"
+
+// reattachFailed is the reason a restored pod's IPs are marked incomplete
+// when the recorder's re-attach failed with err: attached but behind cached
+// flows of an earlier holder of the IPs (recorder.ErrForget), or not at all.
+func reattachFailed(err error) string {
+	if errors.Is(err, recorder.ErrForget) {
+		return recorder.ReasonForgetFailed
+	}
+	return reasonNotReattached
+}
+
 // scrubBeforeStart runs an index start's scrub (api.IndexStartRequest.Scrub)
 // as POST PathScrub would run the ADD's scrub. It reports whether the scrub
 // completed; when not, it has answered.
