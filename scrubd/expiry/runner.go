@@ -39,8 +39,6 @@ type Runner struct {
 	walks    int  // walks so far: each starts one map further on
 	decided  bool // a decision from evidence was made (and logged)
 
-	// testRefreshMarker switches on bpf/expiry.c's TEST ONLY refresh hook.
-	testRefreshMarker uint64
 	// reopenErr: the last Reopen failed, no pass runs until one succeeds.
 	reopenErr error
 
@@ -296,7 +294,7 @@ func (r *Runner) params(sweep bool, clock Clock) passArgs {
 		hz = 1024 // unknown: the widest window, so no jiffies entry is judged implausibly far
 	}
 	life := r.cfg.MaxLifetime.Seconds()
-	a := passArgs{Clock: uint32(clockIndex(clock)), TestRefreshMarker: r.testRefreshMarker}
+	a := passArgs{Clock: uint32(clockIndex(clock))}
 	if sweep {
 		a.Flags |= flagSweep
 	}
