@@ -130,7 +130,7 @@ func (d *Daemon) scrubGC(w http.ResponseWriter, r *http.Request, claim *gcClaim,
 		switch {
 		case newOwner[ip]:
 			skipped = append(skipped, ip)
-		case d.pods.owner(ip) == nil: // an ADD since the scrub owns it
+		case d.pods.owner(ip) == nil: // not owned by an ADD since the scrub
 			free = append(free, ip)
 		}
 	}
