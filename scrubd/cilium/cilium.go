@@ -183,16 +183,16 @@ func (c *Backend) Scrub(ctx context.Context, req scrub.Request) (scrub.Result, e
 		}
 	}
 	ips, err := c.checkIPs(req.IPs)
-	if err == nil {
-		var unlock func()
-		unlock, err = c.lockIPs(ctx, ips)
-		s.steps.Mark("lock")
-		if err == nil {
-			err = s.run(ips)
-			unlock()
-		}
+	if err != nil {
+		return s.finish(start, err)
 	}
-	return s.finish(start, err)
+	unlock, err := c.lockIPs(ctx, ips)
+	s.steps.Mark("lock")
+	if err != nil {
+		return s.finish(start, err)
+	}
+	defer unlock()
+	return s.finish(start, s.run(ips))
 }
 
 // checkIPs validates a request's IPs against the maps present.
