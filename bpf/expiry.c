@@ -106,7 +106,6 @@ struct expiry_args {
 	__u32 clock;                   /* clock to delete by (EXPIRY_F_SWEEP) */
 	__u32 max_future[NUM_CLOCKS];  /* longest CT timeout, in each clock's units */
 	__u32 floor[NUM_CLOCKS];       /* smallest lifetime the clock can produce */
-	__u64 test_refresh_marker;     /* TEST ONLY, see refresh_hook; 0 = off */
 	/* out */
 	__u64 now_ktime_ns;
 	__u64 now_jiffies64;
@@ -172,22 +171,33 @@ static __always_inline int doomed(struct state *st, __u32 lt)
 	return lt < st->sel_now && lt >= st->sel_floor;
 }
 
-/* TEST ONLY (off unless test_refresh_marker != 0): stands in for Cilium's
- * datapath refreshing the entry between the moment the pass judged it expired
- * and the moment it deletes it. The datapath does this for real from another
- * CPU (ct_update_timeout writes lifetime in place through its own lookup);
- * that window cannot be hit on demand from a test, so the program writes the
- * refresh itself, the same way, at the worst moment. */
+#ifdef CTSCRUB_TEST_REFRESH
+/* Test builds only (internal/testsupport/standin compiles this file with
+ * CTSCRUB_TEST_REFRESH; the shipped object has no such code, so no holder of
+ * its fd can make it write an entry): stands in for Cilium's datapath
+ * refreshing an entry whose bytes are test_refresh_marker between the moment
+ * the pass judged it expired and the moment it deletes it. The datapath does
+ * this for real from another CPU (ct_update_timeout writes lifetime in place
+ * through its own lookup); that window cannot be hit on demand from a test,
+ * so the program writes the refresh itself, the same way, at the worst
+ * moment. */
+volatile __u64 test_refresh_marker;
+
 static __always_inline void refresh_hook(struct state *st, void *map, void *key)
 {
 	struct ct_entry *e;
 
-	if (!st->a.test_refresh_marker)
+	if (!test_refresh_marker)
 		return;
 	e = bpf_map_lookup_elem(map, key);
-	if (e && e->bytes == st->a.test_refresh_marker)
+	if (e && e->bytes == test_refresh_marker)
 		*(volatile __u32 *)&e->lifetime = st->sel_now + 60; /* WRITE_ONCE, as Cilium */
 }
+#else
+static __always_inline void refresh_hook(struct state *st, void *map, void *key)
+{
+}
+#endif
 
 /* Delete the pending entry only if it is still expired now: re-read it through
  * a fresh lookup (the datapath may have refreshed it in place, or replaced it

@@ -4,7 +4,7 @@
 /* The sweep: one in-kernel pass over one of Cilium's CT maps that deletes
  * every entry whose daddr or saddr is in a set of IPs (ips4/ips6, filled from
  * user space). Run with BPF_PROG_TEST_RUN; loaded once per CT map with the
- * real map given as a replacement for ct4/ct6. scrubd/scrub drives it. */
+ * real map given as a replacement for ct4/ct6. scrubd/cilium's Sweeper drives it. */
 #include <linux/bpf.h>
 #include <bpf/bpf_helpers.h>
 #include "ctscrub.h"
@@ -33,7 +33,9 @@ struct ip6 {
 
 /* The IP set of one pass. The value counts the entries of that IP the pass
  * deleted (or, in a dry run, matched), so every caller sharing a pass gets its
- * own count. An entry holding two IPs of the set counts for both. */
+ * own count. An entry holding two IPs of the set counts for both. Shared by
+ * every pass: user space takes a pass's IPs out however it ends, and runs no
+ * pass while one is left (scrubd/cilium Sweeper.left). */
 #define SWEEP_MAX_IPS 65536
 
 struct {
@@ -58,7 +60,7 @@ volatile __u32 stop;
 /* A bit per (folded) address of the IP set, set from user space before each
  * pass: most entries hold no IP of the set, and two reads of this 8 KiB
  * array (plain memory, no helper call) reject them before the hash lookups.
- * scrubd/scrub.filterBit computes the same fold. */
+ * scrubd/cilium.addrFilter computes the same fold. */
 #define FILTER_WORDS 1024
 __u64 filter4[FILTER_WORDS];
 __u64 filter6[FILTER_WORDS];
@@ -79,7 +81,7 @@ static __always_inline int maybe(__u64 *filter, __u32 a)
 #define SWEEP_F_COUNT 2   /* only count the map's entries (no IP set) */
 
 /* The BPF_PROG_TEST_RUN context: flags in, counters out. Mirrors
- * scrubd/scrub.sweepArgs. */
+ * scrubd/cilium.sweepArgs. */
 struct sweep_args {
 	__u32 flags;
 	__u32 stopped; /* the pass saw the stop flag and ended early */

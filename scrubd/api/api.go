@@ -153,6 +153,9 @@ type GCResponse struct {
 	// Results of scrubbing the dropped attachments' IPs (reason gc), except
 	// IPs a valid attachment holds now.
 	Results []scrub.Result `json:"results,omitempty"`
+	// Skipped are dropped attachments' IPs left alone: an ADD took them
+	// while the GC ran, and their new pod's entries are live.
+	Skipped []netip.Addr `json:"skipped,omitempty"`
 }
 
 // MapStats is one CT map's occupancy.

@@ -167,200 +167,261 @@ func (c *Backend) Reopen(maps *ctmap.Maps, during func()) (old *ctmap.Maps, err 
 // so far.
 func (c *Backend) Scrub(ctx context.Context, req scrub.Request) (scrub.Result, error) {
 	start := time.Now()
-	res := scrub.Result{
+	// Held to the end: Reopen waits for scrubs on the old maps.
+	c.mu.RLock()
+	defer c.mu.RUnlock()
+	s := &scrubRun{c: c, ctx: ctx, req: req, steps: api.StepsFrom(ctx), res: scrub.Result{
 		Backend: c.Name(),
 		Method:  scrub.MethodIndex,
 		Outcome: scrub.Complete,
 		Deleted: map[string]int{},
 		PerIP:   map[string]scrub.Method{},
-	}
-	// Held to the end: Reopen waits for scrubs on the old maps.
-	c.mu.RLock()
-	defer c.mu.RUnlock()
+	}}
 	for _, k := range ctmap.Kinds {
 		if c.maps.Map(k) != nil {
-			res.Deleted[k.Name()] = 0
+			s.res.Deleted[k.Name()] = 0
 		}
 	}
-	finish := func(err error) (scrub.Result, error) {
-		res.Duration = time.Since(start)
-		res.Total = 0
-		for _, n := range res.Deleted {
-			res.Total += n
-		}
-		switch {
-		case err == nil:
-		case errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded):
-			res.Outcome = scrub.Cancelled
-			res.Error = err.Error()
-		default:
-			res.Outcome = scrub.Failed
-			res.Error = err.Error()
-		}
-		return res, err
-	}
-
-	ips, err := scrub.CheckIPs(req.IPs)
-	if err == nil {
-		for _, ip := range ips {
-			if ip.Is6() && !c.maps.HasIPv6() {
-				err = fmt.Errorf("%w: %s is IPv6 but the IPv6 CT maps (%s, %s) are not present under %s (IPv6 disabled in Cilium?); nothing deleted",
-					scrub.ErrBadRequest, ip, ctmap.TCP6.Name(), ctmap.Any6.Name(), c.maps.Root)
-				break
-			}
-		}
-	}
+	ips, err := c.checkIPs(req.IPs)
 	if err != nil {
-		return finish(err)
+		return s.finish(start, err)
 	}
-
-	steps := api.StepsFrom(ctx) // nil when no caller times the scrub
 	unlock, err := c.lockIPs(ctx, ips)
-	steps.Mark("lock")
+	s.steps.Mark("lock")
 	if err != nil {
-		return finish(err)
+		return s.finish(start, err)
 	}
 	defer unlock()
+	return s.finish(start, s.run(ips))
+}
 
-	// The index path for IPs whose index is complete.
-	var sweepIPs []netip.Addr
-	type held struct {
-		ip netip.Addr
-		k4 []ctmap.CTKey4
-		k6 []ctmap.CTKey6
+// checkIPs validates a request's IPs against the maps present.
+func (c *Backend) checkIPs(ips []netip.Addr) ([]netip.Addr, error) {
+	ips, err := scrub.CheckIPs(ips)
+	if err != nil {
+		return nil, err
 	}
-	var taken []held
+	for _, ip := range ips {
+		if ip.Is6() && !c.maps.HasIPv6() {
+			return nil, fmt.Errorf("%w: %s is IPv6 but the IPv6 CT maps (%s, %s) are not present under %s (IPv6 disabled in Cilium?); nothing deleted",
+				scrub.ErrBadRequest, ip, ctmap.TCP6.Name(), ctmap.Any6.Name(), c.maps.Root)
+		}
+	}
+	return ips, nil
+}
+
+// A scrubRun is one Scrub while it holds its IPs' scrub locks: the index path
+// IP by IP, then one sweep for the IPs the index cannot prove complete.
+type scrubRun struct {
+	c     *Backend
+	ctx   context.Context
+	req   scrub.Request
+	steps *api.Steps // nil when no caller times the scrub
+	res   scrub.Result
+
+	featured map[netip.Addr]string // IPs a Cilium feature sends to the sweep, and why
+	sweepIPs []netip.Addr
+	taken    []heldKeys // keys taken from the index for IPs that sweep
+}
+
+// heldKeys are an IP's keys a scrub took from the index: given back, with
+// the IP marked incomplete, when its sweep does not complete.
+type heldKeys struct {
+	ip netip.Addr
+	k4 []ctmap.CTKey4
+	k6 []ctmap.CTKey6
+}
+
+func (s *scrubRun) run(ips []netip.Addr) error {
 	// The IPs' newest records may still sit in the recorder's ring buffer
 	// (its reader lags under load or after a burst of new flows): the index
 	// is trusted only once everything produced until now is applied, or
 	// the scrub deleted a set that misses those flows and called it complete.
-	synced := c.syncIndex(ctx) == nil
-	steps.Mark("sync")
-	// Cilium features that put the IP's entries where the recorder or the
-	// global maps do not reach (L7 proxy, per-endpoint or per-cluster CT
-	// maps): the IP is marked incomplete, so it sweeps, and stays marked
-	// after the sweep (featured) while the feature is on.
-	var featured map[netip.Addr]string
+	synced := s.c.syncIndex(s.ctx) == nil
+	s.steps.Mark("sync")
+	s.markFeatures(ips)
+	s.steps.Mark("features")
 	for _, ip := range ips {
-		if !c.ix.Owns(ip) {
-			continue
+		if err := s.ctx.Err(); err != nil {
+			return err
 		}
-		if r := c.features.Reason(ip); r != "" {
-			if featured == nil {
-				featured = map[netip.Addr]string{}
-			}
-			featured[ip] = r
-			c.ix.MarkIncomplete(ip, r)
-			c.features.counted(r)
-		}
-	}
-	steps.Mark("features")
-	for _, ip := range ips {
-		if err := ctx.Err(); err != nil {
-			return finish(err)
-		}
-		if req.Still != nil && !req.Still(ip) {
+		if s.req.Still != nil && !s.req.Still(ip) {
 			continue
 		}
 		// The index only holds keys of IPs in the pod CIDRs: any other IP
 		// always takes the sweep, whatever its slot says.
-		if !synced || !c.ix.Owns(ip) || !c.ix.State(ip).Complete {
-			if req.IndexOnly {
-				continue
-			}
-			sweepIPs = append(sweepIPs, ip)
+		if !synced || s.featured[ip] != "" || !s.c.ix.Owns(ip) || !s.c.ix.State(ip).Complete {
+			s.toSweep(ip)
 			continue
 		}
-		if req.DryRun {
-			// A dry run reads the index and the maps and changes nothing:
-			// Take would make the recorder forget the IP's cached flows.
-			k4, k6, st := c.ix.ScrubKeys(ip)
-			if !st.Complete {
-				sweepIPs = append(sweepIPs, ip)
-				continue
-			}
-			res.PerIP[ip.String()] = scrub.MethodIndex
-			if err := c.countKeys(ctx, k4, k6, res.Deleted); err != nil {
-				return finish(err)
-			}
-			continue
-		}
-		k4, k6, st := c.ix.Take(ip)
-		if !st.Complete && req.IndexOnly {
-			c.ix.Return(ip, k4, k6)
-			continue
-		}
-		if !st.Complete {
-			// Marked incomplete after State: the sweep handles it, and the
-			// keys taken now are covered by it.
-			sweepIPs = append(sweepIPs, ip)
-			taken = append(taken, held{ip, k4, k6})
-			continue
-		}
-		res.PerIP[ip.String()] = scrub.MethodIndex
-		// Every key the index holds, plus the forms Cilium may re-create
-		// them in (index.Covered): the one definition the audit checks.
-		buf := coverBufs.Get().(*coverBuf)
-		x4, x6 := index.AppendCovered(buf.k4[:0], buf.k6[:0], k4, k6)
-		steps.Mark("take")
-		left4, left6, err := c.deleteKeys(ctx, x4, x6, res.Deleted)
-		steps.Mark("delete")
-		c.ix.Return(ip, left4, left6)
-		if cap(x4)+cap(x6) <= maxPooledKeys {
-			buf.k4, buf.k6 = x4, x6
-			coverBufs.Put(buf)
+		var err error
+		if s.req.DryRun {
+			err = s.countByIndex(ip)
+		} else {
+			err = s.deleteByIndex(ip)
 		}
 		if err != nil {
-			return finish(err)
+			return err
 		}
 	}
-	if len(sweepIPs) == 0 {
-		return finish(nil)
+	if len(s.sweepIPs) == 0 {
+		return nil
 	}
+	return s.sweep()
+}
 
-	// The sweep for the rest. Each IP's keys are taken and the IP declared
-	// tracked before the pass starts: a flow recorded while the pass runs
-	// stays indexed (its entry may be created after the pass went by), and
-	// records lost meanwhile mark the IP incomplete again rather than being
-	// wiped by a Track at the end.
-	res.Method = scrub.MethodSweep
-	var track []netip.Addr
-	for _, ip := range sweepIPs {
-		res.PerIP[ip.String()] = scrub.MethodSweep
-		if req.DryRun || !c.ix.Owns(ip) {
+// markFeatures finds the IPs whose entries a Cilium feature puts where the
+// recorder or the global maps do not reach (L7 proxy, per-endpoint or
+// per-cluster CT maps): they sweep, and a real scrub marks them incomplete,
+// before the sweep and again after it (they stay so while the feature is
+// on). A dry run changes nothing.
+func (s *scrubRun) markFeatures(ips []netip.Addr) {
+	for _, ip := range ips {
+		if !s.c.ix.Owns(ip) {
 			continue
 		}
-		if !slices.ContainsFunc(taken, func(h held) bool { return h.ip == ip }) {
-			k4, k6, _ := c.ix.Take(ip)
-			taken = append(taken, held{ip, k4, k6})
+		r := s.c.features.Reason(ip)
+		if r == "" {
+			continue
+		}
+		if s.featured == nil {
+			s.featured = map[netip.Addr]string{}
+		}
+		s.featured[ip] = r
+		if !s.req.DryRun {
+			s.c.ix.MarkIncomplete(ip, r)
+			s.c.features.counted(r)
+		}
+	}
+}
+
+// toSweep leaves ip to the sweep, or alone when the request is IndexOnly.
+func (s *scrubRun) toSweep(ip netip.Addr) {
+	if !s.req.IndexOnly {
+		s.sweepIPs = append(s.sweepIPs, ip)
+	}
+}
+
+// countByIndex counts the entries of ip's keys that exist (a dry run): it
+// reads the index and the maps and changes nothing (Take would make the
+// recorder forget the IP's cached flows).
+func (s *scrubRun) countByIndex(ip netip.Addr) error {
+	k4, k6, st := s.c.ix.ScrubKeys(ip)
+	if !st.Complete {
+		s.toSweep(ip)
+		return nil
+	}
+	s.res.PerIP[ip.String()] = scrub.MethodIndex
+	return s.c.countKeys(s.ctx, k4, k6, s.res.Deleted)
+}
+
+// deleteByIndex takes ip's keys from the index and deletes them, and gives
+// back the ones it did not try.
+func (s *scrubRun) deleteByIndex(ip netip.Addr) error {
+	k4, k6, st := s.c.ix.Take(ip)
+	if !st.Complete {
+		// Marked incomplete after State: the sweep handles it, and the
+		// keys taken now are covered by it.
+		if s.req.IndexOnly {
+			s.c.ix.Return(ip, k4, k6)
+			return nil
+		}
+		s.sweepIPs = append(s.sweepIPs, ip)
+		s.taken = append(s.taken, heldKeys{ip, k4, k6})
+		return nil
+	}
+	s.res.PerIP[ip.String()] = scrub.MethodIndex
+	// Every key the index holds, plus the forms Cilium may re-create them
+	// in (index.Covered): the one definition the audit checks.
+	buf := coverBufs.Get().(*coverBuf)
+	x4, x6 := index.AppendCovered(buf.k4[:0], buf.k6[:0], k4, k6)
+	s.steps.Mark("take")
+	left4, left6, err := s.c.deleteKeys(s.ctx, x4, x6, s.res.Deleted)
+	s.steps.Mark("delete")
+	s.c.ix.Return(ip, left4, left6)
+	if cap(x4)+cap(x6) <= maxPooledKeys {
+		buf.k4, buf.k6 = x4, x6
+		coverBufs.Put(buf)
+	}
+	return err
+}
+
+// sweep runs the shared sweep for the IPs the index path left. Each IP's keys
+// are taken and the IP declared tracked before the pass starts: a flow
+// recorded while the pass runs stays indexed (its entry may be created after
+// the pass went by), and records lost meanwhile mark the IP incomplete again
+// rather than being wiped by a Track at the end.
+func (s *scrubRun) sweep() error {
+	s.res.Method = scrub.MethodSweep
+	var track []netip.Addr
+	for _, ip := range s.sweepIPs {
+		s.res.PerIP[ip.String()] = scrub.MethodSweep
+		if s.req.DryRun || !s.c.ix.Owns(ip) {
+			continue
+		}
+		if !slices.ContainsFunc(s.taken, func(h heldKeys) bool { return h.ip == ip }) {
+			k4, k6, _ := s.c.ix.Take(ip)
+			s.taken = append(s.taken, heldKeys{ip, k4, k6})
 		}
 		track = append(track, ip)
 	}
 	// One TrackAll: the recorder forgets the flows of all these IPs in
 	// shared passes over its seen caches rather than one pass per IP.
-	c.ix.TrackAll(track)
-	for ip, r := range featured {
-		c.ix.MarkIncomplete(ip, r)
-	}
-	steps.Mark("take")
-	sr, err := c.sweeper.Sweep(ctx, sweepIPs, req.DryRun)
-	steps.Mark("sweep")
-	for k, n := range sr.Deleted {
-		if n > 0 {
-			res.Deleted[ctmap.Kind(k).Name()] += n
+	s.c.ix.TrackAll(track)
+	for _, ip := range track {
+		if r := s.featured[ip]; r != "" {
+			s.c.ix.MarkIncomplete(ip, r)
 		}
 	}
-	if !req.DryRun && (err != nil || !sr.Complete) {
-		// Entries from before the pass may be left: the next scrub sweeps.
-		for _, h := range taken {
-			c.ix.Return(h.ip, h.k4, h.k6)
-			c.ix.MarkIncomplete(h.ip, index.ReasonCancelled)
+	s.steps.Mark("take")
+	sr, err := s.c.sweeper.Sweep(s.ctx, s.sweepIPs, s.req.DryRun)
+	s.steps.Mark("sweep")
+	for k, n := range sr.Deleted {
+		if n > 0 {
+			s.res.Deleted[ctmap.Kind(k).Name()] += n
 		}
 	}
 	if err == nil && !sr.Complete {
 		err = errors.New("sweep ended before every map was swept")
 	}
-	return finish(err)
+	if err != nil && !s.req.DryRun {
+		// Entries from before the pass may be left: the next scrub sweeps.
+		why := ReasonSweepFailed
+		if cancelled(err) {
+			why = index.ReasonCancelled
+		}
+		for _, h := range s.taken {
+			s.c.ix.Return(h.ip, h.k4, h.k6)
+			s.c.ix.MarkIncomplete(h.ip, why)
+		}
+	}
+	return err
+}
+
+// ReasonSweepFailed marks the IPs of a sweep that failed (not cancelled).
+const ReasonSweepFailed = "sweep failed before it finished"
+
+func cancelled(err error) bool {
+	return errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded)
+}
+
+// finish totals the counts and sets the outcome from err.
+func (s *scrubRun) finish(start time.Time, err error) (scrub.Result, error) {
+	res := s.res
+	res.Duration = time.Since(start)
+	for _, n := range res.Deleted {
+		res.Total += n
+	}
+	switch {
+	case err == nil:
+	case cancelled(err):
+		res.Outcome = scrub.Cancelled
+		res.Error = err.Error()
+	default:
+		res.Outcome = scrub.Failed
+		res.Error = err.Error()
+	}
+	return res, err
 }
 
 // syncIndex waits, at most SyncTimeout, until the recorder has applied every

@@ -469,29 +469,6 @@ func TestSweepCancel(t *testing.T) {
 	}
 }
 
-// gates hold the runner before each of its next passes until released.
-type gates struct {
-	n  atomic.Int32
-	ch []chan struct{}
-}
-
-func holdPasses(sw *Sweeper, n int) *gates {
-	g := &gates{}
-	for range n {
-		g.ch = append(g.ch, make(chan struct{}))
-	}
-	sw.mu.Lock()
-	sw.beforePass = func() {
-		if i := int(g.n.Add(1)) - 1; i < len(g.ch) {
-			<-g.ch[i]
-		}
-	}
-	sw.mu.Unlock()
-	return g
-}
-
-func (g *gates) release(i int) { close(g.ch[i]) }
-
 // The program obeys the stop flag: the only caller leaves right before the
 // walk starts, so the flag is set when the program runs.
 func TestSweepStopFlag(t *testing.T) {
@@ -500,12 +477,10 @@ func TestSweepStopFlag(t *testing.T) {
 	target := netip.AddrFrom4([4]byte{10, 244, 0, 10})
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
-	sw.mu.Lock()
-	sw.beforeRun = func() {
+	setHooks(sw, hooks{onWalking: func() {
 		cancel()
 		waitFor(t, func() bool { _, r := sw.Waiting(); return r == 0 })
-	}
-	sw.mu.Unlock()
+	}})
 	res, err := c.Scrub(ctx, scrub.Request{IPs: []netip.Addr{target}})
 	if !errors.Is(err, context.Canceled) || res.Outcome != scrub.Cancelled || res.Total != 0 {
 		t.Fatalf("%+v, %v; want scrub.Cancelled with nothing deleted", res, err)
@@ -517,9 +492,7 @@ func TestSweepStopFlag(t *testing.T) {
 	if s := c.ix.State(target); s.Complete {
 		t.Errorf("after a stopped sweep the IP must stay incomplete: %+v", s)
 	}
-	sw.mu.Lock()
-	sw.beforeRun = nil
-	sw.mu.Unlock()
+	setHooks(sw, nil)
 	want := w.expected(target)
 	res, err = c.Scrub(context.Background(), scrub.Request{IPs: []netip.Addr{target}})
 	if err != nil || res.Outcome != scrub.Complete {

@@ -125,13 +125,11 @@ func TestScrubMarksL7ProxyEndpoint(t *testing.T) {
 	}
 }
 
-func TestScrubMarksLocalCTMaps(t *testing.T) {
-	w, c := trackedWorld(t, 1<<14)
-	if m, why := scrubOne(t, c, podA, true); m != scrub.MethodIndex || why != "" {
-		t.Fatalf("global maps only: method %s, incomplete %q", m, why)
-	}
-	// Endpoint 42's own CT map, as Cilium 1.16 creates it for
-	// ConntrackLocal (mapTypeIPv4TCPLocal: the global layout, 64000 entries).
+// pinLocalCTMap pins under root endpoint 42's own CT map, as Cilium 1.16
+// creates it for ConntrackLocal (mapTypeIPv4TCPLocal: the global layout,
+// 64000 entries).
+func pinLocalCTMap(t *testing.T, root string) {
+	t.Helper()
 	spec := ctmap.TCP4.Spec(64000)
 	spec.Name = "cilium_ct4_00042"
 	m, err := ebpf.NewMap(spec)
@@ -139,9 +137,17 @@ func TestScrubMarksLocalCTMaps(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer m.Close()
-	if err := m.Pin(filepath.Join(w.maps.Root, "cilium_ct4_00042")); err != nil {
+	if err := m.Pin(filepath.Join(root, "cilium_ct4_00042")); err != nil {
 		t.Fatal(err)
 	}
+}
+
+func TestScrubMarksLocalCTMaps(t *testing.T) {
+	w, c := trackedWorld(t, 1<<14)
+	if m, why := scrubOne(t, c, podA, true); m != scrub.MethodIndex || why != "" {
+		t.Fatalf("global maps only: method %s, incomplete %q", m, why)
+	}
+	pinLocalCTMap(t, w.maps.Root)
 	if m, why := scrubOne(t, c, podA, false); m != scrub.MethodSweep || why != ReasonLocalCT {
 		t.Fatalf("per-endpoint CT map pinned: method %s, incomplete %q; want a sweep and %q", m, why, ReasonLocalCT)
 	}
@@ -319,4 +325,28 @@ func BenchmarkFeaturesReason(b *testing.B) {
 			f.Reason(ip)
 		}
 	})
+}
+
+// A dry run changes nothing: a feature that makes a real scrub of the IP
+// sweep makes the dry run report the sweep, but it neither marks the IP
+// incomplete (its next real scrub would sweep for a dry run's sake, and the
+// IP would count in ctscrub_index_incomplete_ips) nor counts a feature mark.
+func TestDryRunMarksNothing(t *testing.T) {
+	w, c := trackedWorld(t, 1<<14)
+	pinLocalCTMap(t, w.maps.Root)
+	want := w.expected(podA)
+	res, err := c.Scrub(context.Background(), scrub.Request{IPs: []netip.Addr{podA}, Reason: scrub.ReasonDel, DryRun: true})
+	if err != nil || res.Outcome != scrub.Complete || res.PerIP[podA.String()] != scrub.MethodSweep {
+		t.Fatalf("dry run with a per-endpoint CT map: %+v, %v; want a complete sweep", res, err)
+	}
+	checkDeleted(t, res, want)
+	if st := c.ix.State(podA); !st.Complete || st.Incomplete != "" {
+		t.Errorf("the dry run changed the index: %+v", st)
+	}
+	for _, r := range FeatureReasons {
+		if n := c.Features().Marks(r.Label); n != 0 {
+			t.Errorf("the dry run counted %d %s marks", n, r.Label)
+		}
+	}
+	w.verify() // nothing deleted
 }

@@ -190,14 +190,21 @@ type Sweeper struct {
 	joins  uint64        // callers that joined a pending set (under mu)
 	passes atomic.Uint64 // passes run (each over every map it needed)
 	inProg atomic.Bool   // the sweep program is running in the kernel
-	// beforePass, when set (tests only), runs after the runner took a pass
-	// and before it sweeps: tests hold a pass there to make callers join
-	// or leave at a known point.
-	beforePass func()
-	// beforeRun, when set (tests only), runs right before the program walks
-	// a map: a test leaves the pass there to see the program obey the flag.
-	beforeRun func()
-	last      [ctmap.NumKinds]PassStats
+	last   [ctmap.NumKinds]PassStats
+	// left are IPs a pass could not take out of the shared IP set: every
+	// later pass would delete their entries too (the runner alone touches
+	// it). No pass runs until they are gone (runner, clearLeft).
+	left []netip.Addr
+
+	// hooks stops the runner at the points where callers join and leave;
+	// nil but in this package's tests (export_test.go).
+	hooks passHooks
+}
+
+// passHooks are the runner's points a test holds it at.
+type passHooks interface {
+	taken()   // the runner took a pass, before it sweeps
+	walking() // right before the program walks a map
 }
 
 // pass is one shared run of the sweep.
@@ -436,13 +443,16 @@ func (s *Sweeper) runner() {
 		p.started = true
 		s.running = p
 		s.setStop(0)
-		hook := s.beforePass
+		hooks := s.hooks
 		s.mu.Unlock()
 
-		if hook != nil {
-			hook()
+		if hooks != nil {
+			hooks.taken()
 		}
-		err := s.runPass(p)
+		err := s.clearLeft()
+		if err == nil {
+			err = s.runPass(p, hooks)
+		}
 
 		s.mu.Lock()
 		p.err = err
@@ -455,7 +465,7 @@ func (s *Sweeper) runner() {
 }
 
 // runPass sweeps every map the pass's IPs need.
-func (s *Sweeper) runPass(p *pass) error {
+func (s *Sweeper) runPass(p *pass, hooks passHooks) error {
 	var v4 []netip.Addr
 	var v6 []netip.Addr
 	for ip := range p.ips {
@@ -474,6 +484,9 @@ func (s *Sweeper) runPass(p *pass) error {
 	s.mu.Unlock()
 	s.passes.Add(1)
 
+	// Registered before the first write: a pass that fails half-way must
+	// not leave its IPs to the next callers' passes.
+	defer s.clearSet(v4, v6)
 	if err := fillSet(s.ips4, s.ips6, v4, v6); err != nil {
 		return err
 	}
@@ -490,7 +503,6 @@ func (s *Sweeper) runPass(p *pass) error {
 			return fmt.Errorf("sweep: set the address filter of %s: %w", prog.kind.Name(), err)
 		}
 	}
-	defer clearSet(s.ips4, s.ips6, v4, v6)
 
 	flags := uint32(0)
 	if p.dry {
@@ -508,8 +520,8 @@ func (s *Sweeper) runPass(p *pass) error {
 			p.stopped = true
 			return nil
 		}
-		if s.beforeRun != nil {
-			s.beforeRun()
+		if hooks != nil {
+			hooks.walking()
 		}
 		prog.mu.Lock()
 		s.inProg.Store(true)
@@ -598,13 +610,51 @@ func fillSet(ips4, ips6 *ebpf.Map, v4, v6 []netip.Addr) error {
 	return nil
 }
 
-func clearSet(ips4, ips6 *ebpf.Map, v4, v6 []netip.Addr) {
-	for _, ip := range v4 {
-		_ = ips4.Delete(setKey(ip))
+// clearSet takes a pass's IPs out of the shared IP set; the ones it cannot
+// take out stay in s.left.
+func (s *Sweeper) clearSet(v4, v6 []netip.Addr) {
+	var left []netip.Addr
+	for _, ip := range append(v4[:len(v4):len(v4)], v6...) {
+		if err := s.unset(ip); err != nil {
+			left = append(left, ip)
+		}
 	}
-	for _, ip := range v6 {
-		_ = ips6.Delete(setKey(ip))
+	s.mu.Lock()
+	s.left = append(s.left, left...)
+	s.mu.Unlock()
+}
+
+// clearLeft retries taking out the IPs earlier passes left in the set; while
+// one stays, no pass may run.
+func (s *Sweeper) clearLeft() error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	var err error
+	left := s.left[:0]
+	for _, ip := range s.left {
+		if e := s.unset(ip); e != nil {
+			left = append(left, ip)
+			err = e
+		}
 	}
+	s.left = left
+	if err != nil {
+		return fmt.Errorf("sweep refused: %d IPs of an earlier pass are stuck in the sweep's IP set (%w), and a pass would delete their entries too; Reopen the backend or restart scrubd", len(left), err)
+	}
+	return nil
+}
+
+// unset takes ip out of its family's set; an IP not in it is fine (the pass
+// failed before it was added).
+func (s *Sweeper) unset(ip netip.Addr) error {
+	set := s.ips4
+	if ip.Is6() {
+		set = s.ips6
+	}
+	if err := set.Delete(setKey(ip)); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
+		return fmt.Errorf("remove %s from the sweep's IP set: %w", ip, err)
+	}
+	return nil
 }
 
 // Passes is the number of passes run so far; concurrent callers served by one

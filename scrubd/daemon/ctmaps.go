@@ -42,6 +42,9 @@ type ctWatch struct {
 	ix   *index.Index
 	log  *slog.Logger
 	errs string // last error logged, so a lasting one is logged once
+	// expStale: the expiry pass could not move to the maps the backend
+	// holds; run retries.
+	expStale bool
 
 	reopened prometheus.Counter
 	marked   prometheus.Counter
@@ -85,6 +88,17 @@ func (w *ctWatch) run(ctx context.Context) error {
 		case <-t.C:
 		}
 		w.check()
+		w.retryExpiry()
+	}
+}
+
+// retryExpiry retries moving a stopped expiry pass to the maps the backend
+// holds. Here, not in check: a scrub's check would wait for a pass.
+func (w *ctWatch) retryExpiry() {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if w.expStale {
+		w.moveExpiry(w.b.Maps())
 	}
 }
 
@@ -140,17 +154,8 @@ func (w *ctWatch) reopen() (bool, error) {
 	if w.rec != nil {
 		w.rec.SetCT(nm)
 	}
-	closeOld := true
-	if w.exp != nil {
-		if err := w.exp.Reopen(nm); err != nil {
-			// The pass keeps walking the old maps: they stay open.
-			closeOld = false
-			w.log.Error("Cilium's CT maps re-created: the expiry pass could not move to them and keeps the old ones (restart scrubd)", "err", err)
-		}
-	}
-	if closeOld {
-		old.Close()
-	}
+	w.moveExpiry(nm)
+	old.Close() // nothing holds them now, the expiry pass neither (its Reopen)
 	// Loading the programs parses their ELF objects: about 5.6 MiB of heap
 	// for a moment (the soak measured a 22 -> 28 MiB RSS spike at a re-open,
 	// live heap after GC flat across ten re-opens), which the runtime's
@@ -159,6 +164,21 @@ func (w *ctWatch) reopen() (bool, error) {
 	w.log.Warn("Cilium's CT maps were re-created (agent restart?): re-opened; every indexed IP marked incomplete, their next scrubs sweep",
 		"ct_root", cur.Root, "map_ids", ids, "ips_marked_incomplete", n)
 	return true, nil
+}
+
+// moveExpiry moves the expiry pass to maps; when it cannot, the pass stops
+// (expiry.Runner.Reopen) and run retries every CTMapsCheckEvery.
+func (w *ctWatch) moveExpiry(maps *ctmap.Maps) {
+	if w.exp == nil {
+		return
+	}
+	err := w.exp.Reopen(maps)
+	if err != nil && !w.expStale {
+		w.log.Error("Cilium's CT maps re-created: the expiry pass could not move to them and stops until it can (retried with every check)", "err", err)
+	} else if err == nil && w.expStale {
+		w.log.Info("the expiry pass moved to Cilium's re-created CT maps")
+	}
+	w.expStale = err != nil
 }
 
 // ciliumBackend is the Cilium backend as the daemon runs it: each scrub first

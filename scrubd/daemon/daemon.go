@@ -442,9 +442,17 @@ func (d *Daemon) restore() error {
 			// move to this binary's programs after an upgrade, and a fresh
 			// attach when the pins were lost.
 			if _, err := os.Stat(pod.Netns); err == nil {
-				if ifindex, err := d.rec.Attach(pod.Netns, pod.IfName); err != nil {
-					d.log.Warn("re-attach recorder after restart", "container_id", pod.ContainerID, "ifname", pod.IfName, "netns", pod.Netns, "err", err)
-				} else if ifindex != pod.Ifindex {
+				ifindex, err := d.rec.Attach(pod.Netns, pod.IfName)
+				if err != nil {
+					// Fail closed: not recording the pod (or recording
+					// behind cached flows of an earlier holder of its
+					// IPs), the index misses flows; its IPs sweep.
+					for _, ip := range pod.IPs {
+						d.ix.MarkIncomplete(ip, reattachFailed(err))
+					}
+					d.log.Error("re-attach recorder after restart: the pod's IPs are marked incomplete", "container_id", pod.ContainerID, "ifname", pod.IfName, "netns", pod.Netns, "ips", pod.IPs, "err", err)
+				}
+				if ifindex != 0 && ifindex != pod.Ifindex {
 					pod.Ifindex = ifindex
 					if _, err := d.pods.start(pod); err != nil {
 						return err

@@ -21,6 +21,7 @@ import (
 type flight struct {
 	key    flightKey
 	reason scrub.Reason
+	still  func(netip.Addr) bool // scrub.Request.Still; set iff key.guarded
 	ctx    context.Context
 	cancel context.CancelFunc
 	done   chan struct{}
@@ -37,6 +38,9 @@ type flight struct {
 type flightKey struct {
 	ip  netip.Addr
 	dry bool // a dry run never shares a real scrub's answer, nor the reverse
+	// guarded: the flight may leave the IP alone (its Still, a GC's); a
+	// caller that needs the IP scrubbed must not join it.
+	guarded bool
 }
 
 type flights struct {
@@ -50,7 +54,7 @@ type flights struct {
 
 // join returns ip's running flight, or starts one with run. shared reports
 // whether the caller joined a flight that was already running.
-func (g *flights) join(root context.Context, key flightKey, reason scrub.Reason, run func(f *flight)) (f *flight, shared bool) {
+func (g *flights) join(root context.Context, key flightKey, reason scrub.Reason, still func(netip.Addr) bool, run func(f *flight)) (f *flight, shared bool) {
 	g.mu.Lock()
 	defer g.mu.Unlock()
 	if f = g.m[key]; f != nil && !f.abandoned {
@@ -58,7 +62,7 @@ func (g *flights) join(root context.Context, key flightKey, reason scrub.Reason,
 		return f, true
 	}
 	ctx, cancel := context.WithCancel(root)
-	f = &flight{key: key, reason: reason, ctx: ctx, cancel: cancel, done: make(chan struct{}), waiters: 1}
+	f = &flight{key: key, reason: reason, still: still, ctx: ctx, cancel: cancel, done: make(chan struct{}), waiters: 1}
 	g.m[key] = f
 	if g.live == nil {
 		g.live = make(map[*flight]struct{})

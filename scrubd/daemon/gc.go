@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"net/http"
 	"net/netip"
+	"sync"
 
 	"github.com/ctscrub/ctscrub/scrubd/api"
 	"github.com/ctscrub/ctscrub/scrubd/scrub"
@@ -44,6 +45,9 @@ func (d *Daemon) handleGC(w http.ResponseWriter, r *http.Request) {
 		valid[a] = true
 	}
 	drop := func(pod api.IndexedPod) bool { return pod.Network == req.Network && !valid[pod.Attachment] }
+	// Before the listing: an ADD after it must be seen (ownership.go).
+	claim := d.own.claim()
+	defer claim.end()
 	active, stopped := d.pods.list()
 	keep := make(map[netip.Addr]bool)
 	for _, pod := range active {
@@ -94,16 +98,51 @@ func (d *Daemon) handleGC(w http.ResponseWriter, r *http.Request) {
 			return
 		}
 		defer release()
-		resp.Results = d.scrub(r.Context(), scrubIPs, scrub.ReasonGC, false, "")
-		d.afterScrub(scrub.ReasonGC, "", scrubIPs, resp.Results) // ownership.go
-		for _, res := range resp.Results {
-			if res.Outcome != scrub.Complete {
-				d.answerScrub(w, r.Context(), resp.Results)
-				return
-			}
+		var done bool
+		if resp.Results, resp.Skipped, done = d.scrubGC(w, r, claim, scrubIPs); done {
+			return
 		}
 	}
 	writeJSON(w, http.StatusOK, resp)
+}
+
+// scrubGC scrubs the IPs a GC dropped and releases them, except the IPs an
+// ADD took since the GC's listing: asked per IP under the backend's scrub
+// lock of the IP, as the late DEL asks (late.go), and again as the release is
+// made. done reports that it answered (a scrub that did not complete).
+func (d *Daemon) scrubGC(w http.ResponseWriter, r *http.Request, claim *gcClaim, ips []netip.Addr) (results []scrub.Result, skipped []netip.Addr, done bool) {
+	var mu sync.Mutex
+	newOwner := map[netip.Addr]bool{}
+	still := func(ip netip.Addr) bool {
+		if claim.untaken(ip) && d.pods.owner(ip) == nil {
+			return true
+		}
+		mu.Lock()
+		newOwner[ip] = true
+		mu.Unlock()
+		return false
+	}
+	results = d.scrub(r.Context(), ips, scrub.ReasonGC, false, "", still)
+	mu.Lock()
+	defer mu.Unlock()
+	var free []netip.Addr
+	for _, ip := range ips {
+		switch {
+		case newOwner[ip]:
+			skipped = append(skipped, ip)
+		case d.pods.owner(ip) == nil: // not owned by an ADD since the scrub
+			free = append(free, ip)
+		}
+	}
+	if len(skipped) > 0 {
+		d.log.Info("gc: not scrubbing IPs an ADD took while the GC ran", "ips", skipped)
+	}
+	if !completed(results) {
+		d.answerScrub(w, r.Context(), results)
+		return results, skipped, true
+	}
+	claim.release(free)
+	return results, skipped, false
 }
 
 // checkGC refuses a GC that would drop more than its network's stale pods.

@@ -124,3 +124,68 @@ func TestGCRefusedWhenUnscopedAndScopedByNetwork(t *testing.T) {
 		}
 	}
 }
+
+// A GC decides from one listing which IPs to scrub; an ADD of one of them
+// after that listing gives it a new owner whose entries are live. Before the
+// GC re-checked ownership per IP under the backend's scrub lock, it deleted
+// the new pod's entries and then released the IP (its next ADD would trust
+// the index). Deterministic: the test holds the only run slot, so the GC's
+// scrub waits, listed and decided, while the ADD runs; then lets it go.
+func TestGCLeavesIPAnAddTookAlone(t *testing.T) {
+	root, _ := standinRoot(t, 1<<16)
+	node := netpods.NewNode(t)
+	pod := node.AddPod()
+	cfg := podConfig(t, root)
+	cfg.MaxInFlight = 1
+	td := startDaemon(t, cfg)
+	ctx := context.Background()
+	ip := pod.Addr4
+	old := api.Attachment{ContainerID: "old", IfName: "eth0"}
+	if err := td.c.IndexStart(ctx, api.IndexStartRequest{Attachment: old, Netns: pod.Path, IPs: []netip.Addr{ip}, Network: "n"}); err != nil {
+		t.Fatalf("index start of the old pod: %v", err)
+	}
+	root.put4(t, podFlows(ip, 20))
+
+	td.slots <- struct{}{} // the GC's flight queues behind it
+	type answer struct {
+		resp *api.GCResponse
+		err  error
+	}
+	gcDone := make(chan answer, 1)
+	go func() {
+		r, err := td.c.GC(ctx, "n", []api.Attachment{{ContainerID: "other", IfName: "eth0"}})
+		gcDone <- answer{r, err}
+	}()
+	waitFor(t, "the GC's scrub to queue", func() bool { return td.flights.running() == 1 })
+
+	// The ADD of a new pod with the same IP, in the same namespace, and its
+	// live flows.
+	add := api.Attachment{ContainerID: "new", IfName: "eth0"}
+	if err := td.c.IndexStart(ctx, api.IndexStartRequest{Attachment: add, Netns: pod.Path, IPs: []netip.Addr{ip}, Network: "n"}); err != nil {
+		t.Fatalf("index start of the new pod: %v", err)
+	}
+	live := make([]ctmap.CTKey4, 0, 20)
+	for i := range 10 {
+		k := ctmap.NewKey4(ip, netip.AddrFrom4([4]byte{198, 51, 100, byte(i)}), 443, uint16(40000+i), ctmap.ProtoTCP, ctmap.FlagOut)
+		live = append(live, k, k.Related())
+	}
+	root.put4(t, live)
+	<-td.slots
+
+	a := <-gcDone
+	if a.err != nil {
+		t.Fatalf("GC: %v", a.err)
+	}
+	if len(a.resp.Dropped) != 1 || a.resp.Dropped[0] != old {
+		t.Errorf("GC dropped %v, want only the old pod", a.resp.Dropped)
+	}
+	if n := root.present4(t, live); n != len(live) {
+		t.Errorf("the GC deleted %d of the new pod's %d live entries", len(live)-n, len(live))
+	}
+	if _, ok := td.own.releasedAt(ip); ok {
+		t.Errorf("the GC released %s, which the new pod owns", ip)
+	}
+	if len(a.resp.Skipped) != 1 || a.resp.Skipped[0] != ip {
+		t.Errorf("GC skipped %v, want [%s]", a.resp.Skipped, ip)
+	}
+}

@@ -256,7 +256,7 @@ func (d *Daemon) handleScrub(w http.ResponseWriter, r *http.Request) {
 	steps.Mark("check")
 	d.beforeScrub(req, ips) // ownership.go
 	steps.Mark("ownership")
-	results := d.scrub(r.Context(), ips, req.Reason, req.DryRun, req.ContainerID)
+	results := d.scrub(r.Context(), ips, req.Reason, req.DryRun, req.ContainerID, nil)
 	if !req.DryRun {
 		d.afterScrub(req.Reason, req.ContainerID, ips, results)
 	}
@@ -292,14 +292,17 @@ func (d *Daemon) answerScrub(w http.ResponseWriter, ctx context.Context, results
 
 // scrub runs (or joins) one flight per IP and merges their results into one
 // Result per backend. It logs one line and observes one duration per backend.
-func (d *Daemon) scrub(ctx context.Context, ips []netip.Addr, reason scrub.Reason, dry bool, containerID string) []scrub.Result {
+// still, when set, is the flights' scrub.Request.Still: such flights are
+// shared only with callers that pass one too (a GC's, gc.go).
+func (d *Daemon) scrub(ctx context.Context, ips []netip.Addr, reason scrub.Reason, dry bool, containerID string, still func(netip.Addr) bool) []scrub.Result {
 	start := time.Now()
 	fs := make([]*flight, len(ips))
 	sharedAny := false
 	for i, ip := range ips {
 		// The flight carries the first caller's steps: its backends mark
 		// theirs there (a caller that joins a running flight sees "wait").
-		f, shared := d.flights.join(api.WithSteps(d.workCtx, api.StepsFrom(ctx)), flightKey{ip: ip, dry: dry}, reason, d.runFlight)
+		key := flightKey{ip: ip, dry: dry, guarded: still != nil}
+		f, shared := d.flights.join(api.WithSteps(d.workCtx, api.StepsFrom(ctx)), key, reason, still, d.runFlight)
 		if shared {
 			d.m.shared.Inc()
 			sharedAny = true
@@ -379,7 +382,7 @@ func (d *Daemon) runFlight(f *flight) {
 	}
 	f.start = time.Now()
 	steps.Mark("queue")
-	req := scrub.Request{IPs: []netip.Addr{f.key.ip}, Reason: f.reason, DryRun: f.key.dry}
+	req := scrub.Request{IPs: []netip.Addr{f.key.ip}, Reason: f.reason, DryRun: f.key.dry, Still: f.still}
 	// The first backend on this goroutine, any other on one of its own: on
 	// most nodes there is one backend (Cilium's), and a goroutine for it is
 	// a hand-off that may wait for the other CPU (within make bench's
@@ -535,6 +538,20 @@ func (d *Daemon) handleIndexStart(w http.ResponseWriter, r *http.Request) {
 	writeJSON(w, http.StatusOK, pod)
 }
 
+// reasonNotReattached marks the IPs of a pod the recorder could not re-attach
+// to after a restart: its flows since then are not recorded.
+const reasonNotReattached = "recorder could not re-attach to the pod after a restart"
+
+// reattachFailed is the reason a restored pod's IPs are marked incomplete
+// when the recorder's re-attach failed with err: attached but behind cached
+// flows of an earlier holder of the IPs (recorder.ErrForget), or not at all.
+func reattachFailed(err error) string {
+	if errors.Is(err, recorder.ErrForget) {
+		return recorder.ReasonForgetFailed
+	}
+	return reasonNotReattached
+}
+
 // scrubBeforeStart runs an index start's scrub (api.IndexStartRequest.Scrub)
 // as POST PathScrub would run the ADD's scrub. It reports whether the scrub
 // completed; when not, it has answered.
@@ -604,7 +621,7 @@ func (d *Daemon) scrubFor(w http.ResponseWriter, r *http.Request, sreq api.Scrub
 	steps := api.StepsFrom(r.Context())
 	d.beforeScrub(sreq, sreq.IPs) // ownership.go
 	steps.Mark("ownership")
-	results = d.scrub(r.Context(), sreq.IPs, sreq.Reason, false, sreq.ContainerID)
+	results = d.scrub(r.Context(), sreq.IPs, sreq.Reason, false, sreq.ContainerID, nil)
 	d.afterScrub(sreq.Reason, sreq.ContainerID, sreq.IPs, results)
 	steps.Mark("release")
 	for _, res := range results {

@@ -40,12 +40,78 @@ import (
 type ownership struct {
 	mu       sync.Mutex
 	released map[netip.Addr]time.Time
-	chained  *bool // the last conflist check; nil: not watched
+	chained  *bool                 // the last conflist check; nil: not watched
+	claims   map[*gcClaim]struct{} // the GCs running now
+}
+
+// A gcClaim is a running GC's watch on the IPs an ADD takes: the GC decides
+// which IPs to scrub from one listing of the attachments, and an ADD of one
+// of them after that listing (its take or forget) gives the IP a new owner the
+// listing did not show. The GC leaves such an IP alone: no scrub (the new
+// pod's entries are live), no release (it is owned).
+type gcClaim struct {
+	o     *ownership
+	taken map[netip.Addr]bool // guarded by o.mu
+	// distrusted: a sign of an unseen owner came while the GC ran; it
+	// releases nothing (guarded by o.mu).
+	distrusted bool
+}
+
+// claim starts watching ADDs for a GC; call it before the GC lists the
+// attachments, and end the claim when the GC is done.
+func (o *ownership) claim() *gcClaim {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	c := &gcClaim{o: o, taken: map[netip.Addr]bool{}}
+	if o.claims == nil {
+		o.claims = map[*gcClaim]struct{}{}
+	}
+	o.claims[c] = struct{}{}
+	return c
+}
+
+// untaken reports whether no ADD took ip since the claim started.
+func (c *gcClaim) untaken(ip netip.Addr) bool {
+	c.o.mu.Lock()
+	defer c.o.mu.Unlock()
+	return !c.taken[ip]
+}
+
+// release releases the IPs no ADD took since the claim started, in the same
+// critical section as the check: an ADD after it ends the release as usual.
+func (c *gcClaim) release(ips []netip.Addr) {
+	c.o.mu.Lock()
+	defer c.o.mu.Unlock()
+	if c.distrusted {
+		return
+	}
+	for _, ip := range ips {
+		if !c.taken[ip] {
+			c.o.releaseLocked(ip)
+		}
+	}
+}
+
+func (c *gcClaim) end() {
+	c.o.mu.Lock()
+	defer c.o.mu.Unlock()
+	delete(c.o.claims, c)
+}
+
+// takenLocked tells the running GCs that ip has a new owner.
+func (o *ownership) takenLocked(ip netip.Addr) {
+	for c := range o.claims {
+		c.taken[ip] = true
+	}
 }
 
 func (o *ownership) release(ip netip.Addr) {
 	o.mu.Lock()
 	defer o.mu.Unlock()
+	o.releaseLocked(ip)
+}
+
+func (o *ownership) releaseLocked(ip netip.Addr) {
 	if o.released == nil {
 		o.released = map[netip.Addr]time.Time{}
 	}
@@ -59,6 +125,7 @@ func (o *ownership) take(ip netip.Addr) bool {
 	defer o.mu.Unlock()
 	_, ok := o.released[ip]
 	delete(o.released, ip)
+	o.takenLocked(ip)
 	return ok
 }
 
@@ -77,10 +144,12 @@ func (o *ownership) still(ip netip.Addr, at time.Time) bool {
 	return ok && t.Equal(at)
 }
 
+// forget ends ip's release: it is owned now, or had an owner scrubd never saw.
 func (o *ownership) forget(ip netip.Addr) {
 	o.mu.Lock()
 	defer o.mu.Unlock()
 	delete(o.released, ip)
+	o.takenLocked(ip)
 }
 
 // distrust ends every release; it returns how many there were.
@@ -89,6 +158,9 @@ func (o *ownership) distrust() int {
 	defer o.mu.Unlock()
 	n := len(o.released)
 	clear(o.released)
+	for c := range o.claims {
+		c.distrusted = true
+	}
 	return n
 }
 
@@ -124,20 +196,26 @@ func (d *Daemon) beforeScrub(req api.ScrubRequest, ips []netip.Addr) {
 	}
 }
 
-// afterScrub releases the IPs of a DEL or GC whose scrub completed on every
-// backend: their next ADD may trust the index.
+// afterScrub releases the IPs of a DEL whose scrub completed on every
+// backend: their next ADD may trust the index. (A GC releases through its
+// claim: gc.go.)
 func (d *Daemon) afterScrub(reason scrub.Reason, containerID string, ips []netip.Addr, results []scrub.Result) {
-	if (reason != scrub.ReasonDel && reason != scrub.ReasonGC) || (reason == scrub.ReasonDel && containerID == "") {
+	if reason != scrub.ReasonDel || containerID == "" || !completed(results) {
 		return
-	}
-	for _, r := range results {
-		if r.Outcome != scrub.Complete {
-			return
-		}
 	}
 	for _, ip := range ips {
 		d.own.release(ip)
 	}
+}
+
+// completed reports whether the scrub completed on every backend.
+func completed(results []scrub.Result) bool {
+	for _, r := range results {
+		if r.Outcome != scrub.Complete {
+			return false
+		}
+	}
+	return true
 }
 
 // unseenOwner is a sign that a pod ctscrub never saw existed: no released IP

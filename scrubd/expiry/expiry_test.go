@@ -20,6 +20,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	dto "github.com/prometheus/client_model/go"
 
+	"github.com/ctscrub/ctscrub/internal/testsupport/standin"
 	"github.com/ctscrub/ctscrub/scrubd/ctmap"
 )
 
@@ -334,17 +335,22 @@ func TestSweepDeletesExactlyExpired(t *testing.T) {
 }
 
 // An entry the datapath refreshes between the count and the delete survives.
-// The refresh is written by the program's TEST ONLY hook at exactly that
-// moment (see refresh_hook in bpf/expiry.c): the real race, with Cilium's
-// datapath on another CPU, cannot be hit on demand.
+// The refresh is written at exactly that moment by the program built with
+// its refresh hook (refresh_hook in bpf/expiry.c; the build is
+// internal/testsupport/standin's, the shipped object has no hook): the real
+// race, with Cilium's datapath on another CPU, cannot be hit on demand.
 func TestRefreshedBeforeDeleteSurvives(t *testing.T) {
 	needRoot(t)
 	kt, _ := nows(t)
 	m := newMap(t, ctmap.TCP4, 1<<14)
 	const marker = 0xC75C_2B0B_0000_0001
 	live, expired, marked := fill(t, m, ctmap.TCP4, kt, population{live: 2000, justExpired: 3000, longExpired: 1000, marked: 500, marker: marker})
+	defer func(load func() (*ebpf.CollectionSpec, error)) { loadExpirySpec = load }(loadExpirySpec)
+	loadExpirySpec = standin.LoadExpiryRefresh
 	r := runner(t, [ctmap.NumKinds]*ebpf.Map{ctmap.TCP4: m}, Config{Mode: ModeSweep, Clock: ClockKtime}, nil)
-	r.testRefreshMarker = marker
+	if err := r.passes[ctmap.TCP4].coll.Variables["test_refresh_marker"].Set(uint64(marker)); err != nil {
+		t.Fatalf("set the refresh hook's marker: %v", err)
+	}
 	rep, err := r.Pass(context.Background())
 	if err != nil {
 		t.Fatal(err)

@@ -36,14 +36,13 @@ type clockStats struct {
 	_                                     uint32
 }
 
-// passArgs mirrors struct expiry_args in bpf/expiry.c (200 bytes): the
+// passArgs mirrors struct expiry_args in bpf/expiry.c (192 bytes): the
 // BPF_PROG_TEST_RUN context, parameters in, counters out.
 type passArgs struct {
-	Flags             uint32
-	Clock             uint32
-	MaxFuture         [numClocks]uint32
-	Floor             [numClocks]uint32
-	TestRefreshMarker uint64
+	Flags     uint32
+	Clock     uint32
+	MaxFuture [numClocks]uint32
+	Floor     [numClocks]uint32
 
 	NowKtimeNs   uint64
 	NowJiffies64 uint64
@@ -78,10 +77,15 @@ type mapPass struct {
 	auditSet    []netip.Addr
 }
 
+// loadExpirySpec is bpf/expiry.c's object. Tests of the pass's delete race
+// load the same source built with its refresh hook instead
+// (internal/testsupport/standin), which scrubd never ships.
+var loadExpirySpec = bpf.LoadExpiry
+
 // loadPass loads the expiry program for map m of kind k, with m in place of
 // the program's placeholder map.
 func loadPass(k ctmap.Kind, m *ebpf.Map) (*mapPass, error) {
-	spec, err := bpf.LoadExpiry()
+	spec, err := loadExpirySpec()
 	if err != nil {
 		return nil, fmt.Errorf("load expiry program spec: %w", err)
 	}

@@ -39,8 +39,8 @@ type Runner struct {
 	walks    int  // walks so far: each starts one map further on
 	decided  bool // a decision from evidence was made (and logged)
 
-	// testRefreshMarker switches on bpf/expiry.c's TEST ONLY refresh hook.
-	testRefreshMarker uint64
+	// reopenErr: the last Reopen failed, no pass runs until one succeeds.
+	reopenErr error
 
 	audit *auditor // nil until EnableAudit (audit.go)
 }
@@ -140,7 +140,10 @@ func New(maps *ctmap.Maps, cfg Config, opts Options) (*Runner, error) {
 
 // Reopen moves the pass to maps (Cilium re-created its CT maps): it waits
 // for a pass in progress, loads the programs on maps and unloads the old
-// ones. The old maps stay the caller's. On error the pass keeps the old maps.
+// ones. The old maps stay the caller's, and the Runner no longer uses them
+// even on error: Cilium left them, a pass over them would report (and
+// delete in) a table no datapath uses, and the caller must be free to close
+// them. Until a Reopen succeeds every Pass fails with the error.
 func (r *Runner) Reopen(maps *ctmap.Maps) error {
 	if maps == nil {
 		return errors.New("expiry: no CT maps given")
@@ -164,16 +167,14 @@ func (r *Runner) Reopen(maps *ctmap.Maps) error {
 					p.Close()
 				}
 			}
+			r.Close()
+			r.maps, r.reopenErr = nil, err
 			return err
 		}
 		passes[k] = p
 	}
-	for _, p := range r.passes {
-		if p != nil {
-			p.Close()
-		}
-	}
-	r.passes, r.maps = passes, maps
+	r.Close()
+	r.passes, r.maps, r.reopenErr = passes, maps, nil
 	return nil
 }
 
@@ -239,6 +240,9 @@ func (r *Runner) Pass(ctx context.Context) (Report, error) {
 	}
 	r.mu.Lock()
 	defer r.mu.Unlock()
+	if r.reopenErr != nil {
+		return Report{Decision: r.decision}, fmt.Errorf("expiry: no pass since Cilium re-created its CT maps: moving to them failed: %w", r.reopenErr)
+	}
 	parent := ctx // the audit's confirm wait is not part of the walk's deadline
 	ctx, cancel := context.WithTimeout(ctx, r.cfg.PassTimeout)
 	defer cancel()
@@ -290,7 +294,7 @@ func (r *Runner) params(sweep bool, clock Clock) passArgs {
 		hz = 1024 // unknown: the widest window, so no jiffies entry is judged implausibly far
 	}
 	life := r.cfg.MaxLifetime.Seconds()
-	a := passArgs{Clock: uint32(clockIndex(clock)), TestRefreshMarker: r.testRefreshMarker}
+	a := passArgs{Clock: uint32(clockIndex(clock))}
 	if sweep {
 		a.Flags |= flagSweep
 	}

@@ -358,6 +358,9 @@ func (n *NFCT) scrub(ctx context.Context, req scrub.Request, sweep bool) (scrub.
 		if !ip.IsValid() {
 			return finish(fmt.Errorf("nfct scrub: invalid IP in request"))
 		}
+		if req.Still != nil && !req.Still(ip) {
+			continue
+		}
 		fs, complete := n.ix.take(ip)
 		if !complete || !caughtUp || sweep {
 			fallback = append(fallback, ip)

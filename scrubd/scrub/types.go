@@ -52,7 +52,8 @@ type Request struct {
 	// never sweep. The other IPs are left alone (not in Result.PerIP).
 	IndexOnly bool
 	// Still, when set, is asked for each IP once the backend holds the IP's
-	// scrub lock (no other scrub of it runs); false: the IP is left alone.
+	// scrub lock (no other scrub of it runs; nfct, which has none: before it
+	// touches the IP); false: the IP is left alone (not in Result.PerIP).
 	Still func(netip.Addr) bool
 }
 

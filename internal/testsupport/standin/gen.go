@@ -7,3 +7,8 @@ package standin
 // conformance suite (e2e/conformance) checks both against Cilium's real
 // programs.
 //go:generate go tool bpf2go -target bpfel -go-package standin ciliumStandin cilium_standin.c -- -I../../../bpf/include
+
+// bpf/expiry.c built with its refresh hook (CTSCRUB_TEST_REFRESH), which
+// stands in for Cilium's datapath refreshing an entry inside the expiry
+// pass's delete window; the shipped bpf/expiry_bpfel.o has no such hook.
+//go:generate go tool bpf2go -target bpfel -go-package standin expiryRefresh ../../../bpf/expiry.c -- -I../../../bpf/include -DCTSCRUB_TEST_REFRESH
