@@ -193,23 +193,27 @@ static __always_inline void count(void *counter)
 		__sync_fetch_and_add(c, 1);
 }
 
+/* The per-IP (or overflow) count first, the total last: scrubd reads the
+ * total after its ring barrier and reads the per-IP counts only when the
+ * total moved, so a total that moved must imply the per-IP count is already
+ * visible. x86 JITs a lock-prefixed add, a full barrier; arm64 JITs -mcpu=v1's
+ * non-fetching add as a relaxed STADD, where this order needs a fetching add
+ * (-mcpu=v3). */
 static __always_inline void count_lost(const __u32 *ip)
 {
 	__u64 one = 1, *c;
 
-	count(&rec_lost_total);
 	c = bpf_map_lookup_elem(&rec_lost_ip, ip);
 	if (c) {
 		__sync_fetch_and_add(c, 1);
-		return;
+	} else if (bpf_map_update_elem(&rec_lost_ip, ip, &one, BPF_NOEXIST) != 0) {
+		c = bpf_map_lookup_elem(&rec_lost_ip, ip); /* another CPU inserted it */
+		if (c)
+			__sync_fetch_and_add(c, 1);
+		else
+			count(&rec_lost_overflow); /* full: scrubd marks every IP incomplete */
 	}
-	if (bpf_map_update_elem(&rec_lost_ip, ip, &one, BPF_NOEXIST) == 0)
-		return;
-	c = bpf_map_lookup_elem(&rec_lost_ip, ip); /* another CPU inserted it */
-	if (c)
-		__sync_fetch_and_add(c, 1);
-	else
-		count(&rec_lost_overflow); /* full: scrubd marks every IP incomplete */
+	count(&rec_lost_total);
 }
 
 /* Whether the packet goes to a service VIP that Cilium load-balances per
