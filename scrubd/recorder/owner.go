@@ -47,7 +47,9 @@ func setSourceCheck(spec *ebpf.CollectionSpec) error {
 }
 
 // netnsCookie is the cookie of the calling thread's network namespace, the
-// value bpf_get_netns_cookie returns for a socket of that namespace.
+// value bpf_get_netns_cookie returns for a socket of that namespace. 0 on a
+// kernel without SO_NETNS_COOKIE (before 5.14): its tc programs cannot read
+// cookies either, so the programs compare the ifindex only.
 func netnsCookie() (uint64, error) {
 	fd, err := unix.Socket(unix.AF_UNIX, unix.SOCK_DGRAM|unix.SOCK_CLOEXEC, 0)
 	if err != nil {
@@ -55,8 +57,11 @@ func netnsCookie() (uint64, error) {
 	}
 	defer unix.Close(fd)
 	c, err := unix.GetsockoptUint64(fd, unix.SOL_SOCKET, unix.SO_NETNS_COOKIE)
+	if errors.Is(err, unix.ENOPROTOOPT) {
+		return 0, nil
+	}
 	if err != nil {
-		return 0, fmt.Errorf("read the network namespace's cookie (SO_NETNS_COOKIE, Linux 5.14+): %w", err)
+		return 0, fmt.Errorf("read the network namespace's cookie (SO_NETNS_COOKIE): %w", err)
 	}
 	return c, nil
 }
