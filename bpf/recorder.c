@@ -182,6 +182,73 @@ struct {
 	__uint(max_entries, 1);
 } rec_lost_overflow SEC(".maps");
 
+/* ---- whose source address: forged sources ----
+ *
+ * Cilium drops a packet whose source is not its endpoint's own address, but
+ * only after the recorder saw it leave the pod. rec_owner holds every
+ * attached interface's addresses (key: the address, v4-mapped), written by
+ * scrubd at Attach before the filters go live. A new flow a pod sends from
+ * an address its interface does not own is recorded as REC_FOREIGN: user
+ * space files nothing under the claimed source and marks it incomplete.
+ * An LRU: only scrubd inserts; an entry evicted (16,384 attaches later, its
+ * pod sending no new flow meanwhile) makes that pod's flows foreign: its
+ * IPs sweep, fail closed. */
+struct owner {
+	__u64 netns;   /* cookie of the interface's network namespace */
+	__u32 ifindex; /* the interface, in that namespace */
+	__u32 pad;
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__type(key, __u32[4]);
+	__type(value, struct owner);
+	__uint(max_entries, 1 << 14);
+} rec_owner SEC(".maps");
+
+/* REC_FOREIGN records put in the ring buffer (Recorder.ForeignSources). */
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__type(key, __u32);
+	__type(value, __u64);
+	__uint(max_entries, 1);
+} rec_foreign_total SEC(".maps");
+
+/* 1: compare the sending socket's network namespace (bpf_get_netns_cookie)
+ * as well as the ifindex. scrubd sets it when the kernel lets tc programs
+ * call the helper (a recent addition); at 0 the call is dead code the
+ * verifier never sees, so the object loads on older kernels. ifindexes are
+ * per namespace: the cookie tells two pods' eth0 apart when their ifindexes
+ * are equal. */
+volatile const __u8 owner_netns = 0;
+
+/* Sources no pod IP can be, never in the pod CIDRs: unspecified (a DAD-time
+ * MLD report from ::, DHCP) and link-local (a pod's fe80:: may be configured
+ * after Attach listed its addresses). Recorded as before, not counted. */
+static __always_inline int scoped_source(const struct flow *f)
+{
+	if (f->family == 4)
+		return f->src[3] == 0 || (f->src[3] & bpf_htonl(0xffff0000)) == bpf_htonl(0xa9fe0000);
+	return (f->src[0] | f->src[1] | f->src[2] | f->src[3]) == 0 ||
+	       (f->src[0] & bpf_htonl(0xffc00000)) == bpf_htonl(0xfe800000);
+}
+
+/* Whether the interface the packet leaves by owns its source address. A
+ * packet without a socket (forwarded inside the pod, which takes
+ * CAP_NET_ADMIN there, and with it the power to remove the filters) has
+ * only the ifindex to go by: bpf_get_netns_cookie reads the socket's
+ * namespace, and would name the initial one. */
+static __always_inline int own_source(struct __sk_buff *skb, const __u32 *src)
+{
+	struct owner *o = bpf_map_lookup_elem(&rec_owner, src);
+
+	if (!o || o->ifindex != skb->ifindex)
+		return 0;
+	if (owner_netns && skb->sk && bpf_get_netns_cookie(skb) != o->netns)
+		return 0;
+	return 1;
+}
+
 /* cilium_lb4_services_v2 / cilium_lb6_services_v2: ctscrub_flow.h. */
 
 static __always_inline void count(void *counter)
@@ -193,23 +260,27 @@ static __always_inline void count(void *counter)
 		__sync_fetch_and_add(c, 1);
 }
 
+/* The per-IP (or overflow) count first, the total last: scrubd reads the
+ * total after its ring barrier and reads the per-IP counts only when the
+ * total moved, so a total that moved must imply the per-IP count is already
+ * visible. x86 JITs a lock-prefixed add, a full barrier; arm64 JITs -mcpu=v1's
+ * non-fetching add as a relaxed STADD, where this order needs a fetching add
+ * (-mcpu=v3). */
 static __always_inline void count_lost(const __u32 *ip)
 {
 	__u64 one = 1, *c;
 
-	count(&rec_lost_total);
 	c = bpf_map_lookup_elem(&rec_lost_ip, ip);
 	if (c) {
 		__sync_fetch_and_add(c, 1);
-		return;
+	} else if (bpf_map_update_elem(&rec_lost_ip, ip, &one, BPF_NOEXIST) != 0) {
+		c = bpf_map_lookup_elem(&rec_lost_ip, ip); /* another CPU inserted it */
+		if (c)
+			__sync_fetch_and_add(c, 1);
+		else
+			count(&rec_lost_overflow); /* full: scrubd marks every IP incomplete */
 	}
-	if (bpf_map_update_elem(&rec_lost_ip, ip, &one, BPF_NOEXIST) == 0)
-		return;
-	c = bpf_map_lookup_elem(&rec_lost_ip, ip); /* another CPU inserted it */
-	if (c)
-		__sync_fetch_and_add(c, 1);
-	else
-		count(&rec_lost_overflow); /* full: scrubd marks every IP incomplete */
+	count(&rec_lost_total);
 }
 
 /* Whether the packet goes to a service VIP that Cilium load-balances per
@@ -239,22 +310,31 @@ static __always_inline int to_service(const struct flow *f)
 /* Emits the record of a new flow. Returns 0 when it is in the ring buffer
  * (the caller then marks the flow seen), -1 when the ring was full (the
  * loss is counted against the pod IP; the flow stays unseen so its next
- * packet tries again). */
+ * packet tries again). Only new flows get here: the owner lookup costs
+ * nothing on a cached flow's path. A foreign flow stays cached like any
+ * other: the genuine owner's same 5-tuple then hits the cache, but its
+ * address is marked incomplete by the foreign record, and only a sweep
+ * (Track: a generation bump that drops the cached flow) makes it complete. */
 static __always_inline int emit(struct __sk_buff *skb, const struct flow *f, int egress, __u8 dir)
 {
 	struct record *r;
 	__u8 flags = dir;
+	int foreign = egress && !scoped_source(f) && !own_source(skb, f->src);
 
 	r = bpf_ringbuf_reserve(&rec_events, sizeof(*r), 0);
 	if (!r) {
 		count_lost(egress ? f->src : f->dst);
 		return -1;
 	}
+	if (foreign)
+		count(&rec_foreign_total);
 	__builtin_memset(r, 0, sizeof(*r));
 	r->family = f->family;
-	r->kind = REC_FLOW;
+	r->kind = foreign ? REC_FOREIGN : REC_FLOW;
 	r->ifindex = skb->ifindex;
-	if (egress && to_service(f)) {
+	/* A foreign source's service flow: marking the claimed source covers
+	 * what the service entries would hold. */
+	if (!foreign && egress && to_service(f)) {
 		/* The pod IP goes in daddr, as in an OUT key. */
 		r->kind = REC_SERVICE;
 		flags = CT_F_SERVICE;

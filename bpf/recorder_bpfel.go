@@ -50,6 +50,13 @@ type RecorderLbService struct {
 	Pad         [2]uint8
 }
 
+type RecorderOwner struct {
+	_       structs.HostLayout
+	Netns   uint64
+	Ifindex uint32
+	Pad     uint32
+}
+
 type RecorderSeenKey4 struct {
 	_      structs.HostLayout
 	Local  uint32
@@ -88,14 +95,17 @@ const (
 	RecorderMapRecEvents           = "rec_events"
 	RecorderMapRecFlows4           = "rec_flows4"
 	RecorderMapRecFlows6           = "rec_flows6"
+	RecorderMapRecForeignTotal     = "rec_foreign_total"
 	RecorderMapRecFront4           = "rec_front4"
 	RecorderMapRecGen              = "rec_gen"
 	RecorderMapRecLostIp           = "rec_lost_ip"
 	RecorderMapRecLostOverflow     = "rec_lost_overflow"
 	RecorderMapRecLostTotal        = "rec_lost_total"
+	RecorderMapRecOwner            = "rec_owner"
 	RecorderProgRecorderEgress     = "recorder_egress"
 	RecorderProgRecorderIngress    = "recorder_ingress"
 	RecorderVarFrontMask           = "front_mask"
+	RecorderVarOwnerNetns          = "owner_netns"
 	RecorderVarReopenIdle          = "reopen_idle"
 )
 
@@ -154,11 +164,13 @@ type RecorderMapSpecs struct {
 	RecEvents           *ebpf.MapSpec `ebpf:"rec_events"`
 	RecFlows4           *ebpf.MapSpec `ebpf:"rec_flows4"`
 	RecFlows6           *ebpf.MapSpec `ebpf:"rec_flows6"`
+	RecForeignTotal     *ebpf.MapSpec `ebpf:"rec_foreign_total"`
 	RecFront4           *ebpf.MapSpec `ebpf:"rec_front4"`
 	RecGen              *ebpf.MapSpec `ebpf:"rec_gen"`
 	RecLostIp           *ebpf.MapSpec `ebpf:"rec_lost_ip"`
 	RecLostOverflow     *ebpf.MapSpec `ebpf:"rec_lost_overflow"`
 	RecLostTotal        *ebpf.MapSpec `ebpf:"rec_lost_total"`
+	RecOwner            *ebpf.MapSpec `ebpf:"rec_owner"`
 }
 
 // RecorderVariableSpecs contains global variables before they are loaded into the kernel.
@@ -166,6 +178,7 @@ type RecorderMapSpecs struct {
 // It can be passed ebpf.CollectionSpec.Assign.
 type RecorderVariableSpecs struct {
 	FrontMask  *ebpf.VariableSpec `ebpf:"front_mask"`
+	OwnerNetns *ebpf.VariableSpec `ebpf:"owner_netns"`
 	ReopenIdle *ebpf.VariableSpec `ebpf:"reopen_idle"`
 }
 
@@ -194,11 +207,13 @@ type RecorderMaps struct {
 	RecEvents           *ebpf.Map `ebpf:"rec_events"`
 	RecFlows4           *ebpf.Map `ebpf:"rec_flows4"`
 	RecFlows6           *ebpf.Map `ebpf:"rec_flows6"`
+	RecForeignTotal     *ebpf.Map `ebpf:"rec_foreign_total"`
 	RecFront4           *ebpf.Map `ebpf:"rec_front4"`
 	RecGen              *ebpf.Map `ebpf:"rec_gen"`
 	RecLostIp           *ebpf.Map `ebpf:"rec_lost_ip"`
 	RecLostOverflow     *ebpf.Map `ebpf:"rec_lost_overflow"`
 	RecLostTotal        *ebpf.Map `ebpf:"rec_lost_total"`
+	RecOwner            *ebpf.Map `ebpf:"rec_owner"`
 }
 
 func (m *RecorderMaps) Close() error {
@@ -208,11 +223,13 @@ func (m *RecorderMaps) Close() error {
 		m.RecEvents,
 		m.RecFlows4,
 		m.RecFlows6,
+		m.RecForeignTotal,
 		m.RecFront4,
 		m.RecGen,
 		m.RecLostIp,
 		m.RecLostOverflow,
 		m.RecLostTotal,
+		m.RecOwner,
 	)
 }
 
@@ -221,6 +238,7 @@ func (m *RecorderMaps) Close() error {
 // It can be passed to LoadRecorderObjects or ebpf.CollectionSpec.LoadAndAssign.
 type RecorderVariables struct {
 	FrontMask  *ebpf.Variable `ebpf:"front_mask"`
+	OwnerNetns *ebpf.Variable `ebpf:"owner_netns"`
 	ReopenIdle *ebpf.Variable `ebpf:"reopen_idle"`
 }
 

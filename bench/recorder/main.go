@@ -154,6 +154,25 @@ func run() error {
 	res.AttachP50, res.AttachP99 = att[len(att)/2].Seconds(), att[len(att)*99/100].Seconds()
 	res.DetachP50 = det[len(det)/2].Seconds()
 
+	// The live mix's 100 pod IPs are eth0's own, so Attach records them
+	// as its addresses and the pod's new flows take the owner check as a
+	// real pod's do (not the forged-source path).
+	err = nsexec.Do(ns, func() error {
+		l, err := netlink.LinkByName("eth0")
+		if err != nil {
+			return err
+		}
+		for i := range 100 {
+			ip := netip.AddrFrom4([4]byte{10, 244, 0, byte(10 + i)})
+			if err := netlink.AddrAdd(l, &netlink.Addr{IPNet: netlink.NewIPNet(netipToIP(ip))}); err != nil {
+				return fmt.Errorf("add %s to eth0: %w", ip, err)
+			}
+		}
+		return nil
+	})
+	if err != nil {
+		return fmt.Errorf("pod addresses: %w", err)
+	}
 	if _, err := rec.Attach(ns, "eth0"); err != nil {
 		return err
 	}

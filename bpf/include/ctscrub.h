@@ -51,6 +51,11 @@ struct ct_entry {
 /* One recorder record, sent through the ring buffer for each new flow. */
 #define REC_FLOW 0    /* key is the CT key Cilium creates for the flow */
 #define REC_SERVICE 1 /* flow to a service VIP: keys unknowable, mark IP incomplete */
+/* A flow the pod sent from an address its interface does not own: key is
+ * the CT key Cilium would create if it let the packet through (daddr = the
+ * claimed source). File it under saddr (the receiver) only; mark daddr
+ * incomplete (Cilium may have created entries with it, or dropped them). */
+#define REC_FOREIGN 2
 
 struct record {
 	__u8 family; /* 4 or 6 */

@@ -41,6 +41,9 @@ const (
 	ReasonAuditMiss = "the audit found a CT entry the index did not cover"
 	ReasonOwner     = "may have had an owner ctscrub did not see"
 	ReasonCTMaps    = "Cilium's CT maps were re-created (agent restart)"
+	// ReasonForeignSource: the recorder saw a pod send from this address
+	// although its interface does not own it (docs/recorder.md).
+	ReasonForeignSource = "a pod sent packets with this IP as its source: entries Cilium may have created for them are not indexed"
 	// ReasonServiceMaps: the recorder read service maps Cilium no longer
 	// filled until it reloaded its programs over the new ones.
 	ReasonServiceMaps = "Cilium's service maps changed under the recorder (agent restart)"

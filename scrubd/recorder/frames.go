@@ -17,11 +17,17 @@ import (
 // the pod sends it, ingress = the pod receives it. It is how the
 // conformance suite (e2e/conformance) feeds the recorder the same packets
 // it feeds Cilium's datapath programs; records land in the ring buffer as
-// they would from an attached program (read them with Drain, or Run).
+// they would from an attached program (read them with Drain, or Run). An
+// egress frame's source is first recorded as owned by the device the test
+// run uses, as Attach records a pod's addresses: the pod sends from its own
+// address (forged sources are tested on real interfaces).
 func (r *Recorder) RunFrame(egress bool, frame []byte) error {
 	prog, eg := r.programs()
 	if egress {
 		prog = eg
+		if err := ownTestRunSource(r.objs.RecOwner, frame); err != nil {
+			return fmt.Errorf("recorder: test run: %w", err)
+		}
 	}
 	if _, err := prog.Run(&ebpf.RunOptions{Data: frame}); err != nil {
 		return fmt.Errorf("recorder: test run: %w", err)

@@ -13,7 +13,8 @@ import (
 // it accepts to Apply, the reader's path into the index: no sample may panic;
 // a short sample or an unknown family is refused; an accepted record
 // re-encodes to the sample's bytes (the two padding bytes aside); Apply
-// indexes only keys of the record's own addresses, within the pod CIDR.
+// indexes only keys of the record's own addresses, within the pod CIDR, and
+// for a foreign-source record none under the claimed source.
 func FuzzParseRecord(f *testing.F) {
 	k4 := ctmap.NewKey4(netip.MustParseAddr("10.244.1.5"), netip.MustParseAddr("10.244.1.9"), 80, 40000, ctmap.ProtoTCP, ctmap.FlagOut)
 	r4 := Record{Family: 4, Kind: RecFlow, Ifindex: 7}
@@ -21,8 +22,11 @@ func FuzzParseRecord(f *testing.F) {
 	k6 := ctmap.NewKey6(netip.MustParseAddr("fd00::5"), netip.MustParseAddr("fd00::9"), 53, 50000, ctmap.ProtoUDP, ctmap.FlagIn)
 	r6 := Record{Family: 6, Kind: RecService, Ifindex: 9}
 	copy(r6.Key[:], k6[:])
+	rf := Record{Family: 4, Kind: RecForeign, Ifindex: 7}
+	copy(rf.Key[:], k4[:])
 	f.Add(r4.Encode())
 	f.Add(r6.Encode())
+	f.Add(rf.Encode())
 	f.Add(make([]byte, RecordSize-1))
 	f.Add(bytes.Repeat([]byte{0xff}, RecordSize+8))
 	pods := []netip.Prefix{netip.MustParsePrefix("10.244.0.0/16"), netip.MustParsePrefix("fd00::/64")}
@@ -52,6 +56,11 @@ func FuzzParseRecord(f *testing.F) {
 			}
 			if !pods[0].Contains(ip) && !pods[1].Contains(ip) {
 				t.Fatalf("indexed %s outside the pod CIDRs", ip)
+			}
+		}
+		if r.Kind == RecForeign && a[0] != a[1] {
+			if k4, k6, _ := ix.KeysOf(a[0]); len(k4)+len(k6) != 0 {
+				t.Fatalf("foreign-source record filed %v %v under the claimed source %s", k4, k6, a[0])
 			}
 		}
 	})

@@ -77,10 +77,17 @@ func loadPrivate(t *testing.T) *private {
 		t.Fatal(err)
 	}
 	p := &private{}
+	if err := setSourceCheck(spec); err != nil {
+		t.Fatal(err)
+	}
 	if err := spec.LoadAndAssign(&p.objs, nil); err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { p.objs.Close() })
+	// The pods send from their own addresses.
+	if err := ownTestRun(p.objs.RecOwner, pod4, pod6); err != nil {
+		t.Fatal(err)
+	}
 	if p.rd, err = ringbuf.NewReader(p.objs.RecEvents); err != nil {
 		t.Fatal(err)
 	}

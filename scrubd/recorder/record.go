@@ -13,6 +13,10 @@ import (
 const (
 	RecFlow    uint8 = 0
 	RecService uint8 = 1
+	// RecForeign: a flow the pod sent from an address its interface does
+	// not own. The key is the one Cilium would create if it let the
+	// packet through; its daddr is the claimed source.
+	RecForeign uint8 = 2
 )
 
 // RecordSize is sizeof(struct record).
@@ -48,10 +52,27 @@ func ParseRecord(b []byte) (Record, error) {
 // Cilium creates beside it and, when both addresses are pod IPs (same-node
 // pod-to-pod traffic creates both an OUT and an IN entry), the twin with the
 // other direction. A key that turns out not to exist costs one failed delete.
+//
+// A foreign-source record files the key (and its related key) under the
+// receiver only, and marks the claimed source incomplete
+// (index.ReasonForeignSource). Whether Cilium dropped the packet (its
+// source check, on unless disabled for the endpoint) or created entries
+// with the claimed source, the recorder cannot see: the claimed IP's next
+// scrub sweeps, and its set does not grow with what another pod claims.
+// The receiver gains nothing a pod could not file under it with genuine
+// traffic.
 func Apply(ix *index.Index, r *Record) {
 	switch r.Family {
 	case 4:
 		k := ctmap.CTKey4(r.Key[:ctmap.KeySize4])
+		if r.Kind == RecForeign {
+			if ix.Owns(k.DAddr()) {
+				ix.MarkIncomplete(k.DAddr(), index.ReasonForeignSource)
+			}
+			ix.AddTo4(k.SAddr(), k)
+			ix.AddTo4(k.SAddr(), k.Related())
+			return
+		}
 		if r.Kind == RecService {
 			// The pod is the initiator (daddr); what Cilium stores depends on
 			// the backend it picks per packet, which the pod never sees. An
@@ -72,6 +93,14 @@ func Apply(ix *index.Index, r *Record) {
 		}
 	case 6:
 		k := ctmap.CTKey6(r.Key[:ctmap.KeySize6])
+		if r.Kind == RecForeign {
+			if ix.Owns(k.DAddr()) {
+				ix.MarkIncomplete(k.DAddr(), index.ReasonForeignSource)
+			}
+			ix.AddTo6(k.SAddr(), k)
+			ix.AddTo6(k.SAddr(), k.Related())
+			return
+		}
 		if r.Kind == RecService {
 			if ix.Owns(k.DAddr()) {
 				ix.MarkIncomplete(k.DAddr(), index.ReasonService)

@@ -1,5 +1,5 @@
 // Package recorder is the kernel side of ctscrub's index: it loads
-// bpf/recorder.c, attaches it with tcx to pods' container-side interfaces and
+// bpf/recorder.c, attaches it as cls_bpf filters to pods' container-side interfaces and
 // feeds its records into the index (see docs/recorder.md).
 package recorder
 
@@ -58,7 +58,7 @@ const (
 // The recorder's pinned maps (under Options.PinDir). Their names are the
 // map names in bpf/recorder.c. The front cache is not pinned: it is a copy
 // of rec_flows4 entries, checked against rec_gen.
-var pinnedMaps = []string{"rec_events", "rec_flows4", "rec_flows6", "rec_gen", "rec_lost_ip", "rec_lost_total", "rec_lost_overflow"}
+var pinnedMaps = []string{"rec_events", "rec_flows4", "rec_flows6", "rec_gen", "rec_lost_ip", "rec_lost_total", "rec_lost_overflow", "rec_owner", "rec_foreign_total"}
 
 // Pins of an older recorder (LRU lost counter, flow caches without
 // generations), removed by Load. rec_lost's counts are carried over.
@@ -125,6 +125,10 @@ type Recorder struct {
 	genMu sync.Mutex // one generation bump at a time (read, add one, write)
 
 	ctMu sync.RWMutex // guards opts.CT: held by a prune, taken by SetCT
+
+	// netnsCheck: the programs compare a sent packet's network namespace
+	// with its source address's owner's, not only the ifindex.
+	netnsCheck bool
 
 	bar atomic.Pointer[barrier] // Run's, while it runs
 }
@@ -221,6 +225,12 @@ func Load(opts Options) (*Recorder, error) {
 		return nil, fmt.Errorf("recorder: load BPF programs (root, bpffs at /sys/fs/bpf?): %w", err)
 	}
 	r.prog = [2]*ebpf.Program{r.objs.RecorderIngress, r.objs.RecorderEgress}
+	r.netnsCheck = netnsCookieInTC()
+	if !r.netnsCheck {
+		opts.Log.Warn("recorder: this kernel's tc programs cannot read a network namespace's cookie (bpf_get_netns_cookie); "+
+			"a sent packet's source address is checked against its interface's ifindex only: a pod whose interface has the ifindex of "+
+			"another pod's (in its own namespace) can file keys under that pod's addresses", "source_check", r.SourceCheck())
+	}
 	r.legacy = removeLegacyMaps(opts.PinDir, opts.Log)
 	r.legacySeen = make(map[[16]byte]uint64)
 	return r, nil
@@ -240,6 +250,9 @@ func recorderSpec(opts Options) (*ebpf.CollectionSpec, error) {
 	}
 	if err := spec.Variables["front_mask"].Set(uint32(opts.FrontEntries - 1)); err != nil {
 		return nil, fmt.Errorf("recorder: set front_mask: %w", err)
+	}
+	if err := setSourceCheck(spec); err != nil {
+		return nil, err
 	}
 	spec.Maps["rec_events"].MaxEntries = uint32(opts.RingBytes)
 	spec.Maps["rec_flows4"].MaxEntries = uint32(opts.SeenEntries)
@@ -360,6 +373,12 @@ func recorderFilter(ifindex int, parent uint32, prog *ebpf.Program) *netlink.Bpf
 // program); attaching an interface already attached replaces the filters'
 // program in place (an upgrade), atomically.
 //
+// Before the filters go live it records the interface's addresses as its
+// own (rec_owner: the address, the ifindex, the network namespace's
+// cookie), so the first packet the pod sends from them is not taken for a
+// forged source; an earlier owner's entry of a reused address is
+// overwritten.
+//
 // It then bumps the generation of the interface's addresses (ForgetIPs),
 // O(1) per address: flows cached for a pod that held an address before
 // (or for live pods towards it) stop matching, so the new pod's flows that
@@ -372,8 +391,8 @@ func (r *Recorder) Attach(netnsPath, ifname string) (ifindex int, err error) {
 }
 
 // AttachSteps is Attach calling mark (when not nil) after each of its steps
-// with the step's name ("enter", "link", "qdisc", "filters", "addrs",
-// "leave", "forget", "legacy"): scrubd's per-request timing
+// with the step's name ("enter", "link", "addrs", "owner", "qdisc",
+// "filters", "leave", "forget", "legacy"): scrubd's per-request timing
 // (docs/daemon.md, "Server-Timing").
 func (r *Recorder) AttachSteps(netnsPath, ifname string, mark func(step string)) (ifindex int, err error) {
 	if mark == nil {
@@ -395,8 +414,8 @@ func (r *Recorder) AttachSteps(netnsPath, ifname string, mark func(step string))
 	return ifindex, nil
 }
 
-// attachFilters installs (or re-points) the filters of one interface and
-// returns the interface's addresses.
+// attachFilters records the interface's addresses as its own, then installs
+// (or re-points) its filters, and returns the addresses.
 func (r *Recorder) attachFilters(netnsPath, ifname string, mark func(string)) (addrs []netip.Addr, ifindex int, err error) {
 	defer r.lockIface(netnsPath, ifname)()
 	err = InNetns(netnsPath, func() error {
@@ -421,6 +440,27 @@ func (r *Recorder) attachFilters(netnsPath, ifname string, mark func(string)) (a
 			return fmt.Errorf("interface %q has link type %q, not Ethernet: the recorder parses Ethernet frames only (veth, netkit in L2 mode); this pod cannot be indexed, its scrubs will sweep", ifname, et)
 		}
 		ifindex = l.Attrs().Index
+		list, err := h.AddrList(l, netlink.FAMILY_ALL)
+		if err != nil {
+			return fmt.Errorf("list addresses of %s: %w", ifname, err)
+		}
+		for _, a := range list {
+			if ip, ok := netip.AddrFromSlice(a.IP); ok {
+				addrs = append(addrs, ip.Unmap())
+			}
+		}
+		mark("addrs")
+		// Before the filters: a genuine first packet must find its
+		// source owned. Without the entries every flow the pod sends
+		// would be taken as forged (its IPs marked incomplete).
+		netns, err := netnsCookie()
+		if err != nil {
+			return err
+		}
+		if err := r.own(addrs, netns, ifindex); err != nil {
+			return err
+		}
+		mark("owner")
 		qd := &netlink.GenericQdisc{
 			QdiscAttrs: netlink.QdiscAttrs{LinkIndex: ifindex, Handle: netlink.MakeHandle(0xffff, 0), Parent: netlink.HANDLE_CLSACT},
 			QdiscType:  "clsact",
@@ -433,16 +473,6 @@ func (r *Recorder) attachFilters(netnsPath, ifname string, mark func(string)) (a
 			return err
 		}
 		mark("filters")
-		list, err := h.AddrList(l, netlink.FAMILY_ALL)
-		if err != nil {
-			return fmt.Errorf("list addresses of %s: %w", ifname, err)
-		}
-		mark("addrs")
-		for _, a := range list {
-			if ip, ok := netip.AddrFromSlice(a.IP); ok {
-				addrs = append(addrs, ip.Unmap())
-			}
-		}
 		return nil
 	})
 	return addrs, ifindex, err
@@ -496,7 +526,8 @@ func Attached(netnsPath, ifname string) (bool, error) {
 }
 
 // Detach removes the recorder's filters from ifname in netnsPath (the
-// clsact qdisc stays: other programs may use it). It succeeds when the
+// clsact qdisc stays: other programs may use it) and the interface's
+// addresses' owner entries that still name it. It succeeds when the
 // netns, the interface or the filters are already gone. The daemon does not
 // call it at CNI DEL: the filters keep recording until the runtime removes
 // the interface, and go with it.
@@ -523,6 +554,20 @@ func (r *Recorder) Detach(netnsPath, ifname string) error {
 			f.Fd = -1
 			if err := netlink.FilterDel(f); err != nil && !errors.Is(err, unix.ENOENT) && !errors.Is(err, unix.EINVAL) {
 				errs = append(errs, fmt.Errorf("delete filter: %w", err))
+			}
+		}
+		// After the filters: nothing reads the entries any more. An
+		// interface or namespace already gone leaves its entries to the
+		// LRU and to the next owner's Attach; its cookie never returns.
+		if list, err := netlink.AddrList(l, netlink.FAMILY_ALL); err == nil {
+			if netns, err := netnsCookie(); err == nil {
+				var addrs []netip.Addr
+				for _, a := range list {
+					if ip, ok := netip.AddrFromSlice(a.IP); ok {
+						addrs = append(addrs, ip.Unmap())
+					}
+				}
+				r.disown(addrs, netns, l.Attrs().Index)
 			}
 		}
 		return errors.Join(errs...)

@@ -10,11 +10,13 @@ import (
 	"path/filepath"
 	"strings"
 	"sync"
+	"syscall"
 	"testing"
 	"time"
 
 	"github.com/cilium/ebpf"
 	"github.com/vishvananda/netlink"
+	"golang.org/x/sys/unix"
 
 	"github.com/ctscrub/ctscrub/internal/testsupport/netpods"
 	"github.com/ctscrub/ctscrub/internal/testsupport/standin"
@@ -294,8 +296,12 @@ func TestEveryEntryIndexed(t *testing.T) {
 	if lost := w.rec.Lost(); lost != 0 {
 		t.Errorf("recorder lost %d records", lost)
 	}
+	// Kernel-made replies (TCP handshakes, echo replies) included.
+	if n := w.rec.ForeignSources(); n != 0 {
+		t.Errorf("genuine traffic counted %d foreign sources", n)
+	}
 	for _, ip := range w.podIPs() {
-		if st := w.ix.State(ip); st.Incomplete == index.ReasonLost || st.Incomplete == index.ReasonService {
+		if st := w.ix.State(ip); st.Incomplete == index.ReasonLost || st.Incomplete == index.ReasonService || st.Incomplete == index.ReasonForeignSource {
 			t.Errorf("%s marked incomplete (%s) without a loss or a service", ip, st.Incomplete)
 		}
 	}
@@ -344,6 +350,9 @@ func TestAllToAll(t *testing.T) {
 	w.requireIndexed(t, w.podIPs(), 5*5*2*3)
 	if lost := w.rec.Lost(); lost != 0 {
 		t.Errorf("recorder lost %d records", lost)
+	}
+	if n := w.rec.ForeignSources(); n != 0 {
+		t.Errorf("genuine traffic counted %d foreign sources", n)
 	}
 }
 
@@ -960,5 +969,142 @@ func sendUDPFrom(sport uint16, dst netip.Addr, dport uint16) error {
 	}
 	defer c.Close()
 	_, err = c.WriteToUDPAddrPort([]byte("again"), netip.AddrPortFrom(dst, dport))
+	return err
+}
+
+// A pod that sends from another pod's addresses (IP_TRANSPARENT here; a raw
+// or packet socket, CAP_NET_RAW only, does the same) files no key under
+// them: the claimed addresses are marked incomplete instead
+// (index.ReasonForeignSource), the foreign counter counts, and the pod's
+// own traffic is recorded as before. The pods' eth0 share an ifindex in
+// their own namespaces: only the namespace cookie tells them apart.
+func TestForgedSourceAddress(t *testing.T) {
+	w := newWorld(t, 2)
+	a, b, remote := w.pods[0], w.pods[1], w.node.Remote
+	ifa, ifb := ifindexOf(t, a), ifindexOf(t, b)
+	t.Logf("source check %s; eth0 ifindex: victim %d, sender %d", w.rec.SourceCheck(), ifa, ifb)
+	if ifa == ifb && w.rec.SourceCheck() != "netns+ifindex" {
+		t.Skipf("the pods' eth0 share ifindex %d and this kernel's tc programs cannot read a network namespace's cookie: the ifindex-only check cannot tell them apart (docs/recorder.md)", ifa)
+	}
+	victim := []netip.Addr{a.Addr4, a.Addr6}
+	w.ix.TrackAll(victim) // as if swept: only the forged packets may make them incomplete
+	before := w.rec.ForeignSources()
+
+	const sport = 45000
+	forged4 := ctmap.NewKey4(a.Addr4, remote.Addr4, silentPort, sport, ctmap.ProtoUDP, ctmap.FlagOut)
+	forged6 := ctmap.NewKey6(a.Addr6, remote.Addr6, silentPort, sport, ctmap.ProtoUDP, ctmap.FlagOut)
+	err := b.Do(func() error {
+		if err := sendUDPForged(netip.AddrPortFrom(a.Addr4, sport), netip.AddrPortFrom(remote.Addr4, silentPort)); err != nil {
+			return err
+		}
+		return sendUDPForged(netip.AddrPortFrom(a.Addr6, sport), netip.AddrPortFrom(remote.Addr6, silentPort))
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	// The packets left b: the stand-in (no source check, like Cilium
+	// with source verification disabled) made their entries.
+	for deadline := time.Now().Add(5 * time.Second); !lookup4(t, w.ct.Map(ctmap.Any4), forged4) || !lookup6(t, w.ct.Map(ctmap.Any6), forged6); time.Sleep(20 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("stand-in made no entry %s / %s: the forged packets did not leave the sender", forged4, forged6)
+		}
+	}
+	if err := w.ix.Sync(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	for _, ip := range victim {
+		if st := w.ix.State(ip); st.Incomplete != index.ReasonForeignSource {
+			t.Errorf("%s after forged packets: %+v, want incomplete (%s)", ip, st, index.ReasonForeignSource)
+		}
+	}
+	k4, _, _ := w.ix.KeysOf(a.Addr4)
+	_, k6, _ := w.ix.KeysOf(a.Addr6)
+	if containsKey(k4, forged4) || containsKey(k4, forged4.Related()) || containsKey(k6, forged6) || containsKey(k6, forged6.Related()) {
+		t.Errorf("forged flows filed under the claimed source: v4 %v, v6 %v", k4, k6)
+	}
+	if n := w.rec.ForeignSources() - before; n != 2 {
+		t.Errorf("foreign-source counter moved by %d, want 2", n)
+	}
+
+	// The sender's own traffic, both ways and both families, is filed as
+	// before and counts nothing foreign.
+	before = w.rec.ForeignSources()
+	for _, dst := range []netip.Addr{remote.Addr4, remote.Addr6, a.Addr4} {
+		if err := b.TCP(dst, netpods.EchoPort); err != nil {
+			t.Fatal(err)
+		}
+		if err := b.UDP(dst, netpods.EchoPort); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := b.Ping(dst); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if _, err := remote.Ping(b.Addr4); err != nil {
+		t.Fatal(err)
+	}
+	w.requireIndexed(t, []netip.Addr{b.Addr4, b.Addr6}, 2*3*2+2)
+	if n := w.rec.ForeignSources() - before; n != 0 {
+		t.Errorf("genuine traffic counted %d foreign sources", n)
+	}
+	for _, ip := range []netip.Addr{b.Addr4, b.Addr6} {
+		if st := w.ix.State(ip); st.Incomplete == index.ReasonForeignSource {
+			t.Errorf("%s marked as a forged source by its own traffic", ip)
+		}
+	}
+
+	// Once swept (Track), the victim's own flow on the forged 5-tuple, in
+	// the flow cache since the forged packet, is recorded under it.
+	w.ix.Track(a.Addr4)
+	if err := a.Do(func() error { return sendUDPFrom(sport, remote.Addr4, silentPort) }); err != nil {
+		t.Fatal(err)
+	}
+	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(20 * time.Millisecond) {
+		k4, _, st := w.ix.KeysOf(a.Addr4)
+		if containsKey(k4, forged4) && st.Complete {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the victim's own flow %s not filed after its sweep: %v, %+v", forged4, k4, st)
+		}
+	}
+}
+
+func ifindexOf(t *testing.T, p *netpods.Pod) int {
+	t.Helper()
+	var i int
+	err := p.Do(func() error {
+		l, err := netlink.LinkByName("eth0")
+		if err == nil {
+			i = l.Attrs().Index
+		}
+		return err
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return i
+}
+
+// sendUDPForged sends one datagram from src, an address of another host
+// (IP_TRANSPARENT lets a socket send from an address not its own).
+func sendUDPForged(src, dst netip.AddrPort) error {
+	network, level, opt := "udp4", unix.SOL_IP, unix.IP_TRANSPARENT
+	if src.Addr().Is6() {
+		network, level, opt = "udp6", unix.SOL_IPV6, unix.IPV6_TRANSPARENT
+	}
+	lc := net.ListenConfig{Control: func(_, _ string, c syscall.RawConn) error {
+		var serr error
+		if err := c.Control(func(fd uintptr) { serr = unix.SetsockoptInt(int(fd), level, opt, 1) }); err != nil {
+			return err
+		}
+		return serr
+	}}
+	c, err := lc.ListenPacket(context.Background(), network, src.String())
+	if err != nil {
+		return fmt.Errorf("bind %s: %w", src, err)
+	}
+	defer c.Close()
+	_, err = c.WriteTo([]byte("forged"), net.UDPAddrFromAddrPort(dst))
 	return err
 }
