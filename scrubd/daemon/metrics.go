@@ -111,6 +111,15 @@ func newMetrics(d *Daemon, reg *prometheus.Registry) *metrics {
 			}
 			return 0
 		}),
+		prometheus.NewCounterFunc(prometheus.CounterOpts{
+			Name: "ctscrub_recorder_foreign_sources_total",
+			Help: "New flows pods sent from an address their interface does not own (forged sources): filed under the receiver only, the claimed address marked incomplete.",
+		}, func() float64 {
+			if fs, ok := d.rec.(interface{ ForeignSources() uint64 }); ok {
+				return float64(fs.ForeignSources())
+			}
+			return 0
+		}),
 		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 			Name: "ctscrub_index_ips",
 			Help: "IP slots in the Cilium index: this node's pods' IPs and released IPs kept complete.",

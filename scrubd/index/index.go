@@ -298,49 +298,70 @@ func (ix *Index) entry(ip netip.Addr, create bool) *IPEntry {
 	return e
 }
 
-// Add indexes a CT key (and, for the recorder's keys, its related ICMP key is
-// added by the caller as a key of its own). It is the single path by which the
-// recorder's records and the benchmark's fills enter the index.
+// Add4 indexes a CT key under each of its addresses that has a slot (the
+// recorder adds a flow's related ICMP key as a key of its own). It is the
+// single path by which the recorder's records and the benchmark's fills
+// enter the index.
 func (ix *Index) Add4(k ctmap.CTKey4) {
-	for _, ip := range [2]netip.Addr{k.DAddr(), k.SAddr()} {
-		// Only IPs with a slot collect keys: this node's pods (Hold) and
-		// IPs a scrub tracks. A peer's address gets no slot of its own.
-		e := ix.slot(ip)
-		if e == nil {
-			continue
-		}
-		e.mu.Lock()
-		drop := false
-		if e.size() >= ix.cfg.MaxKeysPerIP && !e.has4(&k) {
-			drop = ix.markLocked(e, ReasonFull)
-		} else if e.add4(&k) {
-			ix.keys.Add(1)
-		}
-		e.mu.Unlock()
-		if drop {
-			ix.dropSlot(ip, e)
-		}
+	ix.AddTo4(k.DAddr(), k)
+	if k.SAddr() != k.DAddr() {
+		ix.AddTo4(k.SAddr(), k)
 	}
 }
 
 // Add6 is Add4 for IPv6 keys.
 func (ix *Index) Add6(k ctmap.CTKey6) {
-	for _, ip := range [2]netip.Addr{k.DAddr(), k.SAddr()} {
-		e := ix.slot(ip)
-		if e == nil {
-			continue
-		}
-		e.mu.Lock()
-		drop := false
-		if e.size() >= ix.cfg.MaxKeysPerIP && !e.has6(&k) {
-			drop = ix.markLocked(e, ReasonFull)
-		} else if e.add6(&k) {
-			ix.keys.Add(1)
-		}
-		e.mu.Unlock()
-		if drop {
-			ix.dropSlot(ip, e)
-		}
+	ix.AddTo6(k.DAddr(), k)
+	if k.SAddr() != k.DAddr() {
+		ix.AddTo6(k.SAddr(), k)
+	}
+}
+
+// AddTo4 is Add4 under one of the key's addresses only: the recorder's
+// record of a forged source files the key under its receiver and never
+// under the address the sender claimed. Nothing when ip is not in the key
+// or has no slot: only IPs a pod of this node holds (Hold) and IPs a scrub
+// tracked collect keys, so a peer's address gets no slot of its own.
+func (ix *Index) AddTo4(ip netip.Addr, k ctmap.CTKey4) {
+	if k.DAddr() != ip && k.SAddr() != ip {
+		return
+	}
+	e := ix.slot(ip)
+	if e == nil {
+		return
+	}
+	e.mu.Lock()
+	drop := false
+	if e.size() >= ix.cfg.MaxKeysPerIP && !e.has4(&k) {
+		drop = ix.markLocked(e, ReasonFull)
+	} else if e.add4(&k) {
+		ix.keys.Add(1)
+	}
+	e.mu.Unlock()
+	if drop {
+		ix.dropSlot(ip, e)
+	}
+}
+
+// AddTo6 is AddTo4 for IPv6 keys.
+func (ix *Index) AddTo6(ip netip.Addr, k ctmap.CTKey6) {
+	if k.DAddr() != ip && k.SAddr() != ip {
+		return
+	}
+	e := ix.slot(ip)
+	if e == nil {
+		return
+	}
+	e.mu.Lock()
+	drop := false
+	if e.size() >= ix.cfg.MaxKeysPerIP && !e.has6(&k) {
+		drop = ix.markLocked(e, ReasonFull)
+	} else if e.add6(&k) {
+		ix.keys.Add(1)
+	}
+	e.mu.Unlock()
+	if drop {
+		ix.dropSlot(ip, e)
 	}
 }
 
