@@ -19,7 +19,7 @@ BIN := bin
 
 .PHONY: help
 help: ## List every target
-	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN{FS=":.*## "}{printf "  %-16s %s\n", $$1, $$2}'
+	@grep -hE '^[a-zA-Z0-9_.-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN{FS=":.*## "}{printf "  %-18s %s\n", $$1, $$2}'
 
 .PHONY: build
 build: ## Build scrubd and the ctscrub CNI plugin into bin/
@@ -33,7 +33,9 @@ generate: ## Regenerate bpf/*_bpfel.{go,o} and the stand-in's (internal/testsupp
 
 .PHONY: check-generate
 check-generate: ## Fail if the committed BPF objects are stale (needs $(BPF_CLANG))
-	@if ! command -v $(BPF_CLANG) >/dev/null; then echo "check-generate: $(BPF_CLANG) not installed, skipped"; exit 0; fi; \
+	@if ! command -v $(BPF_CLANG) >/dev/null; then \
+		if [ "$${CI:-}" = true ]; then echo "check-generate: $(BPF_CLANG) not installed; CI must check the generated BPF files (scripts/setup.sh installs $(BPF_CLANG))"; exit 1; fi; \
+		echo "check-generate: $(BPF_CLANG) not installed, skipped (fails under CI=true; install it with scripts/setup.sh)"; exit 0; fi; \
 	$(MAKE) --no-print-directory generate >/dev/null && \
 	if ! git diff --quiet -- bpf/ internal/testsupport/standin/ || [ -n "$$(git ls-files --others --exclude-standard -- bpf/ internal/testsupport/standin/)" ]; then git status --short -- bpf/ internal/testsupport/standin/; echo "generated BPF files are stale or uncommitted; run 'make generate' and commit"; exit 1; fi; \
 	echo "check-generate: generated BPF files (bpf/, internal/testsupport/standin/) are current"
