@@ -361,6 +361,6 @@ func check(w io.Writer, listPath string, files []string) int {
 	for _, b := range bad {
 		fmt.Fprintln(w, "testreport: FAIL:", b)
 	}
-	fmt.Fprintf(w, "testreport: %d tests that must run on this machine did not (install what their skip names: scripts/setup.sh)\n", len(bad))
+	fmt.Fprintf(w, "testreport: %d problems with tests that must run on this machine: install what a skip names (scripts/setup.sh), or fix %s\n", len(bad), listPath)
 	return 1
 }
