@@ -109,7 +109,11 @@ func attachmentID(args *skel.CmdArgs) string {
 
 // cmdAdd scrubs the stale CT entries of the pod's IPs (a previous owner's),
 // starts indexing the pod's interface, and only then passes prevResult on:
-// the pod gets no traffic before its IPs are clean and its flows recorded.
+// the runtime starts the pod's containers after the chain returns, so the pod
+// itself sends nothing before its IPs are clean. The IPs are live already,
+// though (with Cilium the endpoint exists once cilium-cni has returned): a
+// peer's packets can reach them during the scrub and before the recorder is
+// attached (docs/plugin.md, "Order of work", says what covers that window).
 func cmdAdd(args *skel.CmdArgs) error {
 	tr := newTrace("ADD")
 	if err := checkNetns(args.Netns); err != nil {

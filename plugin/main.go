@@ -2,7 +2,11 @@
 // the pod its IPs (Cilium's cilium-cni, or bridge + host-local) and hands the
 // pod's IPs to scrubd: on ADD, scrub stale CT entries of the IP's previous
 // owner and start indexing the pod's flows; on DEL, scrub the pod's entries
-// and stop indexing. See plugin/README.md.
+// and end its attachment (the recorder's filters stay until the runtime
+// removes the interface, so the flows of that window are still indexed).
+// CHECK, STATUS and GC ask scrubd too. `ctscrub install` and `ctscrub
+// uninstall` put the plugin into a node's CNI config and take it, and the
+// recorder's filters, out again. See plugin/README.md.
 package main
 
 import (

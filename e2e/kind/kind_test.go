@@ -7,8 +7,10 @@
 // install.sh, the image builds, cluster.sh up, these tests and cluster.sh
 // down): the tests take it from the variables cluster.sh prints (KUBECONFIG,
 // CLUSTER, NODES, SERVER_IMAGE, CLIENT_IMAGE, ...). They run only when
-// CTSCRUB_KIND=1 is set, so `make test` never needs Docker. How to run them
-// and what they need: docs/kind.md.
+// CTSCRUB_KIND=1 is set, so `make test` never needs Docker; the checks of
+// what the chart and the e2e render from conf/ (TestChart*, TestManifests)
+// need no cluster and run in `make test` (the chart's with helm installed).
+// How to run them and what they need: docs/kind.md.
 //
 // The package imports nothing Linux-only, so it builds on a macOS laptop with
 // Docker Desktop too.

@@ -1,4 +1,5 @@
-// Package ciliumwalk is the one baseline every benchmark and the demo compare
+// Package ciliumwalk is the one baseline the demo and the benchmarks that
+// time Cilium's walks (make bench, bench-incident, bench-expiry) compare
 // ctscrub with: the full walks Cilium runs over its global CT maps to scrub
 // an endpoint's IP or to expire entries.
 //

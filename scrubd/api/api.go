@@ -1,6 +1,6 @@
-// Package api defines scrubd's HTTP/JSON API on its unix socket. The client
-// package and the server are its only users; the plugin and the CLI share the
-// client.
+// Package api defines scrubd's HTTP/JSON API on its unix socket: the server
+// (scrubd/daemon) and the one client (scrubd/client) speak it; the plugin, the
+// CLI and the benchmarks use its types and call scrubd through that client.
 //
 // The caller's deadline travels in the DeadlineHeader of every request, and the
 // server also cancels work when the caller disconnects.

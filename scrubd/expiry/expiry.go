@@ -6,7 +6,9 @@
 // (towards 12 h on a quiet node); every full walk of a map, Cilium's scrubs
 // included, pays for the expired entries left in between. The pass is the
 // kernel-side complement: one bpf_for_each_map_elem walk per map, a few
-// seconds of one CPU at 16 M entries, no per-entry syscalls. See docs/expiry.md.
+// seconds of one CPU at 16 M entries, no per-entry syscalls. Each pass also
+// audits a rotating sample of the IPs the index calls complete against the
+// kernel (audit.go). See docs/expiry.md.
 package expiry
 
 import (

@@ -1,6 +1,8 @@
 // Package recorder is the kernel side of ctscrub's index: it loads
-// bpf/recorder.c, attaches it as cls_bpf filters to pods' container-side interfaces and
-// feeds its records into the index (see docs/recorder.md).
+// bpf/recorder.c, attaches it to pods' container-side interfaces as two
+// direct-action cls_bpf filters on a clsact qdisc (not tcx links: see
+// docs/recorder.md, "Why cls_bpf filters and not tcx links") and feeds its
+// records into the index.
 package recorder
 
 import (
@@ -33,7 +35,8 @@ import (
 	"github.com/ctscrub/ctscrub/scrubd/recorder/tcfilter"
 )
 
-// DefaultPinDir is where scrubd pins the recorder's maps and links.
+// DefaultPinDir is where scrubd pins the recorder's maps (and where an
+// older scrubd pinned its tcx links, under links/, which Attach removes).
 const DefaultPinDir = "/sys/fs/bpf/ctscrub"
 
 // Defaults for Options.

@@ -43,7 +43,7 @@ type world struct {
 func newWorld(t *testing.T, npods int) *world {
 	t.Helper()
 	if os.Geteuid() != 0 {
-		t.Skip("needs root: BPF, tcx and network namespaces")
+		t.Skip("needs root: BPF, tc filters and network namespaces")
 	}
 	w := &world{node: netpods.NewNode(t)}
 	ctDir := standin.TempDir(t)

@@ -1,4 +1,4 @@
-// Package node sets up, for the end-to-end tests of e2e/cni and e2e/cri, what
+// Package node sets up, for the end-to-end tests of e2e/cni, e2e/cri and e2e/nfct, what
 // a Cilium node has besides Cilium's maps (internal/testsupport/standin makes
 // those): a real scrubd running as a subprocess on a temp socket, the ctscrub
 // plugin binary, network namespaces. Everything it creates is removed by t.Cleanup, also on failure.
