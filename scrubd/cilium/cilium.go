@@ -237,7 +237,12 @@ func (s *scrubRun) run(ips []netip.Addr) error {
 	// (its reader lags under load or after a burst of new flows): the index
 	// is trusted only once everything produced until now is applied, or
 	// the scrub deleted a set that misses those flows and called it complete.
-	synced := s.c.syncIndex(s.ctx) == nil
+	var unsynced string // why no IP's index is trusted; "" when synced
+	if err := s.c.syncIndex(s.ctx); errors.Is(err, index.ErrNotFed) {
+		unsynced = index.ReasonNotFed
+	} else if err != nil {
+		unsynced = index.ReasonNotSynced
+	}
 	s.steps.Mark("sync")
 	s.markFeatures(ips)
 	s.steps.Mark("features")
@@ -250,8 +255,8 @@ func (s *scrubRun) run(ips []netip.Addr) error {
 		}
 		// The index only holds keys of IPs in the pod CIDRs: any other IP
 		// always takes the sweep, whatever its slot says.
-		if !synced || s.featured[ip] != "" || !s.c.ix.Owns(ip) || !s.c.ix.State(ip).Complete {
-			s.toSweep(ip)
+		if why := s.untrusted(ip, unsynced); why != "" {
+			s.toSweep(ip, why)
 			continue
 		}
 		var err error
@@ -295,11 +300,32 @@ func (s *scrubRun) markFeatures(ips []netip.Addr) {
 	}
 }
 
-// toSweep leaves ip to the sweep, or alone when the request is IndexOnly.
-func (s *scrubRun) toSweep(ip netip.Addr) {
-	if !s.req.IndexOnly {
-		s.sweepIPs = append(s.sweepIPs, ip)
+// untrusted says why ip's index cannot be trusted for this scrub ("" when
+// it can): the recorder not synced (unsynced), a Cilium feature, an IP
+// outside the pod CIDRs, or the IP's own state.
+func (s *scrubRun) untrusted(ip netip.Addr, unsynced string) string {
+	switch {
+	case unsynced != "":
+		return unsynced
+	case s.featured[ip] != "":
+		return s.featured[ip]
+	case !s.c.ix.Owns(ip):
+		return "outside the pod CIDRs: never indexed"
 	}
+	return s.c.ix.State(ip).Incomplete
+}
+
+// toSweep leaves ip to the sweep, or alone when the request is IndexOnly;
+// why goes in the result.
+func (s *scrubRun) toSweep(ip netip.Addr, why string) {
+	if s.req.IndexOnly {
+		return
+	}
+	s.sweepIPs = append(s.sweepIPs, ip)
+	if s.res.SweptWhy == nil {
+		s.res.SweptWhy = map[string]string{}
+	}
+	s.res.SweptWhy[ip.String()] = why
 }
 
 // countByIndex counts the entries of ip's keys that exist (a dry run): it
@@ -308,7 +334,7 @@ func (s *scrubRun) toSweep(ip netip.Addr) {
 func (s *scrubRun) countByIndex(ip netip.Addr) error {
 	k4, k6, st := s.c.ix.ScrubKeys(ip)
 	if !st.Complete {
-		s.toSweep(ip)
+		s.toSweep(ip, st.Incomplete)
 		return nil
 	}
 	s.res.PerIP[ip.String()] = scrub.MethodIndex
@@ -326,7 +352,7 @@ func (s *scrubRun) deleteByIndex(ip netip.Addr) error {
 			s.c.ix.Return(ip, k4, k6)
 			return nil
 		}
-		s.sweepIPs = append(s.sweepIPs, ip)
+		s.toSweep(ip, st.Incomplete)
 		s.taken = append(s.taken, heldKeys{ip, k4, k6})
 		return nil
 	}

@@ -217,10 +217,21 @@ func testConfig(t *testing.T, root *ctRoot) Config {
 // startDaemon runs a real daemon in-process on a real socket.
 func startDaemon(t *testing.T, cfg Config) *testDaemon {
 	t.Helper()
+	return startDaemonWith(t, cfg, nil, true)
+}
+
+// startDaemonWith is startDaemon with prepare run on the opened daemon
+// before Run, and, unless ready is set, returning once the socket answers
+// (ready or not).
+func startDaemonWith(t *testing.T, cfg Config, prepare func(*Daemon), ready bool) *testDaemon {
+	t.Helper()
 	logs := &logBuffer{}
 	d, err := Open(cfg, slog.New(slog.NewJSONHandler(logs, nil)), "test")
 	if err != nil {
 		t.Fatalf("open daemon: %v", err)
+	}
+	if prepare != nil {
+		prepare(d)
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
@@ -242,18 +253,23 @@ func startDaemon(t *testing.T, cfg Config) *testDaemon {
 	}
 	t.Cleanup(stop)
 	c := client.New(cfg.Socket)
-	waitServing(t, c, done)
+	waitAnswering(t, c, done, ready)
 	return &testDaemon{Daemon: d, c: c, logs: logs, cfg: cfg, stop: stop}
 }
 
 func waitServing(t *testing.T, c *client.Client, done <-chan error) {
+	t.Helper()
+	waitAnswering(t, c, done, true)
+}
+
+func waitAnswering(t *testing.T, c *client.Client, done <-chan error, ready bool) {
 	t.Helper()
 	deadline := time.Now().Add(10 * time.Second)
 	for {
 		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
 		st, err := c.Status(ctx)
 		cancel()
-		if err == nil && st.Ready {
+		if err == nil && (st.Ready || !ready) {
 			return
 		}
 		select {

@@ -441,6 +441,12 @@ func mergeResult(dst *scrub.Result, r scrub.Result) {
 	for ip, m := range r.PerIP {
 		dst.PerIP[ip] = m
 	}
+	for ip, why := range r.SweptWhy {
+		if dst.SweptWhy == nil {
+			dst.SweptWhy = map[string]string{}
+		}
+		dst.SweptWhy[ip] = why
+	}
 	if r.Method == scrub.MethodSweep || dst.Method == "" {
 		dst.Method = r.Method
 	}

@@ -67,6 +67,10 @@ type Result struct {
 	Total    int               `json:"total"`
 	Duration time.Duration     `json:"duration_ns"`
 	PerIP    map[string]Method `json:"per_ip,omitempty"` // method used for each IP
+	// SweptWhy says, for each IP that swept, why the index could not be
+	// trusted for it (an index reason: not tracked, recorder not running,
+	// records lost, ...).
+	SweptWhy map[string]string `json:"swept_why,omitempty"`
 	Error    string            `json:"error,omitempty"`
 }
 
