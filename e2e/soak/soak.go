@@ -1,16 +1,7 @@
-package demo
-
-// `make soak`: the demo's node (CT maps filled to ENTRIES, the Cilium
-// stand-in datapath, scrubd as a child process, a node netns with bridge +
-// host-local + ctscrub through libcni) under churn and faults. CYCLES pods
-// are created and deleted one after another on two reused addresses while
-// long-lived pods keep making flows; after every DEL a full walk of the
-// kernel's CT maps checks that no entry of the deleted IPs is left. Faults
-// are caused for real on a schedule (see soakFaults). The last line is JSON.
+package main
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -19,7 +10,6 @@ import (
 	"net/netip"
 	"os"
 	"os/exec"
-	"os/signal"
 	"path/filepath"
 	"runtime"
 	"slices"
@@ -33,6 +23,7 @@ import (
 	"github.com/cilium/ebpf"
 
 	"github.com/ctscrub/ctscrub/internal/ciliumwalk"
+	"github.com/ctscrub/ctscrub/internal/netnsnode"
 	"github.com/ctscrub/ctscrub/internal/testsupport/standin"
 	"github.com/ctscrub/ctscrub/scrubd/api"
 	"github.com/ctscrub/ctscrub/scrubd/cilium"
@@ -41,19 +32,6 @@ import (
 	"github.com/ctscrub/ctscrub/scrubd/index"
 	"github.com/ctscrub/ctscrub/scrubd/scrub"
 )
-
-// SoakConfig is what `make soak` reads from the environment.
-type SoakConfig struct {
-	Cycles   int           // CYCLES (default 500)
-	Entries  int           // ENTRIES (default 4194304)
-	Starve   time.Duration // STARVE_S: the CPU starvation fault's length (default 60 s; 0: skipped)
-	CRIEvery int           // CRI_EVERY: every n-th cycle's pod goes through containerd's CRI (default 5; 0: none)
-	// WARMUP_S: the longest warm-up before the first cycle (default 420 s;
-	// 0: none). See warmUp.
-	WarmupMax  time.Duration
-	BinDir     string
-	RefPlugins string
-}
 
 // FaultResult is one injected fault and what the node did.
 type FaultResult struct {
@@ -133,97 +111,14 @@ type SoakResult struct {
 // and the index grew for the whole run, and scrubd's memory with them.
 var soakLifetimes = &standin.Lifetimes{Close: 10}
 
-func soakConfigFromEnv() (SoakConfig, error) {
-	cfg := SoakConfig{Cycles: 500, Entries: 1 << 22, Starve: time.Minute, CRIEvery: 5, WarmupMax: 7 * time.Minute, BinDir: "bin", RefPlugins: "/usr/lib/cni"}
-	for _, e := range []struct {
-		name     string
-		dst      *int
-		min, max int
-	}{{"CYCLES", &cfg.Cycles, 10, 1 << 20}, {"ENTRIES", &cfg.Entries, 65536, 1 << 25}, {"CRI_EVERY", &cfg.CRIEvery, 0, 1 << 20}} {
-		if v := os.Getenv(e.name); v != "" {
-			n, err := strconv.Atoi(v)
-			if err != nil || n < e.min || n > e.max {
-				return cfg, fmt.Errorf("%s=%q: want a whole number from %d to %d", e.name, v, e.min, e.max)
-			}
-			*e.dst = n
-		}
-	}
-	if v := os.Getenv("STARVE_S"); v != "" {
-		n, err := strconv.Atoi(v)
-		if err != nil || n < 0 {
-			return cfg, fmt.Errorf("STARVE_S=%q: want seconds", v)
-		}
-		cfg.Starve = time.Duration(n) * time.Second
-	}
-	if v := os.Getenv("WARMUP_S"); v != "" {
-		n, err := strconv.Atoi(v)
-		if err != nil || n < 0 {
-			return cfg, fmt.Errorf("WARMUP_S=%q: want seconds", v)
-		}
-		cfg.WarmupMax = time.Duration(n) * time.Second
-	}
-	if v := os.Getenv("DEMO_BIN"); v != "" {
-		cfg.BinDir = v
-	}
-	if v := os.Getenv("CNI_PLUGINS"); v != "" {
-		cfg.RefPlugins = v
-	}
-	return cfg, nil
-}
-
-// SoakMain is `make soak`.
-func SoakMain() {
-	out := os.Stdout
-	if os.Geteuid() != 0 {
-		fmt.Fprintln(os.Stderr, "soak: run as root (BPF maps, network namespaces)")
-		os.Exit(1)
-	}
-	cfg, err := soakConfigFromEnv()
-	if err != nil {
-		fmt.Fprintln(os.Stderr, "soak:", err)
-		os.Exit(2)
-	}
-	useNames("ctscrub-soak")
-	lk, err := Lock(10*time.Minute, out)
-	if err != nil {
-		fmt.Fprintln(os.Stderr, "soak:", err)
-		os.Exit(1)
-	}
-	ctx, cancel := context.WithCancel(context.Background())
-	defer cancel()
-	sigs := make(chan os.Signal, 2)
-	signal.Notify(sigs, syscall.SIGINT, syscall.SIGTERM)
-	go func() { <-sigs; cancel() }()
-	cleanup := &Cleanup{}
-	res, err := runSoak(ctx, cfg, cleanup, out)
-	code := 0
-	if err != nil {
-		fmt.Fprintf(out, "\nsoak FAILED: %v\n", err)
-		code = 1
-	}
-	fmt.Fprintln(out, "\nCleaning up ...")
-	if n := cleanup.Run(io.Discard); n > 0 {
-		fmt.Fprintf(out, "cleanup: %d step(s) failed\n", n)
-	}
-	if res != nil {
-		if !res.Pass {
-			code = 1
-		}
-		b, _ := json.Marshal(res)
-		fmt.Fprintln(out, string(b))
-	}
-	runtime.KeepAlive(lk)
-	os.Exit(code)
-}
-
 type soak struct {
 	cfg     SoakConfig
 	w       io.Writer
-	cleanup *Cleanup
-	ch      *chain
-	maps    *ctMaps
-	dcfg    daemonConfig
-	d       *daemon
+	cleanup *netnsnode.Cleanup
+	ch      *netnsnode.Chain
+	maps    *netnsnode.CTMaps
+	dcfg    netnsnode.DaemonConfig
+	d       *netnsnode.Daemon
 	dmu     sync.Mutex // guards d across restarts
 	res     SoakResult
 	addLat  []time.Duration
@@ -232,13 +127,13 @@ type soak struct {
 	spare   netip.Addr // a pod-CIDR address no pod has: sweeps of it delete nothing
 	checker *cilium.Sweeper
 	node    string
-	dp      datapath
-	others  []*pod      // the long-lived pods
-	cri     *criRuntime // nil: the CRI part is skipped (res.CRISkipped says why)
+	dp      netnsnode.Datapath
+	others  []*netnsnode.Pod // the long-lived pods
+	cri     *criRuntime      // nil: the CRI part is skipped (res.CRISkipped says why)
 
 	// The other pods' entries whose survival is checked at the end (reset
 	// when the CT maps are re-created).
-	plan     fillPlan
+	plan     netnsnode.FillPlan
 	bgBefore int
 	keep     map[anyKey]uint32
 	// bgMu is held by the long-lived pods' traffic for each round of
@@ -277,12 +172,12 @@ func (s *soak) setChecker(ctRoot string) error {
 
 // add creates a pod through the chain and puts the Cilium stand-in on its
 // host-side veth, so its traffic makes CT entries.
-func (s *soak) add(ctx context.Context, name string) (*pod, error) {
+func (s *soak) add(ctx context.Context, name string) (*netnsnode.Pod, error) {
 	p, err := s.ch.Add(ctx, s.cleanup, name)
 	if err != nil {
 		return p, err
 	}
-	if err := inNetns(s.node, func() error { return s.dp.Attach(p.HostVeth) }); err != nil {
+	if err := netnsnode.InNetns(s.node, func() error { return s.dp.Attach(p.HostVeth) }); err != nil {
 		return p, fmt.Errorf("attach the datapath stand-in to %s: %w", p.HostVeth, err)
 	}
 	return p, nil
@@ -310,7 +205,7 @@ func (s *soak) leftOf(ctx context.Context, ips []netip.Addr) (int, error) {
 // delAndCount DELs p through libcni and counts its IPs' entries left
 // once scrubd's late DEL scrub of them ran (docs/daemon.md, "The DEL
 // window"), as every cycle does.
-func (s *soak) delAndCount(ctx context.Context, p *pod) (left int, delErr, countErr error) {
+func (s *soak) delAndCount(ctx context.Context, p *netnsnode.Pod) (left int, delErr, countErr error) {
 	lateBefore := s.metric("ctscrub_del_late_total")
 	if _, delErr = s.ch.Del(ctx, p); delErr == nil {
 		s.waitLate(lateBefore, len(p.IPs()))
@@ -319,7 +214,7 @@ func (s *soak) delAndCount(ctx context.Context, p *pod) (left int, delErr, count
 	return left, delErr, countErr
 }
 
-func (s *soak) daemon() *daemon {
+func (s *soak) daemon() *netnsnode.Daemon {
 	s.dmu.Lock()
 	defer s.dmu.Unlock()
 	return s.d
@@ -329,14 +224,14 @@ func (s *soak) logf(format string, a ...any) {
 	fmt.Fprintf(s.w, "[%s] "+format+"\n", append([]any{time.Now().UTC().Format("15:04:05")}, a...)...)
 }
 
-func runSoak(ctx context.Context, cfg SoakConfig, cleanup *Cleanup, w io.Writer) (*SoakResult, error) {
+func runSoak(ctx context.Context, cfg SoakConfig, cleanup *netnsnode.Cleanup, w io.Writer) (*SoakResult, error) {
 	start := time.Now()
 	s := &soak{cfg: cfg, w: w, cleanup: cleanup, spare: netip.MustParseAddr("10.199.1.200")}
 	s.res.Cycles, s.res.Entries = cfg.Cycles, cfg.Entries
-	if err := removeLeftovers(w); err != nil {
+	if err := netnsnode.RemoveLeftovers(w); err != nil {
 		return nil, err
 	}
-	for _, d := range []string{WorkDir, BPFDir} {
+	for _, d := range []string{netnsnode.WorkDir, netnsnode.BPFDir} {
 		if err := os.MkdirAll(d, 0o700); err != nil {
 			return nil, err
 		}
@@ -345,8 +240,8 @@ func runSoak(ctx context.Context, cfg SoakConfig, cleanup *Cleanup, w io.Writer)
 	// Maps sized for twice ENTRIES: the bursts of the ring-buffer fault and
 	// the pods' flows must never make the LRU evict the background's
 	// entries, which are counted at the end.
-	ctRoot := filepath.Join(BPFDir, "globals")
-	maps, err := createCTMaps(ctRoot, 2*cfg.Entries)
+	ctRoot := filepath.Join(netnsnode.BPFDir, "globals")
+	maps, err := netnsnode.CreateCTMaps(ctRoot, 2*cfg.Entries)
 	if err != nil {
 		return nil, err
 	}
@@ -354,38 +249,38 @@ func runSoak(ctx context.Context, cfg SoakConfig, cleanup *Cleanup, w io.Writer)
 	cleanup.Push("unpin CT maps", maps.Close)
 	nbg := min(max(64, cfg.Entries/256), 16384)
 	nbg -= nbg % 4
-	s.plan = fillPlan{Entries: cfg.Entries, Background: backgroundPods(bgPods4, bgPods6, nbg)}
-	put, took, err := fill(ctx, maps, s.plan)
+	s.plan = netnsnode.FillPlan{Entries: cfg.Entries, Background: netnsnode.BackgroundPods(netnsnode.BGPods4, netnsnode.BGPods6, nbg)}
+	put, took, err := netnsnode.Fill(ctx, maps, s.plan)
 	if err != nil {
 		return nil, err
 	}
 	s.logf("filled %d entries (%d synthetic pods) in %s", put, nbg, took.Round(time.Millisecond))
-	if s.bgBefore, err = countRange(maps, bgPods4, bgPods6); err != nil {
+	if s.bgBefore, err = countRange(maps, netnsnode.BGPods4, netnsnode.BGPods6); err != nil {
 		return nil, err
 	}
 	if err := s.setChecker(ctRoot); err != nil {
 		return nil, err
 	}
-	dp, err := newDatapath(maps, soakLifetimes)
+	dp, err := netnsnode.NewDatapath(maps, soakLifetimes)
 	if err != nil {
 		return nil, err
 	}
 	cleanup.Push("unload the datapath stand-in", dp.Close)
 	s.dp = dp
-	s.dcfg = daemonConfig{Bin: filepath.Join(cfg.BinDir, "scrubd"), WorkDir: WorkDir, PinDir: filepath.Join(BPFDir, "scrubd"),
-		CTRoot: ctRoot, PodCIDRs: []netip.Prefix{podCIDR4, podCIDR6}, RingBytes: soakRingBytes}
-	if s.d, err = startDaemon(ctx, cleanup, s.dcfg); err != nil {
+	s.dcfg = netnsnode.DaemonConfig{Bin: filepath.Join(cfg.BinDir, "scrubd"), WorkDir: netnsnode.WorkDir, PinDir: filepath.Join(netnsnode.BPFDir, "scrubd"),
+		CTRoot: ctRoot, PodCIDRs: []netip.Prefix{netnsnode.PodCIDR4, netnsnode.PodCIDR6}, RingBytes: soakRingBytes}
+	if s.d, err = netnsnode.StartDaemon(ctx, cleanup, s.dcfg); err != nil {
 		return nil, err
 	}
-	node, err := addNode(cleanup, nodeNS)
+	node, err := netnsnode.AddNode(cleanup, netnsnode.NodeNS)
 	if err != nil {
 		return nil, err
 	}
 	s.node = node
-	if _, err := addOutside(cleanup); err != nil {
+	if _, err := netnsnode.AddOutside(cleanup); err != nil {
 		return nil, err
 	}
-	out, err := startServer(netnsPath(outsideNS))
+	out, err := netnsnode.StartServer(netnsnode.NetnsPath(netnsnode.OutsideNS))
 	if err != nil {
 		return nil, err
 	}
@@ -393,25 +288,25 @@ func runSoak(ctx context.Context, cfg SoakConfig, cleanup *Cleanup, w io.Writer)
 	// Two long-lived pods, then two addresses for the cycling pods: every new
 	// pod gets the address the pod before it released.
 	const longLived, slots = 2, 2
-	s.ch, err = newChain(chainConfig{Node: node, WorkDir: WorkDir, RefPlugins: cfg.RefPlugins,
+	s.ch, err = netnsnode.NewChain(netnsnode.ChainConfig{Node: node, WorkDir: netnsnode.WorkDir, RefPlugins: cfg.RefPlugins,
 		Plugin: filepath.Join(cfg.BinDir, "ctscrub"), Socket: s.d.Socket, RangeSize: longLived + slots})
 	if err != nil {
 		return nil, err
 	}
-	var others []*pod
+	var others []*netnsnode.Pod
 	for i := range longLived {
 		p, err := s.add(ctx, fmt.Sprintf("keep-%d", i))
 		if err != nil {
 			return nil, err
 		}
-		srv, err := startServer(p.Netns)
+		srv, err := netnsnode.StartServer(p.Netns)
 		if err != nil {
 			return nil, err
 		}
 		cleanup.Push("stop a pod's servers", func() error { srv.Close(); return nil })
 		others = append(others, p)
 	}
-	if err := waitDAD(ctx, bridgeName); err != nil {
+	if err := netnsnode.WaitDAD(ctx, netnsnode.BridgeName); err != nil {
 		return nil, err
 	}
 	skip, err := s.setupCRI(ctx)
@@ -433,8 +328,8 @@ func runSoak(ctx context.Context, cfg SoakConfig, cleanup *Cleanup, w io.Writer)
 			s.bgMu.Lock()
 			for i, p := range others {
 				peer := others[(i+1)%len(others)]
-				for _, dst := range []netip.Addr{outsideAddr[0].Addr(), peer.V4, outsideAddr[1].Addr()} {
-					n, _ := sendTraffic(bgCtx, p.Netns, dst, trafficCounts{TCP: 2, UDP: 2})
+				for _, dst := range []netip.Addr{netnsnode.OutsideAddr[0].Addr(), peer.V4, netnsnode.OutsideAddr[1].Addr()} {
+					n, _ := netnsnode.SendTraffic(bgCtx, p.Netns, dst, netnsnode.TrafficCounts{TCP: 2, UDP: 2})
 					bgFlows.Add(int64(n))
 				}
 			}
@@ -478,7 +373,7 @@ func runSoak(ctx context.Context, cfg SoakConfig, cleanup *Cleanup, w io.Writer)
 		}
 		switch m := s.memory(); {
 		case i < tenth:
-			if pid := s.daemon().cmd.Process.Pid; pid != firstPid {
+			if pid := s.daemon().Pid(); pid != firstPid {
 				firstPid, rssFirst, anonFirst = pid, nil, nil // a restarted scrubd starts over
 			}
 			rssFirst, anonFirst = append(rssFirst, m["VmRSS"]), append(anonFirst, m["RssAnon"])
@@ -498,8 +393,8 @@ func runSoak(ctx context.Context, cfg SoakConfig, cleanup *Cleanup, w io.Writer)
 	_, s.res.FDsEnd, s.res.GoroutinesEnd = s.procFigures()
 	s.res.HeapLiveEnd = int64(s.metric("go_gc_heap_live_bytes"))
 	s.res.IndexKeysEnd = int64(s.metric("ctscrub_index_keys"))
-	s.res.RSSStart, s.res.RSSEnd = median(rssFirst), median(rssLast)
-	s.res.RSSAnonStart, s.res.RSSAnonEnd = median(anonFirst), median(anonLast)
+	s.res.RSSStart, s.res.RSSEnd = netnsnode.Median(rssFirst), netnsnode.Median(rssLast)
+	s.res.RSSAnonStart, s.res.RSSAnonEnd = netnsnode.Median(anonFirst), netnsnode.Median(anonLast)
 	m := s.memory()
 	s.res.RSSFileEnd, s.res.RSSShmemEnd = m["RssFile"], m["RssShmem"]
 	stopBG()
@@ -508,12 +403,12 @@ func runSoak(ctx context.Context, cfg SoakConfig, cleanup *Cleanup, w io.Writer)
 	// Every other pod's entries are intact: the synthetic pods' entries all
 	// there, and every entry the long-lived pods had before the cycles
 	// either there or expired by its own lifetime.
-	bgAfter, err := countRange(maps, bgPods4, bgPods6)
+	bgAfter, err := countRange(maps, netnsnode.BGPods4, netnsnode.BGPods6)
 	if err != nil {
 		return &s.res, err
 	}
 	s.res.WrongDeletions = max(0, s.bgBefore-bgAfter)
-	now := monotonicSeconds()
+	now := netnsnode.MonotonicSeconds()
 	for k, lt := range s.keep {
 		if !present(maps, k) && lt >= now {
 			s.res.WrongDeletions++
@@ -538,15 +433,15 @@ func runSoak(ctx context.Context, cfg SoakConfig, cleanup *Cleanup, w io.Writer)
 // cycle creates a pod (ADD through the chain, or every CRI_EVERY-th through
 // containerd's CRI), makes flows to and from it, deletes it (DEL) and walks
 // the maps for its IPs.
-func (s *soak) cycle(ctx context.Context, i int, others []*pod) error {
-	add := func(attempt int) (*pod, error) { return s.add(ctx, fmt.Sprintf("c%d-%d", i, attempt)) }
-	del := func(p *pod) error { _, err := s.ch.Del(ctx, p); return err }
+func (s *soak) cycle(ctx context.Context, i int, others []*netnsnode.Pod) error {
+	add := func(attempt int) (*netnsnode.Pod, error) { return s.add(ctx, fmt.Sprintf("c%d-%d", i, attempt)) }
+	del := func(p *netnsnode.Pod) error { _, err := s.ch.Del(ctx, p); return err }
 	// The runtime's cleanup of a failed ADD: DEL, then retry.
-	undo := func(p *pod, attempt int) {
+	undo := func(p *netnsnode.Pod, attempt int) {
 		if p != nil {
 			_, _ = s.ch.Del(ctx, p)
 		} else {
-			_ = delNetns(namePrefix + "-" + fmt.Sprintf("c%d-%d", i, attempt))
+			_ = netnsnode.DelNetns(netnsnode.NamePrefix + "-" + fmt.Sprintf("c%d-%d", i, attempt))
 		}
 	}
 	via := "libcni"
@@ -555,15 +450,15 @@ func (s *soak) cycle(ctx context.Context, i int, others []*pod) error {
 		s.res.CRICycles++
 		// containerd cleans up a RunPodSandbox that failed; a sandbox that
 		// ran but could not be read is removed as a kubelet would.
-		add = func(attempt int) (*pod, error) { return s.criAdd(ctx, fmt.Sprintf("c%d", i), attempt) }
-		del = func(p *pod) error { return s.criDel(ctx, p) }
-		undo = func(p *pod, _ int) {
+		add = func(attempt int) (*netnsnode.Pod, error) { return s.criAdd(ctx, fmt.Sprintf("c%d", i), attempt) }
+		del = func(p *netnsnode.Pod) error { return s.criDel(ctx, p) }
+		undo = func(p *netnsnode.Pod, _ int) {
 			if p != nil && p.ContainerID != "" {
 				_ = s.criDel(ctx, p)
 			}
 		}
 	}
-	var p *pod
+	var p *netnsnode.Pod
 	var err error
 	for attempt := 0; ; attempt++ {
 		t0 := time.Now()
@@ -585,10 +480,10 @@ func (s *soak) cycle(ctx context.Context, i int, others []*pod) error {
 		time.Sleep(500 * time.Millisecond)
 	}
 	// Flows out (to the outside host and a long-lived pod) and in.
-	_, _ = sendTraffic(ctx, p.Netns, outsideAddr[0].Addr(), trafficCounts{TCP: 2, UDP: 2, Ping: 1})
-	_, _ = sendTraffic(ctx, p.Netns, outsideAddr[1].Addr(), trafficCounts{TCP: 1, UDP: 1})
-	_, _ = sendTraffic(ctx, p.Netns, others[0].V4, trafficCounts{TCP: 1, UDP: 1})
-	_, _ = sendTraffic(ctx, netnsPath(outsideNS), p.V4, trafficCounts{TCP: 1})
+	_, _ = netnsnode.SendTraffic(ctx, p.Netns, netnsnode.OutsideAddr[0].Addr(), netnsnode.TrafficCounts{TCP: 2, UDP: 2, Ping: 1})
+	_, _ = netnsnode.SendTraffic(ctx, p.Netns, netnsnode.OutsideAddr[1].Addr(), netnsnode.TrafficCounts{TCP: 1, UDP: 1})
+	_, _ = netnsnode.SendTraffic(ctx, p.Netns, others[0].V4, netnsnode.TrafficCounts{TCP: 1, UDP: 1})
+	_, _ = netnsnode.SendTraffic(ctx, netnsnode.NetnsPath(netnsnode.OutsideNS), p.V4, netnsnode.TrafficCounts{TCP: 1})
 	lateBefore := s.metric("ctscrub_del_late_total")
 	for attempt := 0; ; attempt++ {
 		err = del(p)
@@ -728,10 +623,10 @@ func (s *soak) faultKill(ctx context.Context, _ int) FaultResult {
 	// whole sweep takes less than that on a quiet machine (the scrub
 	// answered before the kill), so the delay shrinks with ENTRIES.
 	time.Sleep(time.Duration(min(30, max(3, 30*s.cfg.Entries/(1<<22)))) * time.Millisecond)
-	_ = d.cmd.Process.Signal(syscall.SIGKILL)
-	<-d.exited
+	_ = d.Signal(syscall.SIGKILL)
+	<-d.Exited()
 	err := <-done
-	nd, serr := startDaemon(ctx, s.cleanup, s.dcfg)
+	nd, serr := netnsnode.StartDaemon(ctx, s.cleanup, s.dcfg)
 	r.WindowS = closeWin()
 	if serr != nil {
 		r.Outcome = "restart failed: " + serr.Error()
@@ -783,11 +678,11 @@ func (s *soak) faultRingOverrun(ctx context.Context, cycle int) FaultResult {
 	}
 	d := s.daemon()
 	lostBefore := s.metric("ctscrub_index_lost_total")
-	_ = d.cmd.Process.Signal(syscall.SIGSTOP)
+	_ = d.Signal(syscall.SIGSTOP)
 	// Four times the ring's records, within what the maps have room for.
 	flows := min(4*soakRingBytes/56, s.cfg.Entries/2)
-	sent, berr := burst(p.Netns, outsideAddr[0].Addr(), flows)
-	_ = d.cmd.Process.Signal(syscall.SIGCONT)
+	sent, berr := burst(p.Netns, netnsnode.OutsideAddr[0].Addr(), flows)
+	_ = d.Signal(syscall.SIGCONT)
 	// scrubd polls the kernel's lost counters every second.
 	var lost float64
 	var st *api.IPState
@@ -849,7 +744,7 @@ func (s *soak) faultPinsRemoved(ctx context.Context, cycle int) FaultResult {
 			errs = append(errs, err.Error())
 			continue
 		}
-		_, _ = sendTraffic(ctx, p.Netns, outsideAddr[0].Addr(), trafficCounts{TCP: 2, UDP: 2})
+		_, _ = netnsnode.SendTraffic(ctx, p.Netns, netnsnode.OutsideAddr[0].Addr(), netnsnode.TrafficCounts{TCP: 2, UDP: 2})
 		n, err, _ := s.delAndCount(ctx, p)
 		if err != nil {
 			errs = append(errs, err.Error())
@@ -911,21 +806,21 @@ func (s *soak) faultCTMapsRecreated(ctx context.Context, cycle int) FaultResult 
 		return fail("detach the datapath stand-in", err)
 	}
 	t0 := time.Now()
-	if err := s.maps.recreate(2 * s.cfg.Entries); err != nil {
+	if err := s.maps.Recreate(2 * s.cfg.Entries); err != nil {
 		return fail("re-create the CT maps", err)
 	}
-	dp, err := loadDatapath(s.maps, soakLifetimes)
+	dp, err := netnsnode.LoadDatapath(s.maps, soakLifetimes)
 	if err != nil {
 		return fail("reload the datapath stand-in", err)
 	}
 	s.cleanup.Push("unload the datapath stand-in", dp.Close)
 	s.dp = dp
 	for _, p := range s.others {
-		if err := inNetns(s.node, func() error { return s.dp.Attach(p.HostVeth) }); err != nil {
+		if err := netnsnode.InNetns(s.node, func() error { return s.dp.Attach(p.HostVeth) }); err != nil {
 			return fail("re-attach the datapath stand-in", err)
 		}
 	}
-	if err := s.setChecker(s.maps.dir); err != nil {
+	if err := s.setChecker(s.maps.Dir()); err != nil {
 		return fail("the soak's count pass on the new maps", err)
 	}
 	noticed := false
@@ -945,11 +840,11 @@ func (s *soak) faultCTMapsRecreated(ctx context.Context, cycle int) FaultResult 
 	}
 	// The other pods' entries, again: the synthetic ones written into the
 	// new maps, the long-lived pods' after a second of their traffic.
-	put, ftook, err := fill(ctx, s.maps, s.plan)
+	put, ftook, err := netnsnode.Fill(ctx, s.maps, s.plan)
 	if err != nil {
 		return fail("refill the new maps", err)
 	}
-	if s.bgBefore, err = countRange(s.maps, bgPods4, bgPods6); err != nil {
+	if s.bgBefore, err = countRange(s.maps, netnsnode.BGPods4, netnsnode.BGPods6); err != nil {
 		return fail("count the refilled maps", err)
 	}
 	time.Sleep(time.Second)
@@ -966,8 +861,8 @@ func (s *soak) faultCTMapsRecreated(ctx context.Context, cycle int) FaultResult 
 			errs = append(errs, err.Error())
 			continue
 		}
-		_, _ = sendTraffic(ctx, p.Netns, outsideAddr[0].Addr(), trafficCounts{TCP: 2, UDP: 2, Ping: 1})
-		_, _ = sendTraffic(ctx, netnsPath(outsideNS), p.V4, trafficCounts{TCP: 1})
+		_, _ = netnsnode.SendTraffic(ctx, p.Netns, netnsnode.OutsideAddr[0].Addr(), netnsnode.TrafficCounts{TCP: 2, UDP: 2, Ping: 1})
+		_, _ = netnsnode.SendTraffic(ctx, netnsnode.NetnsPath(netnsnode.OutsideNS), p.V4, netnsnode.TrafficCounts{TCP: 1})
 		n, derr, err := s.delAndCount(ctx, p)
 		for _, e := range []error{derr, err} {
 			if e != nil {
@@ -1018,7 +913,7 @@ func (s *soak) faultStarve(ctx context.Context, cycle int) FaultResult {
 			continue
 		}
 		lat = append(lat, time.Since(a))
-		_, _ = sendTraffic(ctx, p.Netns, outsideAddr[0].Addr(), trafficCounts{TCP: 1, UDP: 1})
+		_, _ = netnsnode.SendTraffic(ctx, p.Netns, netnsnode.OutsideAddr[0].Addr(), netnsnode.TrafficCounts{TCP: 1, UDP: 1})
 		n, err, _ := s.delAndCount(ctx, p)
 		if err != nil {
 			failed++
@@ -1038,7 +933,7 @@ func (s *soak) faultStarve(ctx context.Context, cycle int) FaultResult {
 // the netns at from: n new flows, answered or not.
 func burst(from string, dst netip.Addr, n int) (int, error) {
 	sent := 0
-	err := inNetns(from, func() error {
+	err := netnsnode.InNetns(from, func() error {
 		c, err := net.ListenPacket("udp", ":0")
 		if err != nil {
 			return err
@@ -1049,7 +944,7 @@ func burst(from string, dst netip.Addr, n int) (int, error) {
 			port := 10000 + i%50000
 			ip := dst
 			if i/50000%2 == 1 {
-				ip = outsideAddr[1].Addr()
+				ip = netnsnode.OutsideAddr[1].Addr()
 			}
 			if _, err := c.WriteTo([]byte("x"), net.UDPAddrFromAddrPort(netip.AddrPortFrom(ip, uint16(port)))); err == nil {
 				sent++
@@ -1063,7 +958,7 @@ func burst(from string, dst netip.Addr, n int) (int, error) {
 // memory reads scrubd's VmRSS, RssAnon, RssFile and RssShmem in bytes.
 func (s *soak) memory() map[string]int64 {
 	m := map[string]int64{}
-	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", s.daemon().cmd.Process.Pid))
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", s.daemon().Pid()))
 	if err != nil {
 		return m
 	}
@@ -1080,7 +975,7 @@ func (s *soak) memory() map[string]int64 {
 // procFigures reads scrubd's resident memory, open fds and goroutines.
 func (s *soak) procFigures() (rss int64, fds, goroutines int) {
 	rss = s.memory()["VmRSS"]
-	if ents, err := os.ReadDir(fmt.Sprintf("/proc/%d/fd", s.daemon().cmd.Process.Pid)); err == nil {
+	if ents, err := os.ReadDir(fmt.Sprintf("/proc/%d/fd", s.daemon().Pid())); err == nil {
 		fds = len(ents)
 	}
 	goroutines = int(s.metric("go_goroutines"))
@@ -1107,8 +1002,8 @@ func (s *soak) metric(name string) float64 {
 }
 
 // countRange counts the entries holding an address of either prefix.
-func countRange(m *ctMaps, p4, p6 netip.Prefix) (int, error) {
-	st, err := ciliumwalk.Batch(m.maps, func(kind ctmap.Kind, key []byte, _ *ctmap.Entry) bool {
+func countRange(m *netnsnode.CTMaps, p4, p6 netip.Prefix) (int, error) {
+	st, err := ciliumwalk.Batch(m.All(), func(kind ctmap.Kind, key []byte, _ *ctmap.Entry) bool {
 		if kind.IPv6() {
 			c := ctmap.CTKey6(key)
 			return p6.Contains(c.DAddr()) || p6.Contains(c.SAddr())
@@ -1133,12 +1028,12 @@ func (k anyKey) String() string {
 }
 
 // keysOf returns the keys of ips's entries with their lifetimes.
-func keysOf(m *ctMaps, ips []netip.Addr) (map[anyKey]uint32, error) {
+func keysOf(m *netnsnode.CTMaps, ips []netip.Addr) (map[anyKey]uint32, error) {
 	out := map[anyKey]uint32{}
 	has := ciliumwalk.HasIP(ips...)
 	for _, k := range ctmap.Kinds {
 		var v ctmap.Entry
-		it := m.maps[k].Iterate()
+		it := m.Map(k).Iterate()
 		if k.IPv6() {
 			var key ctmap.CTKey6
 			for it.Next(&key, &v) {
@@ -1161,9 +1056,9 @@ func keysOf(m *ctMaps, ips []netip.Addr) (map[anyKey]uint32, error) {
 	return out, nil
 }
 
-func present(m *ctMaps, k anyKey) bool {
+func present(m *netnsnode.CTMaps, k anyKey) bool {
 	var v ctmap.Entry
-	return !errors.Is(m.maps[k.kind].Lookup([]byte(k.key), &v), ebpf.ErrKeyNotExist)
+	return !errors.Is(m.Map(k.kind).Lookup([]byte(k.key), &v), ebpf.ErrKeyNotExist)
 }
 
 func pct(d []time.Duration, p int) float64 {

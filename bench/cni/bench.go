@@ -1,4 +1,4 @@
-package demo
+package main
 
 import (
 	"bytes"
@@ -18,6 +18,7 @@ import (
 	current "github.com/containernetworking/cni/pkg/types/100"
 
 	"github.com/ctscrub/ctscrub/internal/machcost"
+	"github.com/ctscrub/ctscrub/internal/netnsnode"
 )
 
 // BenchCNIConfig is `make bench-cni`'s environment.
@@ -105,10 +106,9 @@ type BenchCNIResult struct {
 // RangeSize pairs. The first pair of each address is a warm-up, not timed:
 // scrubd has never seen the address (it held a previous owner's entries in
 // the fill) and the ADD's scrub sweeps it, once per address and node.
-func BenchCNI(ctx context.Context, cfg BenchCNIConfig, cleanup *Cleanup, w io.Writer) (BenchCNIResult, error) {
+func BenchCNI(ctx context.Context, cfg BenchCNIConfig, cleanup *netnsnode.Cleanup, w io.Writer) (BenchCNIResult, error) {
 	res := BenchCNIResult{Date: time.Now().UTC().Format(time.RFC3339), Entries: cfg.Entries, Pairs: cfg.Pairs, WarmupPairs: cfg.RangeSize}
-	p := &printer{w: w}
-	if err := removeLeftovers(w); err != nil {
+	if err := netnsnode.RemoveLeftovers(w); err != nil {
 		return res, err
 	}
 	mc, err := machcost.Measure()
@@ -116,66 +116,66 @@ func BenchCNI(ctx context.Context, cfg BenchCNIConfig, cleanup *Cleanup, w io.Wr
 		return res, fmt.Errorf("machine costs: %w", err)
 	}
 	res.MachineCosts = mc
-	p.f("this machine now: %s\n", mc)
-	if err := os.MkdirAll(WorkDir, 0o700); err != nil {
+	fmt.Fprintf(w, "this machine now: %s\n", mc)
+	if err := os.MkdirAll(netnsnode.WorkDir, 0o700); err != nil {
 		return res, err
 	}
-	cleanup.Push("remove "+WorkDir, func() error { return os.RemoveAll(WorkDir) })
-	if err := os.MkdirAll(BPFDir, 0o700); err != nil {
-		return res, fmt.Errorf("create %s: %w (is bpffs mounted at /sys/fs/bpf? run scripts/setup.sh)", BPFDir, err)
+	cleanup.Push("remove "+netnsnode.WorkDir, func() error { return os.RemoveAll(netnsnode.WorkDir) })
+	if err := os.MkdirAll(netnsnode.BPFDir, 0o700); err != nil {
+		return res, fmt.Errorf("create %s: %w (is bpffs mounted at /sys/fs/bpf? run scripts/setup.sh)", netnsnode.BPFDir, err)
 	}
-	cleanup.Push("remove "+BPFDir, func() error { return os.RemoveAll(BPFDir) })
+	cleanup.Push("remove "+netnsnode.BPFDir, func() error { return os.RemoveAll(netnsnode.BPFDir) })
 
-	ctRoot := filepath.Join(BPFDir, "globals")
-	maps, err := createCTMaps(ctRoot, cfg.Entries)
+	ctRoot := filepath.Join(netnsnode.BPFDir, "globals")
+	maps, err := netnsnode.CreateCTMaps(ctRoot, cfg.Entries)
 	if err != nil {
 		return res, err
 	}
 	cleanup.Push("unpin CT maps in "+ctRoot, maps.Close)
-	owners4, owners6 := podRange(cfg.RangeSize)
+	owners4, owners6 := netnsnode.PodRange(cfg.RangeSize)
 	nbg := min(max(64, cfg.Entries/256), 16384)
 	nbg -= nbg % 4
-	put, took, err := fill(ctx, maps, fillPlan{
+	put, took, err := netnsnode.Fill(ctx, maps, netnsnode.FillPlan{
 		Entries:    cfg.Entries,
-		Background: backgroundPods(bgPods4, bgPods6, nbg),
+		Background: netnsnode.BackgroundPods(netnsnode.BGPods4, netnsnode.BGPods6, nbg),
 		Owners:     append(owners4, owners6...),
 		PerOwner:   2,
 	})
 	if err != nil {
 		return res, err
 	}
-	p.f("CT maps: %s entries in %s (%s other pods)\n", num(put), dur(took), num(nbg))
-	dp, err := newDatapath(maps, nil)
+	fmt.Fprintf(w, "CT maps: %s entries in %s (%s other pods)\n", netnsnode.Num(put), netnsnode.Dur(took), netnsnode.Num(nbg))
+	dp, err := netnsnode.NewDatapath(maps, nil)
 	if err != nil {
 		return res, err
 	}
 	cleanup.Push("unload the Cilium datapath stand-in", dp.Close)
-	d, err := startDaemon(ctx, cleanup, daemonConfig{
+	d, err := netnsnode.StartDaemon(ctx, cleanup, netnsnode.DaemonConfig{
 		Bin:      filepath.Join(cfg.BinDir, "scrubd"),
-		WorkDir:  WorkDir,
-		PinDir:   filepath.Join(BPFDir, "scrubd"),
+		WorkDir:  netnsnode.WorkDir,
+		PinDir:   filepath.Join(netnsnode.BPFDir, "scrubd"),
 		CTRoot:   ctRoot,
-		PodCIDRs: []netip.Prefix{podCIDR4, podCIDR6},
+		PodCIDRs: []netip.Prefix{netnsnode.PodCIDR4, netnsnode.PodCIDR6},
 	})
 	if err != nil {
 		return res, err
 	}
 	res.StateFS = d.StateFS
-	p.f("scrubd's state file on %s\n", d.StateFS)
-	node, err := addNode(cleanup, nodeNS)
+	fmt.Fprintf(w, "scrubd's state file on %s\n", d.StateFS)
+	node, err := netnsnode.AddNode(cleanup, netnsnode.NodeNS)
 	if err != nil {
 		return res, err
 	}
-	if _, err := addOutside(cleanup); err != nil {
+	if _, err := netnsnode.AddOutside(cleanup); err != nil {
 		return res, err
 	}
-	out, err := startServer(netnsPath(outsideNS))
+	out, err := netnsnode.StartServer(netnsnode.NetnsPath(netnsnode.OutsideNS))
 	if err != nil {
 		return res, err
 	}
 	cleanup.Push("stop the outside host's servers", func() error { out.Close(); return nil })
-	ch, err := newChain(chainConfig{
-		Node: node, WorkDir: WorkDir, RefPlugins: cfg.RefPlugins,
+	ch, err := netnsnode.NewChain(netnsnode.ChainConfig{
+		Node: node, WorkDir: netnsnode.WorkDir, RefPlugins: cfg.RefPlugins,
 		Plugin: filepath.Join(cfg.BinDir, "ctscrub"), Socket: d.Socket, RangeSize: cfg.RangeSize,
 	})
 	if err != nil {
@@ -189,7 +189,7 @@ func BenchCNI(ctx context.Context, cfg BenchCNIConfig, cleanup *Cleanup, w io.Wr
 	if err != nil {
 		return res, err
 	}
-	binDir := filepath.Join(WorkDir, "cni-bin")
+	binDir := filepath.Join(netnsnode.WorkDir, "cni-bin")
 	if cfg.Baseline != "" {
 		b, err := os.ReadFile(cfg.Baseline)
 		if err != nil {
@@ -198,7 +198,7 @@ func BenchCNI(ctx context.Context, cfg BenchCNIConfig, cleanup *Cleanup, w io.Wr
 		if err := os.WriteFile(filepath.Join(binDir, "ctscrub-baseline"), b, 0o755); err != nil {
 			return res, err
 		}
-		p.f("baseline %s: every other timed pair\n", cfg.Baseline)
+		fmt.Fprintf(w, "baseline %s: every other timed pair\n", cfg.Baseline)
 	}
 	var addSteps, delSteps, execSteps stepSamples
 	timedCall := false // the calls of a warm-up pair are not broken down either
@@ -215,7 +215,7 @@ func BenchCNI(ctx context.Context, cfg BenchCNIConfig, cleanup *Cleanup, w io.Wr
 		var stdout, stderr bytes.Buffer
 		cmd.Stdout, cmd.Stderr = &stdout, &stderr
 		var start, end time.Time
-		err := inNetns(node, func() error {
+		err := netnsnode.InNetns(node, func() error {
 			start = time.Now()
 			err := cmd.Run()
 			end = time.Now()
@@ -236,7 +236,7 @@ func BenchCNI(ctx context.Context, cfg BenchCNIConfig, cleanup *Cleanup, w io.Wr
 		}
 		return stdout.Bytes(), el, nil
 	}
-	if err := waitDAD(ctx, bridgeName); err != nil && ctx.Err() != nil {
+	if err := netnsnode.WaitDAD(ctx, netnsnode.BridgeName); err != nil && ctx.Err() != nil {
 		return res, err
 	}
 
@@ -244,22 +244,22 @@ func BenchCNI(ctx context.Context, cfg BenchCNIConfig, cleanup *Cleanup, w io.Wr
 	var base struct{ add, del, exec []time.Duration }
 	flows := 0
 	total := cfg.RangeSize + cfg.Pairs
-	p.f("%d pairs (%d warm-up, one per address host-local hands out) ...\n", total, cfg.RangeSize)
+	fmt.Fprintf(w, "%d pairs (%d warm-up, one per address host-local hands out) ...\n", total, cfg.RangeSize)
 	for i := range total {
 		if ctx.Err() != nil {
 			return res, ctx.Err()
 		}
 		timed := i >= cfg.RangeSize
 		timedCall = timed
-		nsName := fmt.Sprintf("%s-bc%d", namePrefix, i)
-		path, err := addNetns(nsName)
+		nsName := fmt.Sprintf("%s-bc%d", netnsnode.NamePrefix, i)
+		path, err := netnsnode.AddNetns(nsName)
 		if err != nil {
 			return res, err
 		}
 		id := nsName
 		prev, tb, err := run("bridge", "ADD", id, path, bridgeConf)
 		if err != nil {
-			delNetns(nsName)
+			netnsnode.DelNetns(nsName)
 			return res, err
 		}
 		r, err := current.NewResult(prev)
@@ -278,13 +278,13 @@ func BenchCNI(ctx context.Context, cfg BenchCNIConfig, cleanup *Cleanup, w io.Wr
 			}
 		}
 		for _, ifc := range cr.Interfaces {
-			if ifc.Sandbox == "" && ifc.Name != bridgeName {
+			if ifc.Sandbox == "" && ifc.Name != netnsnode.BridgeName {
 				hostVeth = ifc.Name
 			}
 		}
 		// Cilium's datapath on the pod's interface (the stand-in makes the
 		// CT entries of its traffic); not part of any plugin's time.
-		if err := inNetns(node, func() error { return dp.Attach(hostVeth) }); err != nil {
+		if err := netnsnode.InNetns(node, func() error { return dp.Attach(hostVeth) }); err != nil {
 			return res, err
 		}
 		withPrev, err := injectPrev(ctscrubConf, prev)
@@ -300,7 +300,7 @@ func BenchCNI(ctx context.Context, cfg BenchCNIConfig, cleanup *Cleanup, w io.Wr
 		if err != nil {
 			return res, err
 		}
-		n, err := sendTraffic(ctx, path, outsideAddr[0].Addr(), trafficCounts{TCP: 2, UDP: 3})
+		n, err := netnsnode.SendTraffic(ctx, path, netnsnode.OutsideAddr[0].Addr(), netnsnode.TrafficCounts{TCP: 2, UDP: 3})
 		if err != nil {
 			return res, fmt.Errorf("traffic of pod %d (%s): %w", i, v4, err)
 		}
@@ -321,13 +321,13 @@ func BenchCNI(ctx context.Context, cfg BenchCNIConfig, cleanup *Cleanup, w io.Wr
 		if err != nil {
 			return res, err
 		}
-		if err := delNetns(nsName); err != nil {
+		if err := netnsnode.DelNetns(nsName); err != nil {
 			return res, err
 		}
 		// Now and then: nothing of the deleted pod is left (a full walk,
 		// too slow for every pair at 16 M entries).
 		if timed && (i-cfg.RangeSize)%max(1, cfg.Pairs/10) == 0 {
-			left, err := entriesOf(maps, v4)
+			left, err := netnsnode.EntriesOf(maps, v4)
 			if err != nil {
 				return res, err
 			}
@@ -339,8 +339,8 @@ func BenchCNI(ctx context.Context, cfg BenchCNIConfig, cleanup *Cleanup, w io.Wr
 		} else if timed {
 			add, del, execs, badd, bdel = append(add, ta), append(del, td), append(execs, tv), append(badd, tb), append(bdel, tbd)
 			if len(add)%100 == 0 {
-				p.f("  %d pairs: ctscrub ADD p50 %s, DEL p50 %s, VERSION p50 %s, bridge ADD p50 %s\n", len(add),
-					dur(q(add, 0.5)), dur(q(del, 0.5)), dur(q(execs, 0.5)), dur(q(badd, 0.5)))
+				fmt.Fprintf(w, "  %d pairs: ctscrub ADD p50 %s, DEL p50 %s, VERSION p50 %s, bridge ADD p50 %s\n", len(add),
+					netnsnode.Dur(q(add, 0.5)), netnsnode.Dur(q(del, 0.5)), netnsnode.Dur(q(execs, 0.5)), netnsnode.Dur(q(badd, 0.5)))
 			}
 		}
 	}
@@ -351,21 +351,21 @@ func BenchCNI(ctx context.Context, cfg BenchCNIConfig, cleanup *Cleanup, w io.Wr
 	res.BridgeDelP50 = q(bdel, 0.5).Seconds()
 	res.AddOverExec, res.DelOverExec = res.AddP50-res.ExecP50, res.DelP50-res.ExecP50
 	res.FlowsPerPod = float64(flows) / float64(total)
-	res.AddFaultsP50, res.DelFaultsP50, res.ExecFaultsP50 = median(faults["ctscrub ADD"]), median(faults["ctscrub DEL"]), median(faults["ctscrub VERSION"])
-	p.f("page faults per call, p50: ctscrub ADD %d, DEL %d, bare start %d\n", res.AddFaultsP50, res.DelFaultsP50, res.ExecFaultsP50)
+	res.AddFaultsP50, res.DelFaultsP50, res.ExecFaultsP50 = netnsnode.Median(faults["ctscrub ADD"]), netnsnode.Median(faults["ctscrub DEL"]), netnsnode.Median(faults["ctscrub VERSION"])
+	fmt.Fprintf(w, "page faults per call, p50: ctscrub ADD %d, DEL %d, bare start %d\n", res.AddFaultsP50, res.DelFaultsP50, res.ExecFaultsP50)
 	if cfg.Baseline != "" {
 		b := &BenchCNIBaseline{Binary: cfg.Baseline, Pairs: len(base.add),
 			AddP50: q(base.add, 0.5).Seconds(), AddP99: q(base.add, 0.99).Seconds(),
 			DelP50: q(base.del, 0.5).Seconds(), DelP99: q(base.del, 0.99).Seconds(),
 			ExecP50:      q(base.exec, 0.5).Seconds(),
-			AddFaultsP50: median(faults["ctscrub-baseline ADD"]), DelFaultsP50: median(faults["ctscrub-baseline DEL"]),
-			ExecFaultsP50: median(faults["ctscrub-baseline VERSION"]),
+			AddFaultsP50: netnsnode.Median(faults["ctscrub-baseline ADD"]), DelFaultsP50: netnsnode.Median(faults["ctscrub-baseline DEL"]),
+			ExecFaultsP50: netnsnode.Median(faults["ctscrub-baseline VERSION"]),
 		}
 		b.AddOverExec, b.DelOverExec = b.AddP50-b.ExecP50, b.DelP50-b.ExecP50
 		res.Baseline = b
-		p.f("baseline %s, side by side (%d pairs): ADD p50 %s (over its bare start %s), DEL p50 %s (%s), bare start %s; page faults ADD %d, DEL %d, bare start %d\n",
-			cfg.Baseline, b.Pairs, dur(q(base.add, 0.5)), dur(time.Duration(b.AddOverExec*1e9)), dur(q(base.del, 0.5)), dur(time.Duration(b.DelOverExec*1e9)),
-			dur(q(base.exec, 0.5)), b.AddFaultsP50, b.DelFaultsP50, b.ExecFaultsP50)
+		fmt.Fprintf(w, "baseline %s, side by side (%d pairs): ADD p50 %s (over its bare start %s), DEL p50 %s (%s), bare start %s; page faults ADD %d, DEL %d, bare start %d\n",
+			cfg.Baseline, b.Pairs, netnsnode.Dur(q(base.add, 0.5)), netnsnode.Dur(time.Duration(b.AddOverExec*1e9)), netnsnode.Dur(q(base.del, 0.5)), netnsnode.Dur(time.Duration(b.DelOverExec*1e9)),
+			netnsnode.Dur(q(base.exec, 0.5)), b.AddFaultsP50, b.DelFaultsP50, b.ExecFaultsP50)
 	}
 	if !cfg.NoTrace {
 		res.AddSteps, res.DelSteps = addSteps.p50(), delSteps.p50()
@@ -378,16 +378,6 @@ func BenchCNI(ctx context.Context, cfg BenchCNIConfig, cleanup *Cleanup, w io.Wr
 		res.Load1 = string(bytes.TrimSpace(b))
 	}
 	return res, nil
-}
-
-// median of counts or readings (0 for none); also the soak's RSS.
-func median(v []int64) int64 {
-	if len(v) == 0 {
-		return 0
-	}
-	s := slices.Clone(v)
-	slices.Sort(s)
-	return s[len(s)/2]
 }
 
 // q is the nearest-rank quantile.
@@ -403,16 +393,16 @@ func q(d []time.Duration, f float64) time.Duration {
 
 // pluginConf is plugin i of the chain's conflist as a runtime hands it to
 // that plugin: with the network's name and cniVersion.
-func pluginConf(ch *chain, i int) ([]byte, error) {
-	if i >= len(ch.list.Plugins) {
-		return nil, fmt.Errorf("conflist %s has no plugin %d", ch.confPath, i)
+func pluginConf(ch *netnsnode.Chain, i int) ([]byte, error) {
+	if i >= len(ch.List.Plugins) {
+		return nil, fmt.Errorf("conflist %s has no plugin %d", ch.ConfPath, i)
 	}
 	var m map[string]any
-	if err := json.Unmarshal(ch.list.Plugins[i].Bytes, &m); err != nil {
+	if err := json.Unmarshal(ch.List.Plugins[i].Bytes, &m); err != nil {
 		return nil, err
 	}
-	m["name"] = ch.list.Name
-	m["cniVersion"] = ch.list.CNIVersion
+	m["name"] = ch.List.Name
+	m["cniVersion"] = ch.List.CNIVersion
 	return json.Marshal(m)
 }
 

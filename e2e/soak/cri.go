@@ -1,4 +1,4 @@
-package demo
+package main
 
 // The CRI share of `make soak`: every CRI_EVERY-th cycle's pod is a pod
 // sandbox run through containerd's CRI (crictl runp / stopp / rmp: the
@@ -25,6 +25,7 @@ import (
 	"github.com/containernetworking/cni/libcni"
 	"github.com/vishvananda/netlink"
 
+	"github.com/ctscrub/ctscrub/internal/netnsnode"
 	"github.com/ctscrub/ctscrub/internal/testsupport/crirt"
 	"github.com/ctscrub/ctscrub/scrubd/api"
 )
@@ -55,20 +56,20 @@ func (s *soak) setupCRI(ctx context.Context) (skip string, err error) {
 	if t := criMissing(); t != "" {
 		return fmt.Sprintf("%s is not installed (scripts/setup.sh installs containerd, runc and crictl)", t), nil
 	}
-	dir := filepath.Join(WorkDir, "containerd")
+	dir := filepath.Join(netnsnode.WorkDir, "containerd")
 	confDir := filepath.Join(dir, "cni-conf")
 	if err := os.MkdirAll(confDir, 0o755); err != nil {
 		return "", err
 	}
-	conf, err := os.ReadFile(s.ch.confPath)
+	conf, err := os.ReadFile(s.ch.ConfPath)
 	if err != nil {
 		return "", err
 	}
-	if err := os.WriteFile(filepath.Join(confDir, filepath.Base(s.ch.confPath)), conf, 0o644); err != nil {
+	if err := os.WriteFile(filepath.Join(confDir, filepath.Base(s.ch.ConfPath)), conf, 0o644); err != nil {
 		return "", err
 	}
 	// containerd's stream server listens on 127.0.0.1 in the node's netns.
-	if err := ip("-n", nodeNS, "link", "set", "lo", "up"); err != nil {
+	if err := netnsnode.RunIP("-n", netnsnode.NodeNS, "link", "set", "lo", "up"); err != nil {
 		return "", err
 	}
 	pause := filepath.Join(s.cfg.BinDir, "pause")
@@ -84,11 +85,11 @@ func (s *soak) setupCRI(ctx context.Context) (skip string, err error) {
 	if err := crirt.WritePauseImage(pause, archive); err != nil {
 		return "", err
 	}
-	cd, err := crirt.New(dir, filepath.Join(WorkDir, "cni-bin"), confDir, s.node)
+	cd, err := crirt.New(dir, filepath.Join(netnsnode.WorkDir, "cni-bin"), confDir, s.node)
 	if err != nil {
 		return "", err
 	}
-	plugin, err := filepath.EvalSymlinks(filepath.Join(WorkDir, "cni-bin", "ctscrub"))
+	plugin, err := filepath.EvalSymlinks(filepath.Join(netnsnode.WorkDir, "cni-bin", "ctscrub"))
 	if err != nil {
 		return "", err
 	}
@@ -134,7 +135,7 @@ func (c *criRuntime) criPodConfig(name string, attempt int) (string, error) {
 
 // criAdd runs a pod sandbox (RunPodSandbox: the CNI ADD through the chain)
 // and puts the Cilium stand-in on its host-side veth.
-func (s *soak) criAdd(ctx context.Context, name string, attempt int) (*pod, error) {
+func (s *soak) criAdd(ctx context.Context, name string, attempt int) (*netnsnode.Pod, error) {
 	conf, err := s.cri.criPodConfig(name, attempt)
 	if err != nil {
 		return nil, err
@@ -149,8 +150,8 @@ func (s *soak) criAdd(ctx context.Context, name string, attempt int) (*pod, erro
 }
 
 // criPod reads a running sandbox's IPs and netns and attaches the stand-in.
-func (s *soak) criPod(ctx context.Context, name, id string) (*pod, error) {
-	p := &pod{Name: name, ContainerID: id, IfName: "eth0"}
+func (s *soak) criPod(ctx context.Context, name, id string) (*netnsnode.Pod, error) {
+	p := &netnsnode.Pod{Name: name, ContainerID: id, IfName: "eth0"}
 	out, err := s.cri.cd.CrictlContext(ctx, "inspectp", id)
 	if err != nil {
 		return p, err
@@ -203,7 +204,7 @@ func (s *soak) criPod(ctx context.Context, name, id string) (*pod, error) {
 	}
 	// The host side: the veth in the node netns whose peer is the pod's eth0.
 	var peer int
-	if err := inNetns(p.Netns, func() error {
+	if err := netnsnode.InNetns(p.Netns, func() error {
 		l, err := netlink.LinkByName(p.IfName)
 		if err != nil {
 			return err
@@ -213,7 +214,7 @@ func (s *soak) criPod(ctx context.Context, name, id string) (*pod, error) {
 	}); err != nil {
 		return p, fmt.Errorf("sandbox %s: %s in %s: %w", id, p.IfName, p.Netns, err)
 	}
-	if err := inNetns(s.node, func() error {
+	if err := netnsnode.InNetns(s.node, func() error {
 		l, err := netlink.LinkByIndex(peer)
 		if err != nil {
 			return err
@@ -228,7 +229,7 @@ func (s *soak) criPod(ctx context.Context, name, id string) (*pod, error) {
 
 // criDel stops and removes a sandbox (StopPodSandbox runs the CNI DEL with
 // the cached prevResult, RemovePodSandbox a second DEL).
-func (s *soak) criDel(ctx context.Context, p *pod) error {
+func (s *soak) criDel(ctx context.Context, p *netnsnode.Pod) error {
 	if _, err := s.cri.cd.CrictlContext(ctx, "stopp", p.ContainerID); err != nil {
 		return err
 	}
@@ -256,7 +257,7 @@ func removeCgroups(id string) {
 // reservations lists host-local's reserved addresses: IP -> container ID.
 func (s *soak) reservations() map[netip.Addr]string {
 	out := map[netip.Addr]string{}
-	files, _ := filepath.Glob(filepath.Join(WorkDir, "ipam", netName, "*"))
+	files, _ := filepath.Glob(filepath.Join(netnsnode.WorkDir, "ipam", netnsnode.NetName, "*"))
 	for _, f := range files {
 		a, err := netip.ParseAddr(filepath.Base(f))
 		if err != nil {
@@ -270,7 +271,7 @@ func (s *soak) reservations() map[netip.Addr]string {
 
 // liveOwners is every container ID a pod that exists has: the libcni pods
 // passed in and the CRI's sandboxes.
-func (s *soak) liveOwners(ctx context.Context, libcniPods ...*pod) (map[string]bool, error) {
+func (s *soak) liveOwners(ctx context.Context, libcniPods ...*netnsnode.Pod) (map[string]bool, error) {
 	live := map[string]bool{}
 	for _, p := range libcniPods {
 		live[p.ContainerID] = true
@@ -357,7 +358,7 @@ func (s *soak) faultContainerdRestart(ctx context.Context, cycle int) FaultResul
 	}
 	d := s.daemon()
 	cdPid := s.cri.cd.Pid()
-	_ = d.cmd.Process.Signal(syscall.SIGSTOP)
+	_ = d.Signal(syscall.SIGSTOP)
 	type answer struct {
 		out string
 		err error
@@ -375,7 +376,7 @@ func (s *soak) faultContainerdRestart(ctx context.Context, cycle int) FaultResul
 		return err == nil && !strings.Contains(string(st), ") Z ")
 	}
 	aliveAfterKill := pid != 0 && alive()
-	_ = d.cmd.Process.Signal(syscall.SIGCONT)
+	_ = d.Signal(syscall.SIGCONT)
 	// The plugin finishes its ADD (scrubd answers) with nobody to read it.
 	for pid != 0 && time.Since(t0) < 20*time.Second && alive() {
 		time.Sleep(20 * time.Millisecond)
@@ -409,7 +410,7 @@ func (s *soak) faultContainerdRestart(ctx context.Context, cycle int) FaultResul
 		lost != "" && strings.Contains(known, lost), reservedIP, attErr == nil)
 
 	// The kubelet's retry: a new attempt of the same pod.
-	var p *pod
+	var p *netnsnode.Pod
 	var rerr error
 	for attempt := 1; attempt <= 5; attempt++ {
 		if p, rerr = s.criAdd(ctx, name, attempt); rerr == nil {
@@ -436,7 +437,7 @@ func (s *soak) faultContainerdRestart(ctx context.Context, cycle int) FaultResul
 			continue
 		}
 		nOld++
-		if err := s.criDel(ctx, &pod{Name: name, ContainerID: id}); err != nil {
+		if err := s.criDel(ctx, &netnsnode.Pod{Name: name, ContainerID: id}); err != nil {
 			r.Outcome += fmt.Sprintf("stop/remove of the old sandbox %.12s: %v; ", id, err)
 		}
 	}
@@ -478,11 +479,11 @@ func (s *soak) faultContainerdRestart(ctx context.Context, cycle int) FaultResul
 		if rec, err := d.Client.IndexPod(ctx, api.Attachment{ContainerID: o.id, IfName: "eth0"}); err == nil {
 			rt.NetNS = rec.Netns
 		}
-		derr := inNetns(s.node, func() error { return s.ch.cni.DelNetworkList(ctx, s.ch.list, rt) })
+		derr := netnsnode.InNetns(s.node, func() error { return s.ch.CNI.DelNetworkList(ctx, s.ch.List, rt) })
 		if derr != nil {
 			r.Outcome += fmt.Sprintf("DEL of %s: %v; ", o.id[:min(12, len(o.id))], derr)
 		}
-		if strings.HasPrefix(rt.NetNS, "/var/run/netns/") || strings.HasPrefix(rt.NetNS, netnsDir+"/") {
+		if strings.HasPrefix(rt.NetNS, "/var/run/netns/") || strings.HasPrefix(rt.NetNS, netnsnode.NetnsDir+"/") {
 			_ = syscall.Unmount(rt.NetNS, syscall.MNT_DETACH)
 			_ = os.Remove(rt.NetNS)
 		}
@@ -517,8 +518,8 @@ func (s *soak) faultContainerdRestart(ctx context.Context, cycle int) FaultResul
 		}
 	}
 	// The retried pod through its whole cycle.
-	_, _ = sendTraffic(ctx, p.Netns, outsideAddr[0].Addr(), trafficCounts{TCP: 2, UDP: 2, Ping: 1})
-	_, _ = sendTraffic(ctx, netnsPath(outsideNS), p.V4, trafficCounts{TCP: 1})
+	_, _ = netnsnode.SendTraffic(ctx, p.Netns, netnsnode.OutsideAddr[0].Addr(), netnsnode.TrafficCounts{TCP: 2, UDP: 2, Ping: 1})
+	_, _ = netnsnode.SendTraffic(ctx, netnsnode.NetnsPath(netnsnode.OutsideNS), p.V4, netnsnode.TrafficCounts{TCP: 1})
 	lateBefore := s.metric("ctscrub_del_late_total")
 	delErr := s.criDel(ctx, p)
 	s.waitLate(lateBefore, len(p.IPs()))
