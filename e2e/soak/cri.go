@@ -543,15 +543,3 @@ func firstLine(s string) string {
 	}
 	return s
 }
-
-// waitLate waits (at most 10 s: the CPUs may be starved) until scrubd
-// counted late DEL scrubs of ips more IPs than before
-// (ctscrub_del_late_total, read before the DEL): the
-// DEL window's entries are then gone, and the count after it checks the
-// DEL with its late scrub.
-func (s *soak) waitLate(before float64, ips int) {
-	deadline := time.Now().Add(10 * time.Second)
-	for time.Now().Before(deadline) && s.metric("ctscrub_del_late_total") < before+float64(ips) {
-		time.Sleep(20 * time.Millisecond)
-	}
-}
