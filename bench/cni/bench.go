@@ -139,8 +139,7 @@ func setUpNode(ctx context.Context, cfg BenchCNIConfig, cleanup *netnsnode.Clean
 	}
 	cleanup.Push("unpin CT maps in "+ctRoot, maps.Close)
 	owners4, owners6 := netnsnode.PodRange(cfg.RangeSize)
-	nbg := min(max(64, cfg.Entries/256), 16384)
-	nbg -= nbg % 4
+	nbg := netnsnode.BackgroundPodCount(cfg.Entries)
 	put, took, err := netnsnode.Fill(ctx, maps, netnsnode.FillPlan{
 		Entries:    cfg.Entries,
 		Background: netnsnode.BackgroundPods(netnsnode.BGPods4, netnsnode.BGPods6, nbg),
@@ -156,13 +155,7 @@ func setUpNode(ctx context.Context, cfg BenchCNIConfig, cleanup *netnsnode.Clean
 		return nil, err
 	}
 	cleanup.Push("unload the Cilium datapath stand-in", dp.Close)
-	d, err := netnsnode.StartDaemon(ctx, cleanup, netnsnode.DaemonConfig{
-		Bin:      filepath.Join(cfg.BinDir, "scrubd"),
-		WorkDir:  netnsnode.WorkDir,
-		PinDir:   filepath.Join(netnsnode.BPFDir, "scrubd"),
-		CTRoot:   ctRoot,
-		PodCIDRs: []netip.Prefix{netnsnode.PodCIDR4, netnsnode.PodCIDR6},
-	})
+	d, err := netnsnode.StartDaemon(ctx, cleanup, netnsnode.NodeDaemonConfig(cfg.BinDir, ctRoot))
 	if err != nil {
 		return nil, err
 	}

@@ -180,10 +180,7 @@ func Run(ctx context.Context, cfg Config, cleanup *netnsnode.Cleanup, w io.Write
 	for _, k := range ctmap.Kinds {
 		p.f("   %-24s LRU hash, max %s entries\n", k.Name(), netnsnode.Num(int(maps.Map(k).MaxEntries())))
 	}
-	// The node's other pods: 256 entries each, at most 16,384 pods so their
-	// v4 addresses stay inside bgPods4.
-	nbg := min(max(64, cfg.Entries/256), 16384)
-	nbg -= nbg % 4
+	nbg := netnsnode.BackgroundPodCount(cfg.Entries)
 	put, took, err := netnsnode.Fill(ctx, maps, netnsnode.FillPlan{
 		Entries:    cfg.Entries,
 		Background: netnsnode.BackgroundPods(netnsnode.BGPods4, netnsnode.BGPods6, nbg),
@@ -211,13 +208,7 @@ func Run(ctx context.Context, cfg Config, cleanup *netnsnode.Cleanup, w io.Write
 
 	// 2. scrubd.
 	p.section("2. scrubd, the node daemon, on those maps")
-	d, err := netnsnode.StartDaemon(ctx, cleanup, netnsnode.DaemonConfig{
-		Bin:      filepath.Join(cfg.BinDir, "scrubd"),
-		WorkDir:  netnsnode.WorkDir,
-		PinDir:   filepath.Join(netnsnode.BPFDir, "scrubd"),
-		CTRoot:   ctRoot,
-		PodCIDRs: []netip.Prefix{netnsnode.PodCIDR4, netnsnode.PodCIDR6},
-	})
+	d, err := netnsnode.StartDaemon(ctx, cleanup, netnsnode.NodeDaemonConfig(cfg.BinDir, ctRoot))
 	if err != nil {
 		return err
 	}

@@ -135,8 +135,7 @@ func (s *soak) setUpMaps(ctx context.Context) error {
 	}
 	s.maps = maps
 	s.cleanup.Push("unpin CT maps", maps.Close)
-	nbg := min(max(64, s.cfg.Entries/256), 16384)
-	nbg -= nbg % 4
+	nbg := netnsnode.BackgroundPodCount(s.cfg.Entries)
 	s.plan = netnsnode.FillPlan{Entries: s.cfg.Entries, Background: netnsnode.BackgroundPods(netnsnode.BGPods4, netnsnode.BGPods6, nbg)}
 	put, took, err := netnsnode.Fill(ctx, maps, s.plan)
 	if err != nil {
@@ -164,8 +163,8 @@ func (s *soak) setUpMaps(ctx context.Context) error {
 func (s *soak) setUpNode(ctx context.Context) error {
 	cfg := s.cfg
 	var err error
-	s.dcfg = netnsnode.DaemonConfig{Bin: filepath.Join(cfg.BinDir, "scrubd"), WorkDir: netnsnode.WorkDir, PinDir: filepath.Join(netnsnode.BPFDir, "scrubd"),
-		CTRoot: s.maps.Dir(), PodCIDRs: []netip.Prefix{netnsnode.PodCIDR4, netnsnode.PodCIDR6}, RingBytes: soakRingBytes}
+	s.dcfg = netnsnode.NodeDaemonConfig(cfg.BinDir, s.maps.Dir())
+	s.dcfg.RingBytes = soakRingBytes
 	if s.d, err = netnsnode.StartDaemon(ctx, s.cleanup, s.dcfg); err != nil {
 		return err
 	}

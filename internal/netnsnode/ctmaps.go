@@ -284,6 +284,14 @@ func Fill(ctx context.Context, m *CTMaps, plan FillPlan) (int, time.Duration, er
 	return g.put, time.Since(start), err
 }
 
+// BackgroundPodCount is how many other pods a fill of entries spreads over:
+// 256 entries each, at least 64 and at most 16,384 pods so their v4
+// addresses stay inside BGPods4, a multiple of 4 (BackgroundPods' mix).
+func BackgroundPodCount(entries int) int {
+	n := min(max(64, entries/256), 16384)
+	return n - n%4
+}
+
 // BackgroundPods returns n addresses for the node's other pods: 3/4 v4 from
 // v4 (past the part host-local hands out), 1/4 v6, matching the fill's mix.
 func BackgroundPods(v4, v6 netip.Prefix, n int) []netip.Addr {

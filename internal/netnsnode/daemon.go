@@ -46,6 +46,19 @@ type DaemonConfig struct {
 	RingBytes int
 }
 
+// NodeDaemonConfig is scrubd on this node: the binary in binDir, its socket
+// and log in WorkDir, its pins under BPFDir, the CT maps pinned at ctRoot,
+// the node's pod CIDRs.
+func NodeDaemonConfig(binDir, ctRoot string) DaemonConfig {
+	return DaemonConfig{
+		Bin:      filepath.Join(binDir, "scrubd"),
+		WorkDir:  WorkDir,
+		PinDir:   filepath.Join(BPFDir, "scrubd"),
+		CTRoot:   ctRoot,
+		PodCIDRs: []netip.Prefix{PodCIDR4, PodCIDR6},
+	}
+}
+
 // freePort asks the kernel for a free loopback port for the metrics server.
 func freePort() (int, error) {
 	l, err := net.Listen("tcp", "127.0.0.1:0")
