@@ -36,9 +36,9 @@ type Server struct {
 
 const serverPort = 8080
 
-func StartServer(NetnsPath string) (*Server, error) {
+func StartServer(netnsPath string) (*Server, error) {
 	s := &Server{port: serverPort}
-	err := InNetns(NetnsPath, func() error {
+	err := InNetns(netnsPath, func() error {
 		var err error
 		if s.tcp, err = net.Listen("tcp", fmt.Sprintf("[::]:%d", serverPort)); err != nil {
 			return err
@@ -48,7 +48,7 @@ func StartServer(NetnsPath string) (*Server, error) {
 	})
 	if err != nil {
 		s.Close()
-		return nil, fmt.Errorf("start TCP/UDP server in %s: %w", NetnsPath, err)
+		return nil, fmt.Errorf("start TCP/UDP server in %s: %w", netnsPath, err)
 	}
 	s.wg.Add(2)
 	go func() {
