@@ -36,6 +36,8 @@ type Daemon struct {
 	lines []ScrubLine
 }
 
+// DaemonConfig is where scrubd runs and on what (NodeDaemonConfig: this
+// node's).
 type DaemonConfig struct {
 	Bin      string
 	WorkDir  string
@@ -69,6 +71,8 @@ func freePort() (int, error) {
 	return l.Addr().(*net.TCPAddr).Port, nil
 }
 
+// StartDaemon starts scrubd as a child in its own process group, pushes
+// its stop on c, and waits until it says it is ready.
 func StartDaemon(ctx context.Context, c *Cleanup, cfg DaemonConfig) (*Daemon, error) {
 	if _, err := os.Stat(cfg.Bin); err != nil {
 		return nil, fmt.Errorf("scrubd binary %s: %w (run `make build`)", cfg.Bin, err)

@@ -89,6 +89,7 @@ func RunIP(args ...string) error {
 	return nil
 }
 
+// NetnsPath is the path of the named netns.
 func NetnsPath(name string) string { return filepath.Join(NetnsDir, name) }
 
 // AddNetns creates a named network namespace with its loopback up, as a
@@ -104,6 +105,7 @@ func AddNetns(name string) (string, error) {
 	return NetnsPath(name), nil
 }
 
+// DelNetns deletes the named netns, if it exists.
 func DelNetns(name string) error {
 	if _, err := os.Stat(NetnsPath(name)); os.IsNotExist(err) {
 		return nil
@@ -159,6 +161,7 @@ type Chain struct {
 	HasPlugin bool // ctscrub is in the chain
 }
 
+// ChainConfig is what NewChain builds the conflist and bin dir from.
 type ChainConfig struct {
 	Node       string // the node's netns path
 	WorkDir    string // bin dir, cache, IPAM state and the conflist go here
@@ -168,6 +171,8 @@ type ChainConfig struct {
 	RangeSize  int    // addresses host-local may hand out
 }
 
+// NewChain writes the chain's conflist and its bin dir of symlinks under
+// cfg.WorkDir.
 func NewChain(cfg ChainConfig) (*Chain, error) {
 	binDir := filepath.Join(cfg.WorkDir, "cni-bin")
 	if err := os.MkdirAll(binDir, 0o755); err != nil {
@@ -257,6 +262,7 @@ type Pod struct {
 	AddTook     time.Duration
 }
 
+// IPs is the pod's v4 and v6 address, those it has.
 func (p *Pod) IPs() []netip.Addr {
 	var out []netip.Addr
 	for _, a := range []netip.Addr{p.V4, p.V6} {

@@ -36,6 +36,7 @@ type Server struct {
 
 const serverPort = 8080
 
+// StartServer starts a Server in the netns at netnsPath.
 func StartServer(netnsPath string) (*Server, error) {
 	s := &Server{port: serverPort}
 	err := InNetns(netnsPath, func() error {
@@ -75,6 +76,7 @@ func StartServer(netnsPath string) (*Server, error) {
 	return s, nil
 }
 
+// Close stops the server and waits for its goroutines.
 func (s *Server) Close() {
 	if s.tcp != nil {
 		s.tcp.Close()
