@@ -1,7 +1,7 @@
 package main
 
 // The faults the soak causes, on a schedule, while the cycles go on; each
-// returns a FaultResult. (containerd's restart is in cri.go.)
+// returns a FaultResult. (containerd's restart is in crifault.go.)
 
 import (
 	"context"
