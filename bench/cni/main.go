@@ -2,9 +2,9 @@
 // start and a pod delete, as a container runtime calls it, on a node whose
 // CT maps hold ENTRIES entries and where scrubd runs, side by side with a
 // bare process start (CNI_COMMAND=VERSION) and the bridge plugin's ADD/DEL
-// in the same run. It builds on the demo's node (internal/demo: the same
-// maps, datapath stand-in, scrubd process, node netns and outside host);
-// see demo.BenchCNI for what each pair does.
+// in the same run. It builds on the demo's node (internal/netnsnode: the
+// same maps, datapath stand-in, scrubd process, node netns and outside
+// host); see BenchCNI for what each pair does.
 //
 //	ENTRIES  CT entries (default 16777216)
 //	PAIRS    timed ADD/DEL pairs (default 1000)
@@ -27,7 +27,7 @@ import (
 	"syscall"
 	"time"
 
-	"github.com/ctscrub/ctscrub/internal/demo"
+	"github.com/ctscrub/ctscrub/internal/netnsnode"
 )
 
 func envInt(name string, def, lo, hi int) int {
@@ -48,7 +48,7 @@ func main() {
 		fmt.Fprintln(os.Stderr, "bench-cni: run as root (BPF maps, network namespaces)")
 		os.Exit(2)
 	}
-	cfg := demo.BenchCNIConfig{
+	cfg := BenchCNIConfig{
 		Entries:    envInt("ENTRIES", 1<<24, 4096, 1<<25),
 		Pairs:      envInt("PAIRS", 1000, 10, 1_000_000),
 		RangeSize:  envInt("RANGE", 4, 2, 200),
@@ -64,7 +64,7 @@ func main() {
 		cfg.RefPlugins = v
 	}
 	// The demo's names and paths: one run of either at a time.
-	lk, err := demo.Lock(5*time.Minute, os.Stdout)
+	lk, err := netnsnode.Lock(5*time.Minute, os.Stdout)
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "bench-cni:", err)
 		os.Exit(1)
@@ -73,8 +73,8 @@ func main() {
 	sigs := make(chan os.Signal, 1)
 	signal.Notify(sigs, syscall.SIGINT, syscall.SIGTERM)
 	go func() { <-sigs; cancel() }()
-	cleanup := &demo.Cleanup{}
-	res, err := demo.BenchCNI(ctx, cfg, cleanup, os.Stdout)
+	cleanup := &netnsnode.Cleanup{}
+	res, err := BenchCNI(ctx, cfg, cleanup, os.Stdout)
 	code := 0
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "bench-cni:", err)

@@ -13,6 +13,7 @@ import (
 	"github.com/cilium/ebpf"
 
 	"github.com/ctscrub/ctscrub/bench/internal/ctfill"
+	"github.com/ctscrub/ctscrub/scrubd/cilium"
 	"github.com/ctscrub/ctscrub/scrubd/ctmap"
 	"github.com/ctscrub/ctscrub/scrubd/index"
 	"github.com/ctscrub/ctscrub/scrubd/recorder"
@@ -316,4 +317,52 @@ func (nd *node) scrubbed(method string, t int, full bool) error {
 		return fmt.Errorf("%s: the maps hold %d entries, want %d (wrong deletions)", method, got, want)
 	}
 	return nil
+}
+
+// live tracks the node whose bpffs dir must go on an interrupt.
+var live = make(chan *node, 1)
+
+// setup creates and fills a node of n entries and loads the backend on it.
+func setup(cfg config, n int) (*node, *cilium.Backend, error) {
+	nd, err := newNode(n, cfg.perIP, cfg.pods, cfg.targets())
+	if err != nil {
+		return nil, nil, err
+	}
+	select {
+	case <-live:
+	default:
+	}
+	live <- nd
+	if nd.scrubd, err = startScrubd(nd.dir); err != nil {
+		nd.close()
+		return nil, nil, err
+	}
+	nd.ix = nd.scrubd.d.Index()
+	if err := nd.scrubd.complete(append(nd.podIPs(), nd.targets...)); err != nil {
+		nd.close()
+		return nil, nil, err
+	}
+	// The backend-only figures: the same backend code over the same maps
+	// and scrubd's index, called directly.
+	c, err := cilium.New(nd.maps, nd.ix, cilium.Options{})
+	if err != nil {
+		nd.close()
+		return nil, nil, err
+	}
+	if err := c.DeleteError(); err != nil {
+		// The figures would time the fallback, not the index scrub.
+		c.Close()
+		nd.close()
+		return nil, nil, fmt.Errorf("the kernel refused the delete program: %w", err)
+	}
+	if c.CountIsCheap() {
+		nd.count = c.Count
+	}
+	fmt.Printf("filling %d entries ...\n", n)
+	if err := nd.fill(); err != nil {
+		c.Close()
+		nd.close()
+		return nil, nil, err
+	}
+	return nd, c, nil
 }

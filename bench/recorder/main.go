@@ -89,18 +89,78 @@ func run() error {
 	if v, err := strconv.ParseFloat(os.Getenv("NEW_PER_S"), 64); err == nil {
 		res.NewPerS = v
 	}
+	l := &lab{}
+	defer l.close()
+	if err := l.setUp(); err != nil {
+		return err
+	}
+	if err := l.timeAttach(&res); err != nil {
+		return err
+	}
+	if err := l.attachWithFloor(); err != nil {
+		return err
+	}
+	// Hot figures first: the statistics below would add their own cost.
+	hot, err := recorder.MeasureEstablishedCosts(1_000_000)
+	if err != nil {
+		return err
+	}
+	res.HotTCP4, res.HotUDP4, res.HotTCP6, res.HotEmpty = hot.TCP4, hot.UDP4, hot.TCP6, hot.Empty
+	if res.HotNewNs, _, err = recorder.MeasurePacketCost(20000); err != nil {
+		return err
+	}
+	if err := l.timeMix(&res); err != nil {
+		return err
+	}
+	if b, err := os.ReadFile("/proc/loadavg"); err == nil {
+		res.LoadAverage = string(b[:len(b)-1])
+	}
+	mc, err := machcost.Measure()
+	if err != nil {
+		return fmt.Errorf("machine costs: %w", err)
+	}
+	res.MachineCosts = mc
+	res.print()
+	out, _ := json.Marshal(res)
+	fmt.Println(string(out))
+	return nil
+}
+
+// lab is the pod the recorder is measured on: a netns with two veth pairs
+// (eth0/p0 carries the measured packets, eth1/p1 the attach cycles), the
+// recorder loaded over a private bpffs dir, an empty filter behind its own
+// (the floor) and an AF_PACKET socket on each end of eth0/p0.
+type lab struct {
+	ns    string // the netns path
+	rec   *recorder.Recorder
+	empty *ebpf.Program
+	idx   [2]int // ifindex of eth0, p0
+	sock  [2]int // AF_PACKET sockets bound to them
+	undo  []func()
+}
+
+// close undoes what the lab set up, newest first.
+func (l *lab) close() {
+	for i := len(l.undo) - 1; i >= 0; i-- {
+		l.undo[i]()
+	}
+}
+
+// setUp creates the netns, the bpffs dir with Cilium's service maps (new
+// flows look them up), the recorder and the veths.
+func (l *lab) setUp() error {
 	name := fmt.Sprintf("ctscrub-benchrec-%d", os.Getpid())
 	ns, err := nsexec.Create(name)
 	if err != nil {
 		return err
 	}
-	defer os.Remove(ns)
-	defer unix.Unmount(ns, unix.MNT_DETACH)
+	l.ns = ns
+	l.undo = append(l.undo, func() { os.Remove(ns) }, func() { unix.Unmount(ns, unix.MNT_DETACH) })
 	dir, err := os.MkdirTemp("/sys/fs/bpf", "ctscrub-benchrec-")
 	if err != nil {
 		return err
 	}
-	defer os.RemoveAll(dir)
+	l.undo = append(l.undo, func() { os.RemoveAll(dir) })
 	if err := standin.CreateMaps(dir, 1<<16); err != nil { // Cilium's service maps: new flows look them up
 		return err
 	}
@@ -108,43 +168,47 @@ func run() error {
 	if err != nil {
 		return err
 	}
-	defer rec.Close()
+	l.rec = rec
+	l.undo = append(l.undo, func() { rec.Close() })
 
-	var idx [2]int // eth0, p0
 	err = nsexec.Do(ns, func() error {
 		for _, pair := range [][2]string{{"eth0", "p0"}, {"eth1", "p1"}} {
 			if err := netlink.LinkAdd(&netlink.Veth{LinkAttrs: netlink.LinkAttrs{Name: pair[0]}, PeerName: pair[1]}); err != nil {
 				return err
 			}
 			for _, n := range pair {
-				l, err := netlink.LinkByName(n)
+				link, err := netlink.LinkByName(n)
 				if err != nil {
 					return err
 				}
-				if err := netlink.LinkSetUp(l); err != nil {
+				if err := netlink.LinkSetUp(link); err != nil {
 					return err
 				}
 			}
 		}
-		l, err := netlink.LinkByName("eth1")
+		link, err := netlink.LinkByName("eth1")
 		if err != nil {
 			return err
 		}
-		return netlink.AddrAdd(l, &netlink.Addr{IPNet: netlink.NewIPNet(netipToIP(netip.MustParseAddr("10.244.0.5")))})
+		return netlink.AddrAdd(link, &netlink.Addr{IPNet: netlink.NewIPNet(netipToIP(netip.MustParseAddr("10.244.0.5")))})
 	})
 	if err != nil {
 		return fmt.Errorf("veths: %w", err)
 	}
+	return nil
+}
 
-	// Attach/detach cycles on eth1 (it has an address: Attach bumps it).
+// timeAttach times 200 Attach/Detach cycles on eth1 (it has an address:
+// Attach bumps it).
+func (l *lab) timeAttach(res *result) error {
 	var att, det []time.Duration
 	for range 200 {
 		t0 := time.Now()
-		if _, err := rec.Attach(ns, "eth1"); err != nil {
+		if _, err := l.rec.Attach(l.ns, "eth1"); err != nil {
 			return err
 		}
 		t1 := time.Now()
-		if err := rec.Detach(ns, "eth1"); err != nil {
+		if err := l.rec.Detach(l.ns, "eth1"); err != nil {
 			return err
 		}
 		att, det = append(att, t1.Sub(t0)), append(det, time.Since(t1))
@@ -153,18 +217,23 @@ func run() error {
 	slices.Sort(det)
 	res.AttachP50, res.AttachP99 = att[len(att)/2].Seconds(), att[len(att)*99/100].Seconds()
 	res.DetachP50 = det[len(det)/2].Seconds()
+	return nil
+}
 
+// attachWithFloor attaches the recorder to eth0, puts the empty filter
+// behind it on both directions, and opens the AF_PACKET sockets.
+func (l *lab) attachWithFloor() error {
 	// The live mix's 100 pod IPs are eth0's own, so Attach records them
 	// as its addresses and the pod's new flows take the owner check as a
 	// real pod's do (not the forged-source path).
-	err = nsexec.Do(ns, func() error {
-		l, err := netlink.LinkByName("eth0")
+	err := nsexec.Do(l.ns, func() error {
+		link, err := netlink.LinkByName("eth0")
 		if err != nil {
 			return err
 		}
 		for i := range 100 {
 			ip := netip.AddrFrom4([4]byte{10, 244, 0, byte(10 + i)})
-			if err := netlink.AddrAdd(l, &netlink.Addr{IPNet: netlink.NewIPNet(netipToIP(ip))}); err != nil {
+			if err := netlink.AddrAdd(link, &netlink.Addr{IPNet: netlink.NewIPNet(netipToIP(ip))}); err != nil {
 				return fmt.Errorf("add %s to eth0: %w", ip, err)
 			}
 		}
@@ -173,7 +242,7 @@ func run() error {
 	if err != nil {
 		return fmt.Errorf("pod addresses: %w", err)
 	}
-	if _, err := rec.Attach(ns, "eth0"); err != nil {
+	if _, err := l.rec.Attach(l.ns, "eth0"); err != nil {
 		return err
 	}
 	empty, err := ebpf.NewProgram(&ebpf.ProgramSpec{
@@ -184,15 +253,16 @@ func run() error {
 	if err != nil {
 		return err
 	}
-	defer empty.Close()
-	var sock [2]int
-	err = nsexec.Do(ns, func() error {
+	l.empty = empty
+	l.undo = append(l.undo, func() { empty.Close() })
+	idx, sock := &l.idx, &l.sock
+	err = nsexec.Do(l.ns, func() error {
 		for i, n := range []string{"eth0", "p0"} {
-			l, err := netlink.LinkByName(n)
+			link, err := netlink.LinkByName(n)
 			if err != nil {
 				return err
 			}
-			idx[i] = l.Attrs().Index
+			idx[i] = link.Attrs().Index
 			if i == 0 {
 				for _, parent := range []uint32{netlink.HANDLE_MIN_INGRESS, netlink.HANDLE_MIN_EGRESS} {
 					f := &netlink.BpfFilter{FilterAttrs: netlink.FilterAttrs{LinkIndex: idx[0], Parent: parent, Handle: 1, Priority: 2, Protocol: unix.ETH_P_ALL},
@@ -216,32 +286,30 @@ func run() error {
 	if err != nil {
 		return err
 	}
-	defer unix.Close(sock[0])
-	defer unix.Close(sock[1])
-	send := func(out bool, frame []byte) error {
-		i := 1
-		if out {
-			i = 0
-		}
-		return unix.Sendto(sock[i], frame, 0, &unix.SockaddrLinklayer{Ifindex: idx[i], Halen: 6})
-	}
+	l.undo = append(l.undo, func() { unix.Close(sock[0]) }, func() { unix.Close(sock[1]) })
+	return nil
+}
 
-	// Hot figures first: the statistics below would add their own cost.
-	hot, err := recorder.MeasureEstablishedCosts(1_000_000)
-	if err != nil {
-		return err
+// send sends frame out of the pod (eth0's egress) or into it (from p0).
+func (l *lab) send(out bool, frame []byte) error {
+	i := 1
+	if out {
+		i = 0
 	}
-	res.HotTCP4, res.HotUDP4, res.HotTCP6, res.HotEmpty = hot.TCP4, hot.UDP4, hot.TCP6, hot.Empty
-	if res.HotNewNs, _, err = recorder.MeasurePacketCost(20000); err != nil {
-		return err
-	}
+	return unix.Sendto(l.sock[i], frame, 0, &unix.SockaddrLinklayer{Ifindex: l.idx[i], Halen: 6})
+}
 
+// timeMix sends FLOWS flows' first packets, then times the recorder per
+// packet with the kernel's program statistics in four phases: one second
+// of the mix, established TCP, established UDP, new flows; the empty
+// filter behind it gives the floor each phase subtracts.
+func (l *lab) timeMix(res *result) error {
 	stats, err := ebpf.EnableStats(uint32(unix.BPF_STATS_RUN_TIME))
 	if err != nil {
 		return fmt.Errorf("enable BPF statistics: %w", err)
 	}
-	defer stats.Close()
-	in, eg := rec.Programs()
+	l.undo = append(l.undo, func() { stats.Close() }) // on until the end, as the figures after it ran
+	in, eg := l.rec.Programs()
 	snap := func() (rt time.Duration, n uint64, floor time.Duration, fn uint64) {
 		for _, p := range []*ebpf.Program{in, eg} {
 			if s, err := p.Stats(); err == nil {
@@ -249,7 +317,7 @@ func run() error {
 				n += s.RunCount
 			}
 		}
-		if s, err := empty.Stats(); err == nil {
+		if s, err := l.empty.Stats(); err == nil {
 			floor, fn = s.Runtime, s.RunCount
 		}
 		return
@@ -287,14 +355,14 @@ func run() error {
 			fr = slices.Clone(fr)
 			fr[14+20+13] = 0x02 // SYN
 		}
-		if err := send(out, fr); err != nil {
+		if err := l.send(out, fr); err != nil {
 			return err
 		}
 		// The handshake's second packet.
 		if f.podInit {
-			return send(false, f.in)
+			return l.send(false, f.in)
 		}
-		return send(true, f.out)
+		return l.send(true, f.out)
 	}
 	live := make([]*flow, res.Flows)
 	for i := range live {
@@ -324,9 +392,9 @@ func run() error {
 					continue
 				}
 				if rnd.IntN(2) == 0 {
-					return send(true, f.out)
+					return l.send(true, f.out)
 				}
-				return send(false, f.in)
+				return l.send(false, f.in)
 			}
 		}
 	}
@@ -342,7 +410,7 @@ func run() error {
 			fr = slices.Clone(fr)
 			fr[14+20+13] = 0x02
 		}
-		return send(out, fr)
+		return l.send(out, fr)
 	}
 	// One second of the mix at 10 packets per flow: NEW_PER_S x FLOWS new
 	// flows among FLOWS x 10 packets.
@@ -375,14 +443,11 @@ func run() error {
 	res.FloorNs = median(floors)
 	res.TCPNetNs, res.UDPNetNs = res.TCPNs-res.FloorNs, res.UDPNs-res.FloorNs
 	res.NewNetNs, res.MixNetNs = res.NewNs-res.FloorNs, res.MixNs-res.FloorNs
-	if b, err := os.ReadFile("/proc/loadavg"); err == nil {
-		res.LoadAverage = string(b[:len(b)-1])
-	}
-	mc, err := machcost.Measure()
-	if err != nil {
-		return fmt.Errorf("machine costs: %w", err)
-	}
-	res.MachineCosts = mc
+	return nil
+}
+
+// print is the human-readable summary above the JSON line.
+func (res result) print() {
 	fmt.Printf("recorder, %d concurrent flows (TCP and UDP), %.0f%% new per second, %d CPUs:\n", res.Flows, res.NewPerS*100, runtime.NumCPU())
 	fmt.Printf("  attach %.2f ms (p99 %.2f), detach %.2f ms\n", res.AttachP50*1e3, res.AttachP99*1e3, res.DetachP50*1e3)
 	fmt.Printf("  ns/packet (kernel run time; minus the %.1f ns floor): established TCP %.1f (%.1f), established UDP %.1f (%.1f), new flow %.1f (%.1f), mix %.1f (%.1f)\n",
@@ -390,9 +455,6 @@ func run() error {
 	fmt.Printf("  hot (one packet repeated, BPF_PROG_TEST_RUN; empty program %.1f ns): established TCP4 %.1f, UDP4 %.1f, TCP6 %.1f, new flow %.0f\n",
 		res.HotEmpty, res.HotTCP4, res.HotUDP4, res.HotTCP6, res.HotNewNs)
 	fmt.Println("  this machine now:", res.MachineCosts)
-	out, _ := json.Marshal(res)
-	fmt.Println(string(out))
-	return nil
 }
 
 func median(v []float64) float64 {

@@ -16,7 +16,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/ctscrub/ctscrub/internal/demo"
+	"github.com/ctscrub/ctscrub/internal/netnsnode"
 )
 
 // result is the demo's last line (RESULT {...}).
@@ -160,14 +160,14 @@ func waitExit(t *testing.T, r *run, out *output, limit time.Duration) int {
 
 func checkNoLeftovers(t *testing.T) {
 	t.Helper()
-	// Under the demo's lock: internal/demo's tests (run in parallel by
+	// Under the demo's lock: internal/netnsnode's tests (run in parallel by
 	// go test ./...) create names of the demo while they hold it.
-	lk, err := demo.Lock(5*time.Minute, os.Stderr)
+	lk, err := netnsnode.Lock(5*time.Minute, os.Stderr)
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer lk.Close()
-	if left := demo.Leftovers(); len(left) > 0 {
+	if left := netnsnode.Leftovers(); len(left) > 0 {
 		t.Errorf("the demo left behind: %v", left)
 	}
 }
@@ -315,12 +315,12 @@ func TestDemoAfterKill(t *testing.T) {
 	_ = first.cmd.Process.Kill()
 	<-first.done
 	// The killed demo's lock went with it; take it so no test of
-	// internal/demo starts between here and the second run.
-	lk, err := demo.Lock(5*time.Minute, os.Stderr)
+	// internal/netnsnode starts between here and the second run.
+	lk, err := netnsnode.Lock(5*time.Minute, os.Stderr)
 	if err != nil {
 		t.Fatal(err)
 	}
-	left := demo.Leftovers()
+	left := netnsnode.Leftovers()
 	lk.Close()
 	if len(left) == 0 {
 		t.Fatal("a killed demo left nothing behind: this test would prove nothing")

@@ -1,4 +1,4 @@
-package demo
+package netnsnode
 
 import (
 	"context"
@@ -28,14 +28,14 @@ func TestFillAndWalks(t *testing.T) {
 	}
 	t.Cleanup(func() { os.RemoveAll(dir) })
 	const entries, perOwner = 1 << 15, 100
-	m, err := createCTMaps(filepath.Join(dir, "globals"), entries)
+	m, err := CreateCTMaps(filepath.Join(dir, "globals"), entries)
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { m.Close() })
-	owners4, owners6 := podRange(2)
+	owners4, owners6 := PodRange(2)
 	owners := append(owners4, owners6...)
-	put, _, err := fill(context.Background(), m, fillPlan{Entries: entries, Background: backgroundPods(bgPods4, bgPods6, 128), Owners: owners, PerOwner: perOwner})
+	put, _, err := Fill(context.Background(), m, FillPlan{Entries: entries, Background: BackgroundPods(BGPods4, BGPods6, 128), Owners: owners, PerOwner: perOwner})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -55,11 +55,11 @@ func TestFillAndWalks(t *testing.T) {
 		}
 	}
 	for _, ip := range owners {
-		nk, err := nextKeyWalk(context.Background(), m, []netip.Addr{ip})
+		nk, err := NextKeyWalk(context.Background(), m, []netip.Addr{ip})
 		if err != nil {
 			t.Fatal(err)
 		}
-		b, err := batchWalkAll(m, []netip.Addr{ip})
+		b, err := BatchWalkAll(m, []netip.Addr{ip})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -87,11 +87,11 @@ func TestChainReusesIPs(t *testing.T) {
 	work := t.TempDir()
 	c := &Cleanup{}
 	t.Cleanup(func() { c.Run(os.Stderr) })
-	node, err := addNode(c, namePrefix+"-testnode") // the bridge and forwarding live in it
+	node, err := AddNode(c, NamePrefix+"-testnode") // the bridge and forwarding live in it
 	if err != nil {
 		t.Fatal(err)
 	}
-	ch, err := newChain(chainConfig{Node: node, WorkDir: work, RefPlugins: "/usr/lib/cni", RangeSize: 2})
+	ch, err := NewChain(ChainConfig{Node: node, WorkDir: work, RefPlugins: "/usr/lib/cni", RangeSize: 2})
 	if err != nil {
 		t.Fatal(err)
 	}

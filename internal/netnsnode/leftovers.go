@@ -1,4 +1,4 @@
-package demo
+package netnsnode
 
 import (
 	"fmt"
@@ -18,11 +18,11 @@ var (
 	lockPath = "/run/ctscrub-demo.lock"
 )
 
-// useNames switches every name and place to prefix (before anything is
+// UseNames switches every name and place to prefix (before anything is
 // created): `make soak` runs as "ctscrub-soak" beside a demo.
-func useNames(prefix string) {
-	namePrefix, netName = prefix, prefix
-	nodeNS, outsideNS = prefix+"-node", prefix+"-outside"
+func UseNames(prefix string) {
+	NamePrefix, NetName = prefix, prefix
+	NodeNS, OutsideNS = prefix+"-node", prefix+"-outside"
 	WorkDir, BPFDir, lockPath = "/run/"+prefix, "/sys/fs/bpf/"+prefix, "/run/"+prefix+".lock"
 }
 
@@ -49,9 +49,9 @@ func Lock(wait time.Duration, w io.Writer) (*os.File, error) {
 	return nil, fmt.Errorf("another ctscrub demo is still running (%s is locked): wait for it or stop it", lockPath)
 }
 
-// removeLeftovers undoes what a previous run left when it could not clean up
+// RemoveLeftovers undoes what a previous run left when it could not clean up
 // (SIGKILL, power loss). It reports what it removed on w.
-func removeLeftovers(w io.Writer) error {
+func RemoveLeftovers(w io.Writer) error {
 	var removed []string
 	// The previous daemon, by the pid it wrote, only if it still is scrubd.
 	if b, err := os.ReadFile(filepath.Join(WorkDir, "scrubd.pid")); err == nil {
@@ -69,10 +69,10 @@ func removeLeftovers(w io.Writer) error {
 			}
 		}
 	}
-	entries, _ := os.ReadDir(netnsDir)
+	entries, _ := os.ReadDir(NetnsDir)
 	for _, e := range entries {
-		if strings.HasPrefix(e.Name(), namePrefix+"-") {
-			if err := ip("netns", "del", e.Name()); err != nil {
+		if strings.HasPrefix(e.Name(), NamePrefix+"-") {
+			if err := RunIP("netns", "del", e.Name()); err != nil {
 				return fmt.Errorf("remove leftover netns: %w", err)
 			}
 			removed = append(removed, "netns "+e.Name())
@@ -102,10 +102,10 @@ func removeLeftovers(w io.Writer) error {
 // empty after a clean run. The CI test checks it.
 func Leftovers() []string {
 	var out []string
-	entries, _ := os.ReadDir(netnsDir)
+	entries, _ := os.ReadDir(NetnsDir)
 	for _, e := range entries {
-		if strings.HasPrefix(e.Name(), namePrefix+"-") {
-			out = append(out, filepath.Join(netnsDir, e.Name()))
+		if strings.HasPrefix(e.Name(), NamePrefix+"-") {
+			out = append(out, filepath.Join(NetnsDir, e.Name()))
 		}
 	}
 	for _, d := range []string{BPFDir, WorkDir, stateDirPath()} {

@@ -1,14 +1,17 @@
-// Package demo is `make demo`: one node on this machine, with pods created as
-// network namespaces through the real CNI chain (Debian's bridge + host-local,
-// then ctscrub), scrubd running on private Cilium-layout CT maps filled to
-// ENTRIES entries, real traffic turned into CT entries by the Cilium datapath
-// stand-in (test support), and pods deleted and recreated so their IPs are
-// reused. It prints each scrub beside one full walk of the same maps.
+// Command demo is `make demo` (scripts/demo.sh runs it after set-up and
+// build; docs/demo.md): one node on this machine (internal/netnsnode), with
+// pods created as network namespaces through the real CNI chain (Debian's
+// bridge + host-local, then ctscrub), scrubd running on private
+// Cilium-layout CT maps filled to ENTRIES entries, real traffic turned into
+// CT entries by the Cilium datapath stand-in (test support), and pods
+// deleted and recreated so their IPs are reused. It prints each scrub beside
+// one full walk of the same maps.
 //
-// Everything it creates is private (names under "ctscrub-demo", the bpffs dir
-// BPFDir, the work dir WorkDir) and undone at the end, also on SIGINT/SIGTERM;
-// a run first removes what an interrupted run left.
-package demo
+// Everything it creates is private (names under "ctscrub-demo", the bpffs
+// dir netnsnode.BPFDir, the work dir netnsnode.WorkDir) and undone at the
+// end, also on SIGINT/SIGTERM; a run first removes what an interrupted run
+// left.
+package main
 
 import (
 	"context"
@@ -23,6 +26,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/ctscrub/ctscrub/internal/netnsnode"
 	"github.com/ctscrub/ctscrub/scrubd/ctmap"
 )
 
@@ -70,10 +74,10 @@ func ConfigFromEnv() (Config, error) {
 	return cfg, nil
 }
 
-// Main runs the demo as a program: it undoes everything on return, on
+// main runs the demo: it undoes everything on return, on
 // SIGINT/SIGTERM (a second signal stops waiting for the steps in flight), and
 // exits non-zero on failure.
-func Main() {
+func main() {
 	out := os.Stdout
 	if os.Geteuid() != 0 {
 		fmt.Fprintln(os.Stderr, "demo: run as root (BPF maps, network namespaces): sudo make demo")
@@ -86,7 +90,7 @@ func Main() {
 	}
 	// Held until the process exits; KeepAlive below keeps the GC from
 	// closing the file (and so dropping the lock) before that.
-	lk, err := Lock(5*time.Minute, out)
+	lk, err := netnsnode.Lock(5*time.Minute, out)
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "demo:", err)
 		os.Exit(1)
@@ -94,7 +98,7 @@ func Main() {
 
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
-	cleanup := &Cleanup{}
+	cleanup := &netnsnode.Cleanup{}
 	sigs := make(chan os.Signal, 2)
 	signal.Notify(sigs, syscall.SIGINT, syscall.SIGTERM, syscall.SIGHUP)
 	runDone := make(chan error, 1)
@@ -126,7 +130,7 @@ func Main() {
 	if n := cleanup.Run(out); n > 0 {
 		fmt.Fprintf(out, "cleanup: %d step(s) failed (see above); the next `make demo` removes what is left\n", n)
 		code = max(code, 1)
-	} else if left := Leftovers(); len(left) > 0 {
+	} else if left := netnsnode.Leftovers(); len(left) > 0 {
 		fmt.Fprintf(out, "cleanup: still present: %v\n", left)
 		code = max(code, 1)
 	} else {
@@ -138,19 +142,19 @@ func Main() {
 
 // Run is the demo. Every resource it creates is pushed on cleanup, which the
 // caller runs.
-func Run(ctx context.Context, cfg Config, cleanup *Cleanup, w io.Writer) error {
+func Run(ctx context.Context, cfg Config, cleanup *netnsnode.Cleanup, w io.Writer) error {
 	p := &printer{w: w}
-	if err := removeLeftovers(w); err != nil {
+	if err := netnsnode.RemoveLeftovers(w); err != nil {
 		return err
 	}
-	if err := os.MkdirAll(WorkDir, 0o700); err != nil {
+	if err := os.MkdirAll(netnsnode.WorkDir, 0o700); err != nil {
 		return err
 	}
-	cleanup.Push("remove "+WorkDir, func() error { return os.RemoveAll(WorkDir) })
-	if err := os.MkdirAll(BPFDir, 0o700); err != nil {
-		return fmt.Errorf("create %s: %w (is bpffs mounted at /sys/fs/bpf? run scripts/setup.sh)", BPFDir, err)
+	cleanup.Push("remove "+netnsnode.WorkDir, func() error { return os.RemoveAll(netnsnode.WorkDir) })
+	if err := os.MkdirAll(netnsnode.BPFDir, 0o700); err != nil {
+		return fmt.Errorf("create %s: %w (is bpffs mounted at /sys/fs/bpf? run scripts/setup.sh)", netnsnode.BPFDir, err)
 	}
-	cleanup.Push("remove "+BPFDir, func() error { return os.RemoveAll(BPFDir) })
+	cleanup.Push("remove "+netnsnode.BPFDir, func() error { return os.RemoveAll(netnsnode.BPFDir) })
 
 	nPods := 4
 	if cfg.Short {
@@ -160,29 +164,26 @@ func Run(ctx context.Context, cfg Config, cleanup *Cleanup, w io.Writer) error {
 		return fmt.Errorf("PER_IP=%d: the %d reused addresses would hold %d stale entries, over half of ENTRIES=%d; lower PER_IP or raise ENTRIES",
 			cfg.PerIP, 2*nPods, stale, cfg.Entries)
 	}
-	owners4, owners6 := podRange(nPods)
+	owners4, owners6 := netnsnode.PodRange(nPods)
 	owners := append(append([]netip.Addr{}, owners4...), owners6...)
 
 	p.header(cfg, nPods)
 
 	// 1. The CT maps.
 	p.section("1. Cilium's four global CT maps, private copies, filled to ENTRIES")
-	ctRoot := filepath.Join(BPFDir, "globals")
-	maps, err := createCTMaps(ctRoot, cfg.Entries)
+	ctRoot := filepath.Join(netnsnode.BPFDir, "globals")
+	maps, err := netnsnode.CreateCTMaps(ctRoot, cfg.Entries)
 	if err != nil {
 		return err
 	}
 	cleanup.Push("unpin CT maps in "+ctRoot, maps.Close)
 	for _, k := range ctmap.Kinds {
-		p.f("   %-24s LRU hash, max %s entries\n", k.Name(), num(int(maps.maps[k].MaxEntries())))
+		p.f("   %-24s LRU hash, max %s entries\n", k.Name(), netnsnode.Num(int(maps.Map(k).MaxEntries())))
 	}
-	// The node's other pods: 256 entries each, at most 16,384 pods so their
-	// v4 addresses stay inside bgPods4.
-	nbg := min(max(64, cfg.Entries/256), 16384)
-	nbg -= nbg % 4
-	put, took, err := fill(ctx, maps, fillPlan{
+	nbg := netnsnode.BackgroundPodCount(cfg.Entries)
+	put, took, err := netnsnode.Fill(ctx, maps, netnsnode.FillPlan{
 		Entries:    cfg.Entries,
-		Background: backgroundPods(bgPods4, bgPods6, nbg),
+		Background: netnsnode.BackgroundPods(netnsnode.BGPods4, netnsnode.BGPods6, nbg),
 		Owners:     owners,
 		PerOwner:   cfg.PerIP,
 	})
@@ -190,8 +191,8 @@ func Run(ctx context.Context, cfg Config, cleanup *Cleanup, w io.Writer) error {
 		return err
 	}
 	p.f("   filled %s entries in %s (batch updates): flows of %s other pods of this node (%s, %s),\n",
-		num(put), dur(took), num(nbg), bgPods4, bgPods6)
-	p.f("   and %s stale entries each for the %d v4 + %d v6 addresses host-local will hand out:\n", num(cfg.PerIP/2*2), nPods, nPods)
+		netnsnode.Num(put), netnsnode.Dur(took), netnsnode.Num(nbg), netnsnode.BGPods4, netnsnode.BGPods6)
+	p.f("   and %s stale entries each for the %d v4 + %d v6 addresses host-local will hand out:\n", netnsnode.Num(cfg.PerIP/2*2), nPods, nPods)
 	p.f("   what those addresses' previous owners left behind, as after a node's pods came and went.\n")
 	if ctx.Err() != nil {
 		return ctx.Err()
@@ -199,7 +200,7 @@ func Run(ctx context.Context, cfg Config, cleanup *Cleanup, w io.Writer) error {
 
 	// The stand-in and its (empty) service maps exist before scrubd starts:
 	// scrubd's recorder looks the service maps up under --ct-root.
-	dp, err := newDatapath(maps, nil)
+	dp, err := netnsnode.NewDatapath(maps, nil)
 	if err != nil {
 		return err
 	}
@@ -207,32 +208,26 @@ func Run(ctx context.Context, cfg Config, cleanup *Cleanup, w io.Writer) error {
 
 	// 2. scrubd.
 	p.section("2. scrubd, the node daemon, on those maps")
-	d, err := startDaemon(ctx, cleanup, daemonConfig{
-		Bin:      filepath.Join(cfg.BinDir, "scrubd"),
-		WorkDir:  WorkDir,
-		PinDir:   filepath.Join(BPFDir, "scrubd"),
-		CTRoot:   ctRoot,
-		PodCIDRs: []netip.Prefix{podCIDR4, podCIDR6},
-	})
+	d, err := netnsnode.StartDaemon(ctx, cleanup, netnsnode.NodeDaemonConfig(cfg.BinDir, ctRoot))
 	if err != nil {
 		return err
 	}
-	p.f("   pid %d  socket %s\n   log %s\n   metrics http://%s/metrics\n", d.cmd.Process.Pid, d.Socket, d.LogPath, d.Metrics)
+	p.f("   pid %d  socket %s\n   log %s\n   metrics http://%s/metrics\n", d.Pid(), d.Socket, d.LogPath, d.Metrics)
 	p.f("   scrubd has never seen the filled entries: their IPs are \"not tracked\", so the first scrub of each\n")
 	p.f("   sweeps (one in-kernel pass per map for all IPs of the request). From then on scrubd's recorder\n")
 	p.f("   indexes every new flow of the pods, and their scrubs go by the index.\n")
 
 	// 3. The node, the outside host and the CNI chain.
-	node, err := addNode(cleanup, nodeNS)
+	node, err := netnsnode.AddNode(cleanup, netnsnode.NodeNS)
 	if err != nil {
 		return err
 	}
-	if _, err := addOutside(cleanup); err != nil {
+	if _, err := netnsnode.AddOutside(cleanup); err != nil {
 		return err
 	}
-	ch, err := newChain(chainConfig{
+	ch, err := netnsnode.NewChain(netnsnode.ChainConfig{
 		Node:       node,
-		WorkDir:    WorkDir,
+		WorkDir:    netnsnode.WorkDir,
 		RefPlugins: cfg.RefPlugins,
 		Plugin:     filepath.Join(cfg.BinDir, "ctscrub"),
 		Socket:     d.Socket,

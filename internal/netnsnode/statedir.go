@@ -1,4 +1,4 @@
-package demo
+package netnsnode
 
 import (
 	"errors"

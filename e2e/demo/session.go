@@ -1,73 +1,56 @@
-package demo
+package main
 
 import (
-	"bufio"
 	"context"
-	"encoding/json"
 	"fmt"
-	"net/http"
 	"net/netip"
 	"slices"
-	"sort"
 	"strings"
 	"time"
+
+	"github.com/ctscrub/ctscrub/internal/netnsnode"
 )
 
 // session is one run's state after set-up: the chain, the daemon, the maps.
 type session struct {
 	cfg     Config
 	p       *printer
-	ch      *chain
-	d       *daemon
-	maps    *ctMaps
-	dp      datapath
+	ch      *netnsnode.Chain
+	d       *netnsnode.Daemon
+	maps    *netnsnode.CTMaps
+	dp      netnsnode.Datapath
 	node    string // the node's netns path
-	cleanup *Cleanup
+	cleanup *netnsnode.Cleanup
 
-	outside *server
-	servers map[string]*server // per pod
+	outside *netnsnode.Server
+	servers map[string]*netnsnode.Server // per pod
 	rows    []row
-	walkNK  walkResult
-	walkB   walkResult
+	walkNK  netnsnode.WalkResult
+	walkB   netnsnode.WalkResult
 	reuse   []reuseCheck
 	audited auditResult
 }
 
-// row is one scrub for the summary.
-type row struct {
-	Step     string        `json:"step"`
-	Pod      string        `json:"pod"`
-	IPs      string        `json:"ips"`
-	Reason   string        `json:"reason"`
-	Method   string        `json:"method"`
-	Deleted  int           `json:"deleted"`
-	Latency  time.Duration `json:"latency_ns"`
-	Result   string        `json:"result"`
-	CNITotal time.Duration `json:"cni_ns"`
-}
-
-// reuseCheck is what a new pod found on an IP a deleted pod had.
-type reuseCheck struct {
-	IP        string `json:"ip"`
-	OldPod    string `json:"old_pod"`
-	NewPod    string `json:"new_pod"`
-	OldHad    int    `json:"old_entries_before_del"`
-	LeftAtDel int    `json:"left_after_del"`
-	Inherited int    `json:"inherited_by_new_pod"`
+// pod is one of the demo's pods: the demo deletes some itself, the cleanup
+// stack the others.
+type pod struct {
+	*netnsnode.Pod
+	gone     bool   // deleted by the demo
+	onDelete func() // tells the cleanup stack its DEL already ran
 }
 
 func (s *session) run(ctx context.Context, nPods int) error {
 	p := s.p
-	out, err := startServer(netnsPath(outsideNS))
+	out, err := netnsnode.StartServer(netnsnode.NetnsPath(netnsnode.OutsideNS))
 	if err != nil {
 		return err
 	}
 	s.outside = out
 	s.cleanup.Push("stop the outside host's servers", func() error { out.Close(); return nil })
-	s.servers = map[string]*server{}
+	s.servers = map[string]*netnsnode.Server{}
 
-	p.section(fmt.Sprintf("3. %d pods through the CNI chain (libcni, conflist %s)", nPods, s.ch.confPath))
-	p.f("   the node is netns %s (bridge %s, the pods' host-side veths, routing): the machine's own\n", nodeNS, bridgeName)
+	p.section(fmt.Sprintf("3. %d pods through the CNI chain (libcni, conflist %s)", nPods, s.ch.ConfPath))
+	p.f("   the node is netns %s (bridge %s, the pods' host-side veths, routing): the machine's own\n", netnsnode.NodeNS, netnsnode.BridgeName)
 	p.f("   links, sysctls and firewall stay untouched; scrubd runs in the machine's namespace.\n")
 	p.f("   chain: bridge + host-local (Debian's reference plugins), then ctscrub; host-local hands out\n")
 	p.f("   only %d addresses per family,", nPods)
@@ -82,8 +65,8 @@ func (s *session) run(ctx context.Context, nPods int) error {
 	}
 
 	p.section("4. Real traffic: pod to pod, pod to outside, outside to pod (TCP, UDP, ping; v4 and v6)")
-	p.f("   the outside host is netns %s at %s and %s\n", outsideNS, outsideAddr[0].Addr(), outsideAddr[1].Addr())
-	if err := waitDAD(ctx, bridgeName); err != nil {
+	p.f("   the outside host is netns %s at %s and %s\n", netnsnode.OutsideNS, netnsnode.OutsideAddr[0].Addr(), netnsnode.OutsideAddr[1].Addr())
+	if err := netnsnode.WaitDAD(ctx, netnsnode.BridgeName); err != nil {
 		return err
 	}
 	for _, pd := range pods {
@@ -98,16 +81,16 @@ func (s *session) run(ctx context.Context, nPods int) error {
 	victim := pods[1]
 	p.section("5. One full walk of the same maps, as Cilium scrubs one IP")
 	p.f("   looking for %s's entries (%s), deleting nothing:\n", victim.Name, ipList(victim.IPs()))
-	if s.walkNK, err = nextKeyWalk(ctx, s.maps, victim.IPs()); err != nil {
+	if s.walkNK, err = netnsnode.NextKeyWalk(ctx, s.maps, victim.IPs()); err != nil {
 		return err
 	}
 	p.f("   NextKey+Lookup walk (Cilium 1.16):   read %s entries in %s, %s of them %s's\n",
-		num(s.walkNK.Entries), dur(s.walkNK.Duration), num(s.walkNK.Matches), victim.Name)
-	if s.walkB, err = batchWalkAll(s.maps, victim.IPs()); err != nil {
+		netnsnode.Num(s.walkNK.Entries), netnsnode.Dur(s.walkNK.Duration), netnsnode.Num(s.walkNK.Matches), victim.Name)
+	if s.walkB, err = netnsnode.BatchWalkAll(s.maps, victim.IPs()); err != nil {
 		return err
 	}
 	p.f("   batch-lookup walk (Cilium 1.18+):     read %s entries in %s, %s of them %s's\n",
-		num(s.walkB.Entries), dur(s.walkB.Duration), num(s.walkB.Matches), victim.Name)
+		netnsnode.Num(s.walkB.Entries), netnsnode.Dur(s.walkB.Duration), netnsnode.Num(s.walkB.Matches), victim.Name)
 	p.f("   Cilium does one such walk for every pod start and every pod delete.\n")
 	if ctx.Err() != nil {
 		return ctx.Err()
@@ -166,20 +149,21 @@ func (s *session) hold(ctx context.Context, pods []*pod) {
 	if live != nil {
 		p.f("   bin/scrubd index --ip %s %s\n", live.V4, sock)
 		p.f("   bin/scrubd scrub --ip %s --dry-run %s\n", live.V4, sock)
-		p.f("   ip netns exec %s ip addr          # %s, created through the CNI chain\n", namePrefix+"-"+live.Name, live.Name)
+		p.f("   ip netns exec %s ip addr          # %s, created through the CNI chain\n", netnsnode.NamePrefix+"-"+live.Name, live.Name)
 	}
 	p.f("   bin/scrubd ct stats %s\n", sock)
 	p.f("   curl -s http://%s/metrics | grep ^ctscrub_\n", s.d.Metrics)
-	p.f("   ls %s            # the CT maps, pinned\n", s.maps.dir)
+	p.f("   ls %s            # the CT maps, pinned\n", s.maps.Dir())
 	<-ctx.Done()
 }
 
 // addPod creates a pod through the chain and prints the scrubs it caused.
 func (s *session) addPod(ctx context.Context, name, step string) (*pod, error) {
-	pd, err := s.ch.Add(ctx, s.cleanup, name)
+	np, err := s.ch.Add(ctx, s.cleanup, name)
 	if err != nil {
 		return nil, err
 	}
+	pd := &pod{Pod: np}
 	deleted := false
 	s.cleanup.Push("CNI DEL of "+name, func() error {
 		if deleted {
@@ -187,31 +171,31 @@ func (s *session) addPod(ctx context.Context, name, step string) (*pod, error) {
 		}
 		dctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 		defer cancel()
-		_, err := s.ch.Del(dctx, pd)
+		_, err := s.ch.Del(dctx, pd.Pod)
 		return err
 	})
 	pd.onDelete = func() { deleted = true }
 	// The host-side veth is in the node's namespace.
-	if err := inNetns(s.node, func() error { return s.dp.Attach(pd.HostVeth) }); err != nil {
+	if err := netnsnode.InNetns(s.node, func() error { return s.dp.Attach(pd.HostVeth) }); err != nil {
 		return nil, err
 	}
-	srv, err := startServer(pd.Netns)
+	srv, err := netnsnode.StartServer(pd.Netns)
 	if err != nil {
 		return nil, err
 	}
 	s.servers[name] = srv
 	s.cleanup.Push("stop "+name+"'s servers", func() error { srv.Close(); return nil })
-	s.p.f("   %-6s ADD  %-13s %-20s host veth %-15s CNI ADD took %s\n", pd.Name, pd.V4, pd.V6, pd.HostVeth, dur(pd.AddTook))
+	s.p.f("   %-6s ADD  %-13s %-20s host veth %-15s CNI ADD took %s\n", pd.Name, pd.V4, pd.V6, pd.HostVeth, netnsnode.Dur(pd.AddTook))
 	s.scrubLines(step, pd, "add", pd.AddTook)
 	return pd, nil
 }
 
 // scrubLines prints the scrubs scrubd logged for a CNI call that just ended.
 func (s *session) scrubLines(step string, pd *pod, reason string, cni time.Duration) {
-	if !s.ch.plugin {
+	if !s.ch.HasPlugin {
 		return
 	}
-	var got []scrubLine
+	var got []netnsnode.ScrubLine
 	// The plugin returned after scrubd answered; the log line may trail the
 	// answer by a moment.
 	for i := 0; i < 20 && len(got) == 0; i++ {
@@ -229,25 +213,25 @@ func (s *session) scrubLines(step string, pd *pod, reason string, cni time.Durat
 			Deleted: l.Deleted, Latency: l.Duration, Result: l.Result, CNITotal: cni}
 		s.rows = append(s.rows, r)
 		s.p.f("          scrub %-3s method=%-5s deleted=%-7s latency=%-9s result=%s\n",
-			r.Reason, r.Method, num(r.Deleted), dur(r.Latency), r.Result)
+			r.Reason, r.Method, netnsnode.Num(r.Deleted), netnsnode.Dur(r.Latency), r.Result)
 	}
 }
 
 // traffic sends one pod's traffic to the other pods and the outside host, and
 // the outside host's to the pod, in both families.
 func (s *session) traffic(ctx context.Context, pd *pod, pods []*pod) error {
-	toPod := trafficCounts{TCP: 3, UDP: 5, Ping: 1}
-	toOut := trafficCounts{TCP: 20, UDP: 150, Ping: 3}
-	fromOut := trafficCounts{TCP: 5, UDP: 5, Ping: 1}
+	toPod := netnsnode.TrafficCounts{TCP: 3, UDP: 5, Ping: 1}
+	toOut := netnsnode.TrafficCounts{TCP: 20, UDP: 150, Ping: 3}
+	fromOut := netnsnode.TrafficCounts{TCP: 5, UDP: 5, Ping: 1}
 	if s.cfg.Short {
-		toOut = trafficCounts{TCP: 5, UDP: 20, Ping: 2}
+		toOut = netnsnode.TrafficCounts{TCP: 5, UDP: 20, Ping: 2}
 	}
 	total := 0
-	send := func(from string, dst netip.Addr, n trafficCounts) error {
+	send := func(from string, dst netip.Addr, n netnsnode.TrafficCounts) error {
 		if !dst.IsValid() {
 			return nil
 		}
-		got, err := sendTraffic(ctx, from, dst, n)
+		got, err := netnsnode.SendTraffic(ctx, from, dst, n)
 		total += got
 		return err
 	}
@@ -263,13 +247,13 @@ func (s *session) traffic(ctx context.Context, pd *pod, pods []*pod) error {
 			}
 		}
 	}
-	for _, a := range outsideAddr {
+	for _, a := range netnsnode.OutsideAddr {
 		if err := send(pd.Netns, a.Addr(), toOut); err != nil {
 			return err
 		}
 	}
 	for _, dst := range pd.IPs() {
-		if err := send(netnsPath(outsideNS), dst, fromOut); err != nil {
+		if err := send(netnsnode.NetnsPath(netnsnode.OutsideNS), dst, fromOut); err != nil {
 			return err
 		}
 	}
@@ -284,7 +268,7 @@ func (s *session) showEntries(ctx context.Context, pods []*pod) error {
 		if pd.gone {
 			continue
 		}
-		n, err := entriesOf(s.maps, pd.IPs()...)
+		n, err := netnsnode.EntriesOf(s.maps, pd.IPs()...)
 		if err != nil {
 			return err
 		}
@@ -302,7 +286,7 @@ func (s *session) showEntries(ctx context.Context, pods []*pod) error {
 			}
 			complete = append(complete, c)
 		}
-		s.p.f("   %-6s %-30s %12s %12s  %s\n", pd.Name, ipList(pd.IPs()), num(n), num(keys), strings.Join(slices.Compact(complete), ", "))
+		s.p.f("   %-6s %-30s %12s %12s  %s\n", pd.Name, ipList(pd.IPs()), netnsnode.Num(n), netnsnode.Num(keys), strings.Join(slices.Compact(complete), ", "))
 	}
 	return nil
 }
@@ -311,12 +295,12 @@ func (s *session) showEntries(ctx context.Context, pods []*pod) error {
 // that the new pod inherits none of old's CT entries.
 func (s *session) reuseIP(ctx context.Context, old *pod, name string, pods []*pod) error {
 	p := s.p
-	had, err := entriesOf(s.maps, old.IPs()...)
+	had, err := netnsnode.EntriesOf(s.maps, old.IPs()...)
 	if err != nil {
 		return err
 	}
-	p.f("   %-6s DEL  %-13s %-20s (%s CT entries)\n", old.Name, old.V4, old.V6, num(had))
-	took, err := s.ch.Del(ctx, old)
+	p.f("   %-6s DEL  %-13s %-20s (%s CT entries)\n", old.Name, old.V4, old.V6, netnsnode.Num(had))
+	took, err := s.ch.Del(ctx, old.Pod)
 	if err != nil {
 		return err
 	}
@@ -326,7 +310,7 @@ func (s *session) reuseIP(ctx context.Context, old *pod, name string, pods []*po
 		srv.Close()
 	}
 	s.scrubLines("DEL", old, "del", took)
-	left, err := entriesOf(s.maps, old.IPs()...)
+	left, err := netnsnode.EntriesOf(s.maps, old.IPs()...)
 	if err != nil {
 		return err
 	}
@@ -336,7 +320,7 @@ func (s *session) reuseIP(ctx context.Context, old *pod, name string, pods []*po
 	if err != nil {
 		return err
 	}
-	inherited, err := entriesOf(s.maps, nw.IPs()...)
+	inherited, err := netnsnode.EntriesOf(s.maps, nw.IPs()...)
 	if err != nil {
 		return err
 	}
@@ -357,89 +341,6 @@ func (s *session) reuseIP(ctx context.Context, old *pod, name string, pods []*po
 		return fmt.Errorf("host-local gave %s %s, not %s's %s: the demo's IP reuse did not happen", nw.Name, ipList(nw.IPs()), old.Name, ipList(old.IPs()))
 	}
 	return s.traffic(ctx, nw, pods)
-}
-
-func (s *session) summary() {
-	p := s.p
-	p.section("Summary: every scrub, beside one full walk of the same maps")
-	if len(s.rows) == 0 {
-		p.f("   no scrubs were logged (is bin/ctscrub in the chain?)\n")
-		return
-	}
-	p.f("   %-4s %-6s %-13s %-7s %-8s %10s %12s %-10s %12s\n", "CNI", "pod", "IPv4", "reason", "method", "deleted", "latency", "result", "CNI call")
-	var idx []time.Duration
-	for _, r := range s.rows {
-		p.f("   %-4s %-6s %-13s %-7s %-8s %10s %12s %-10s %12s\n", r.Step, r.Pod, strings.Fields(r.IPs + " -")[0], r.Reason, r.Method, num(r.Deleted), dur(r.Latency), r.Result, dur(r.CNITotal))
-		if r.Method == "index" && r.Deleted > 0 {
-			idx = append(idx, r.Latency)
-		}
-	}
-	p.f("   one full walk of the same maps, for comparison (what Cilium does for each of the scrubs above):\n")
-	p.f("   %-4s %-6s %-13s %-7s %-8s %10s %12s   (found; %s entries read)\n", "-", "-", "-", "-", "nextkey", num(s.walkNK.Matches), dur(s.walkNK.Duration), num(s.walkNK.Entries))
-	p.f("   %-4s %-6s %-13s %-7s %-8s %10s %12s   (found; %s entries read)\n", "-", "-", "-", "-", "batch", num(s.walkB.Matches), dur(s.walkB.Duration), num(s.walkB.Entries))
-	if len(idx) > 0 {
-		// Compare the slowest index scrub that deleted a pod's entries (the
-		// DELs): the conservative ratio, not a best case.
-		sort.Slice(idx, func(i, j int) bool { return idx[i] < idx[j] })
-		worst := max(idx[len(idx)-1], time.Microsecond)
-		p.f("   slowest index scrub that deleted a pod's entries: %s, %s faster than Cilium 1.16's walk and\n",
-			dur(worst), ratio(s.walkNK.Duration, worst))
-		p.f("   %s faster than the batch walk of the same maps in the same run; the walk grows with ENTRIES, the index scrub does not.\n",
-			ratio(s.walkB.Duration, worst))
-	}
-}
-
-func ratio(a, b time.Duration) string { return num(int(float64(a)/float64(b))) + "x" }
-
-// metrics prints where scrubd's metrics are and a few of their lines.
-func (s *session) metrics(ctx context.Context) {
-	p := s.p
-	url := "http://" + s.d.Metrics + "/metrics"
-	p.section("Metrics: " + url + " (curl it while the demo runs)")
-	req, _ := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)
-	resp, err := http.DefaultClient.Do(req)
-	if err != nil {
-		p.f("   could not read them: %v\n", err)
-		return
-	}
-	defer resp.Body.Close()
-	// A few families a newcomer reads first, in this order.
-	want := []string{"ctscrub_scrub_duration_seconds_count", "ctscrub_index_keys", "ctscrub_index_incomplete_ips", "ctscrub_ct_entries"}
-	shown := make([][]string, len(want))
-	sc := bufio.NewScanner(resp.Body)
-	for sc.Scan() {
-		l := sc.Text()
-		if strings.HasPrefix(l, "#") || strings.Contains(l, `state="expired"`) {
-			continue
-		}
-		for i, w := range want {
-			if strings.HasPrefix(l, w+"{") || strings.HasPrefix(l, w+" ") {
-				shown[i] = append(shown[i], l)
-			}
-		}
-	}
-	for _, lines := range shown {
-		for _, l := range lines {
-			p.f("   %s\n", l)
-		}
-	}
-	p.f("   (and ctscrub_scrub_deleted_entries_total per map and method, histograms, ...: curl the URL)\n")
-}
-
-// printJSON ends the output with one JSON line for scripts and the CI test.
-func (s *session) printJSON() {
-	b, _ := json.Marshal(map[string]any{
-		"entries":        s.cfg.Entries,
-		"scrubs":         s.rows,
-		"nextkey_walk_s": s.walkNK.Duration.Seconds(),
-		"batch_walk_s":   s.walkB.Duration.Seconds(),
-		"walk_entries":   s.walkNK.Entries,
-		"reuse":          s.reuse,
-		"audit_ips":      s.audited.IPs,
-		"audit_missing":  s.audited.Missing,
-		"metrics":        "http://" + s.d.Metrics + "/metrics",
-	})
-	s.p.f("\nRESULT %s\n", b)
 }
 
 func ipList(ips []netip.Addr) string {

@@ -1,4 +1,4 @@
-package demo
+package netnsnode
 
 import (
 	"context"
@@ -8,37 +8,37 @@ import (
 	"github.com/ctscrub/ctscrub/internal/ciliumwalk"
 )
 
-// walkResult is one full walk over the four CT maps, the way Cilium scrubs an
+// WalkResult is one full walk over the four CT maps, the way Cilium scrubs an
 // IP (internal/ciliumwalk, the baseline every benchmark shares): every entry
 // is read, the ones with the IP are what it would delete.
-type walkResult struct {
+type WalkResult struct {
 	Entries  int // entries read
 	Matches  int // entries holding one of the IPs
 	Duration time.Duration
 }
 
-func timed(st ciliumwalk.Stats, start time.Time) walkResult {
-	return walkResult{Entries: st.Visited, Matches: st.Matched, Duration: time.Since(start)}
+func timed(st ciliumwalk.Stats, start time.Time) WalkResult {
+	return WalkResult{Entries: st.Visited, Matches: st.Matched, Duration: time.Since(start)}
 }
 
-// nextKeyWalk is Cilium 1.16's walk (two syscalls per entry). It deletes
+// NextKeyWalk is Cilium 1.16's walk (two syscalls per entry). It deletes
 // nothing: the demo times the walk, ctscrub does the delete.
-func nextKeyWalk(ctx context.Context, m *ctMaps, ips []netip.Addr) (walkResult, error) {
+func NextKeyWalk(ctx context.Context, m *CTMaps, ips []netip.Addr) (WalkResult, error) {
 	start := time.Now()
 	st, err := ciliumwalk.NextKey(m.maps, ciliumwalk.HasIP(ips...), ciliumwalk.Options{CountOnly: true, Ctx: ctx})
 	return timed(st, start), err
 }
 
-// batchWalkAll is Cilium 1.18+'s batched walk, deleting nothing.
-func batchWalkAll(m *ctMaps, ips []netip.Addr) (walkResult, error) {
+// BatchWalkAll is Cilium 1.18+'s batched walk, deleting nothing.
+func BatchWalkAll(m *CTMaps, ips []netip.Addr) (WalkResult, error) {
 	start := time.Now()
 	st, err := ciliumwalk.Batch(m.maps, ciliumwalk.HasIP(ips...), ciliumwalk.Options{CountOnly: true})
 	return timed(st, start), err
 }
 
-// entriesOf counts the entries holding ip in all four maps (a check, not a
+// EntriesOf counts the entries holding ip in all four maps (a check, not a
 // scrub: the demo uses it to show what a reused IP inherits).
-func entriesOf(m *ctMaps, ips ...netip.Addr) (int, error) {
-	r, err := batchWalkAll(m, ips)
+func EntriesOf(m *CTMaps, ips ...netip.Addr) (int, error) {
+	r, err := BatchWalkAll(m, ips)
 	return r.Matches, err
 }

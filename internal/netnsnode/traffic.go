@@ -1,4 +1,4 @@
-package demo
+package netnsnode
 
 import (
 	"context"
@@ -20,14 +20,14 @@ import (
 // Sockets belong to the network namespace they were created in, so each one
 // is created inside its netns and then used from any goroutine.
 
-// inNetns runs fn with the calling thread in the netns at path.
-func inNetns(path string, fn func() error) error {
+// InNetns runs fn with the calling thread in the netns at path.
+func InNetns(path string, fn func() error) error {
 	return ns.WithNetNSPath(path, func(ns.NetNS) error { return fn() })
 }
 
-// server answers TCP and UDP on one port of every address of its netns, so
+// Server answers TCP and UDP on one port of every address of its netns, so
 // every pod and the outside host can be a peer.
-type server struct {
+type Server struct {
 	tcp  net.Listener
 	udp  net.PacketConn
 	port int
@@ -36,9 +36,10 @@ type server struct {
 
 const serverPort = 8080
 
-func startServer(netnsPath string) (*server, error) {
-	s := &server{port: serverPort}
-	err := inNetns(netnsPath, func() error {
+// StartServer starts a Server in the netns at netnsPath.
+func StartServer(netnsPath string) (*Server, error) {
+	s := &Server{port: serverPort}
+	err := InNetns(netnsPath, func() error {
 		var err error
 		if s.tcp, err = net.Listen("tcp", fmt.Sprintf("[::]:%d", serverPort)); err != nil {
 			return err
@@ -75,7 +76,8 @@ func startServer(netnsPath string) (*server, error) {
 	return s, nil
 }
 
-func (s *server) Close() {
+// Close stops the server and waits for its goroutines.
+func (s *Server) Close() {
 	if s.tcp != nil {
 		s.tcp.Close()
 	}
@@ -85,17 +87,17 @@ func (s *server) Close() {
 	s.wg.Wait()
 }
 
-// trafficCounts says how much of each kind of traffic one client sends to one
+// TrafficCounts says how much of each kind of traffic one client sends to one
 // peer address: each TCP connection and each UDP socket is one new flow.
-type trafficCounts struct {
+type TrafficCounts struct {
 	TCP, UDP, Ping int
 }
 
-// sendTraffic opens n.TCP connections, n.UDP UDP flows and n.Ping echo
+// SendTraffic opens n.TCP connections, n.UDP UDP flows and n.Ping echo
 // exchanges from the netns at from to dst, and waits for every answer: a
 // flow counts only when the peer answered (so it crossed the datapath both
 // ways). It returns the flows that completed.
-func sendTraffic(ctx context.Context, from string, dst netip.Addr, n trafficCounts) (int, error) {
+func SendTraffic(ctx context.Context, from string, dst netip.Addr, n TrafficCounts) (int, error) {
 	var conns []net.Conn
 	var pcs []net.PacketConn
 	defer func() {
@@ -108,7 +110,7 @@ func sendTraffic(ctx context.Context, from string, dst netip.Addr, n trafficCoun
 	}()
 	addr := netip.AddrPortFrom(dst, serverPort).String()
 	d := net.Dialer{Timeout: 2 * time.Second}
-	err := inNetns(from, func() error {
+	err := InNetns(from, func() error {
 		for i := 0; i < n.TCP; i++ {
 			c, err := d.DialContext(ctx, "tcp", addr)
 			if err != nil {

@@ -1,4 +1,4 @@
-package demo
+package netnsnode
 
 import (
 	"bufio"
@@ -19,8 +19,8 @@ import (
 	"github.com/ctscrub/ctscrub/scrubd/client"
 )
 
-// daemon is scrubd running as the demo's child, on private paths.
-type daemon struct {
+// Daemon is scrubd running as the demo's child, on private paths.
+type Daemon struct {
 	cmd     *exec.Cmd
 	Socket  string
 	Metrics string // host:port
@@ -33,10 +33,12 @@ type daemon struct {
 	mu    sync.Mutex
 	log   []byte // unread tail of the log
 	off   int64
-	lines []scrubLine
+	lines []ScrubLine
 }
 
-type daemonConfig struct {
+// DaemonConfig is where scrubd runs and on what (NodeDaemonConfig: this
+// node's).
+type DaemonConfig struct {
 	Bin      string
 	WorkDir  string
 	PinDir   string
@@ -44,6 +46,19 @@ type daemonConfig struct {
 	PodCIDRs []netip.Prefix
 	// RingBytes: the recorder's ring buffer (0: scrubd's default).
 	RingBytes int
+}
+
+// NodeDaemonConfig is scrubd on this node: the binary in binDir, its socket
+// and log in WorkDir, its pins under BPFDir, the CT maps pinned at ctRoot,
+// the node's pod CIDRs.
+func NodeDaemonConfig(binDir, ctRoot string) DaemonConfig {
+	return DaemonConfig{
+		Bin:      filepath.Join(binDir, "scrubd"),
+		WorkDir:  WorkDir,
+		PinDir:   filepath.Join(BPFDir, "scrubd"),
+		CTRoot:   ctRoot,
+		PodCIDRs: []netip.Prefix{PodCIDR4, PodCIDR6},
+	}
 }
 
 // freePort asks the kernel for a free loopback port for the metrics server.
@@ -56,7 +71,9 @@ func freePort() (int, error) {
 	return l.Addr().(*net.TCPAddr).Port, nil
 }
 
-func startDaemon(ctx context.Context, c *Cleanup, cfg daemonConfig) (*daemon, error) {
+// StartDaemon starts scrubd as a child in its own process group, pushes
+// its stop on c, and waits until it says it is ready.
+func StartDaemon(ctx context.Context, c *Cleanup, cfg DaemonConfig) (*Daemon, error) {
 	if _, err := os.Stat(cfg.Bin); err != nil {
 		return nil, fmt.Errorf("scrubd binary %s: %w (run `make build`)", cfg.Bin, err)
 	}
@@ -68,7 +85,7 @@ func startDaemon(ctx context.Context, c *Cleanup, cfg daemonConfig) (*daemon, er
 	if err != nil {
 		return nil, fmt.Errorf("find a free port for scrubd's metrics: %w", err)
 	}
-	d := &daemon{
+	d := &Daemon{
 		Socket:  filepath.Join(cfg.WorkDir, "scrubd.sock"),
 		Metrics: fmt.Sprintf("127.0.0.1:%d", port),
 		LogPath: filepath.Join(cfg.WorkDir, "scrubd.log"),
@@ -130,9 +147,18 @@ func startDaemon(ctx context.Context, c *Cleanup, cfg daemonConfig) (*daemon, er
 	}
 }
 
+// Pid is the scrubd process's.
+func (d *Daemon) Pid() int { return d.cmd.Process.Pid }
+
+// Signal sends sig to scrubd (the soak's faults stop, continue and kill it).
+func (d *Daemon) Signal(sig os.Signal) error { return d.cmd.Process.Signal(sig) }
+
+// Exited is closed once scrubd has exited.
+func (d *Daemon) Exited() <-chan struct{} { return d.exited }
+
 // Stop sends SIGTERM (scrubd then finishes in-flight scrubs and keeps its pins)
 // and SIGKILL if it has not exited after 10 s.
-func (d *daemon) Stop() error {
+func (d *Daemon) Stop() error {
 	select {
 	case <-d.exited:
 		return nil
@@ -158,8 +184,8 @@ func tail(path string, n int) string {
 	return "    " + strings.Join(lines, "\n    ")
 }
 
-// scrubLine is one scrub as scrubd logged it.
-type scrubLine struct {
+// ScrubLine is one scrub as scrubd logged it.
+type ScrubLine struct {
 	Time     time.Time
 	IPs      []string
 	Reason   string
@@ -172,7 +198,7 @@ type scrubLine struct {
 }
 
 // NewScrubs returns the scrubs scrubd logged since the last call.
-func (d *daemon) NewScrubs() []scrubLine {
+func (d *Daemon) NewScrubs() []ScrubLine {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	f, err := os.Open(d.LogPath)
@@ -183,7 +209,7 @@ func (d *daemon) NewScrubs() []scrubLine {
 	if _, err := f.Seek(d.off, 0); err != nil {
 		return nil
 	}
-	var out []scrubLine
+	var out []ScrubLine
 	r := bufio.NewReader(f)
 	for {
 		line, err := r.ReadBytes('\n')
@@ -201,15 +227,15 @@ func (d *daemon) NewScrubs() []scrubLine {
 
 // parseScrubLine reads one of scrubd's JSON log lines; ok is false for lines
 // that are not a scrub.
-func parseScrubLine(line []byte) (scrubLine, bool) {
+func parseScrubLine(line []byte) (ScrubLine, bool) {
 	var m map[string]any
 	if json.Unmarshal(line, &m) != nil {
-		return scrubLine{}, false
+		return ScrubLine{}, false
 	}
 	if msg, _ := m["msg"].(string); msg != "scrub" {
-		return scrubLine{}, false
+		return ScrubLine{}, false
 	}
-	s := scrubLine{Raw: m}
+	s := ScrubLine{Raw: m}
 	s.Reason, _ = m["reason"].(string)
 	s.Backend, _ = m["backend"].(string)
 	s.Method, _ = m["method"].(string)

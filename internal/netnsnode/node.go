@@ -1,4 +1,17 @@
-package demo
+// Package netnsnode is one Kubernetes-like node on this machine, built from
+// network namespaces: a node netns with pods attached through the real CNI
+// chain (libcni; Debian's bridge + host-local, then ctscrub), an "outside"
+// host, Cilium-layout CT maps pinned in a private bpffs dir and filled with
+// synthetic flows, the Cilium datapath stand-in (test support) turning the
+// pods' real traffic into CT entries, and scrubd as a child process. The
+// demo (e2e/demo), the soak (e2e/soak) and bench-cni (bench/cni) run on it.
+//
+// Unlike e2e/internal/node, which gives each test temporary names and undoes
+// them with t.Cleanup, a node here lives as long as a program: fixed names
+// (UseNames), one run at a time (Lock), every step undone by a Cleanup stack
+// on exit or signal, and what a killed run left removed by the next
+// (RemoveLeftovers).
+package netnsnode
 
 import (
 	"bytes"
@@ -29,34 +42,34 @@ import (
 // Variables, not constants, only so that `make soak` can use names of its own
 // (useNames) and run beside a demo or a benchmark that uses the demo's.
 var (
-	namePrefix = "ctscrub-demo"
-	netName    = "ctscrub-demo" // the CNI network
-	nodeNS     = namePrefix + "-node"
-	outsideNS  = namePrefix + "-outside"
+	NamePrefix = "ctscrub-demo"
+	NetName    = "ctscrub-demo" // the CNI network
+	NodeNS     = NamePrefix + "-node"
+	OutsideNS  = NamePrefix + "-outside"
 )
 
 const (
-	bridgeName  = "ctsdemo0"    // inside the node netns
+	BridgeName  = "ctsdemo0"    // inside the node netns
 	outsideVeth = "ctsdemo-out" // the node's side of the outside host's link
-	netnsDir    = "/run/netns"
+	NetnsDir    = "/run/netns"
 )
 
 // Addresses. The pod CIDRs are what scrubd accepts; host-local hands out a
 // range of only a few addresses inside them, so a deleted pod's IP is the only
 // one free and the next pod gets it again (IP reuse, the case ctscrub is for).
 var (
-	podCIDR4    = netip.MustParsePrefix("10.199.0.0/16")
-	podCIDR6    = netip.MustParsePrefix("fd10:199::/48")
+	PodCIDR4    = netip.MustParsePrefix("10.199.0.0/16")
+	PodCIDR6    = netip.MustParsePrefix("fd10:199::/48")
 	podSubnet4  = netip.MustParsePrefix("10.199.1.0/24")
 	podSubnet6  = netip.MustParsePrefix("fd10:199:0:1::/64")
-	bgPods4     = netip.MustParsePrefix("10.199.128.0/17") // the node's other pods (synthetic)
-	bgPods6     = netip.MustParsePrefix("fd10:199:0:80::/64")
+	BGPods4     = netip.MustParsePrefix("10.199.128.0/17") // the node's other pods (synthetic)
+	BGPods6     = netip.MustParsePrefix("fd10:199:0:80::/64")
 	outsideHost = [2]netip.Prefix{netip.MustParsePrefix("198.18.99.1/24"), netip.MustParsePrefix("fd10:198:99::1/64")}
-	outsideAddr = [2]netip.Prefix{netip.MustParsePrefix("198.18.99.2/24"), netip.MustParsePrefix("fd10:198:99::2/64")}
+	OutsideAddr = [2]netip.Prefix{netip.MustParsePrefix("198.18.99.2/24"), netip.MustParsePrefix("fd10:198:99::2/64")}
 )
 
-// podRange returns the first n addresses host-local hands out (from .10).
-func podRange(n int) (v4, v6 []netip.Addr) {
+// PodRange returns the first n addresses host-local hands out (from .10).
+func PodRange(n int) (v4, v6 []netip.Addr) {
 	a4 := netip.MustParseAddr("10.199.1.10")
 	a6 := netip.MustParseAddr("fd10:199:0:1::10")
 	for i := 0; i < n; i++ {
@@ -67,8 +80,8 @@ func podRange(n int) (v4, v6 []netip.Addr) {
 	return v4, v6
 }
 
-// ip runs the ip(8) command and returns a clear error with its output.
-func ip(args ...string) error {
+// RunIP runs the ip(8) command and returns a clear error with its output.
+func RunIP(args ...string) error {
 	out, err := exec.Command("ip", args...).CombinedOutput()
 	if err != nil {
 		return fmt.Errorf("ip %s: %v: %s", strings.Join(args, " "), err, bytes.TrimSpace(out))
@@ -76,77 +89,80 @@ func ip(args ...string) error {
 	return nil
 }
 
-func netnsPath(name string) string { return filepath.Join(netnsDir, name) }
+// NetnsPath is the path of the named netns.
+func NetnsPath(name string) string { return filepath.Join(NetnsDir, name) }
 
-// addNetns creates a named network namespace with its loopback up, as a
+// AddNetns creates a named network namespace with its loopback up, as a
 // container runtime does before it runs the CNI chain.
-func addNetns(name string) (string, error) {
-	if err := ip("netns", "add", name); err != nil {
+func AddNetns(name string) (string, error) {
+	if err := RunIP("netns", "add", name); err != nil {
 		return "", err
 	}
-	if err := ip("-n", name, "link", "set", "lo", "up"); err != nil {
-		_ = ip("netns", "del", name)
+	if err := RunIP("-n", name, "link", "set", "lo", "up"); err != nil {
+		_ = RunIP("netns", "del", name)
 		return "", err
 	}
-	return netnsPath(name), nil
+	return NetnsPath(name), nil
 }
 
-func delNetns(name string) error {
-	if _, err := os.Stat(netnsPath(name)); os.IsNotExist(err) {
+// DelNetns deletes the named netns, if it exists.
+func DelNetns(name string) error {
+	if _, err := os.Stat(NetnsPath(name)); os.IsNotExist(err) {
 		return nil
 	}
-	return ip("netns", "del", name)
+	return RunIP("netns", "del", name)
 }
 
-// addNode creates the node's network namespace (nodeNS; tests use another).
-func addNode(c *Cleanup, name string) (string, error) {
-	path, err := addNetns(name)
+// AddNode creates the node's network namespace (NodeNS; tests use another).
+func AddNode(c *Cleanup, name string) (string, error) {
+	path, err := AddNetns(name)
 	if err != nil {
 		return "", err
 	}
 	// Pushed before any pod: popped after every pod's CNI DEL, which runs in it.
-	c.Push("delete netns "+name+" (bridge, veths, routes)", func() error { return delNetns(name) })
+	c.Push("delete netns "+name+" (bridge, veths, routes)", func() error { return DelNetns(name) })
 	return path, nil
 }
 
-// addOutside creates the "outside" host: a netns behind a veth from the node,
+// AddOutside creates the "outside" host: a netns behind a veth from the node,
 // outside the pod CIDRs, for pod-to-outside and outside-to-pod traffic.
-func addOutside(c *Cleanup) (string, error) {
-	path, err := addNetns(outsideNS)
+func AddOutside(c *Cleanup) (string, error) {
+	path, err := AddNetns(OutsideNS)
 	if err != nil {
 		return "", err
 	}
-	c.Push("delete netns "+outsideNS, func() error { return delNetns(outsideNS) })
+	c.Push("delete netns "+OutsideNS, func() error { return DelNetns(OutsideNS) })
 	steps := [][]string{
-		{"-n", nodeNS, "link", "add", outsideVeth, "type", "veth", "peer", "name", "eth0", "netns", outsideNS},
-		{"-n", nodeNS, "addr", "add", outsideHost[0].String(), "dev", outsideVeth},
-		{"-n", nodeNS, "addr", "add", outsideHost[1].String(), "dev", outsideVeth, "nodad"},
-		{"-n", nodeNS, "link", "set", outsideVeth, "up"},
-		{"-n", outsideNS, "addr", "add", outsideAddr[0].String(), "dev", "eth0"},
-		{"-n", outsideNS, "addr", "add", outsideAddr[1].String(), "dev", "eth0", "nodad"},
-		{"-n", outsideNS, "link", "set", "eth0", "up"},
-		{"-n", outsideNS, "route", "add", "default", "via", outsideHost[0].Addr().String()},
-		{"-n", outsideNS, "-6", "route", "add", "default", "via", outsideHost[1].Addr().String()},
+		{"-n", NodeNS, "link", "add", outsideVeth, "type", "veth", "peer", "name", "eth0", "netns", OutsideNS},
+		{"-n", NodeNS, "addr", "add", outsideHost[0].String(), "dev", outsideVeth},
+		{"-n", NodeNS, "addr", "add", outsideHost[1].String(), "dev", outsideVeth, "nodad"},
+		{"-n", NodeNS, "link", "set", outsideVeth, "up"},
+		{"-n", OutsideNS, "addr", "add", OutsideAddr[0].String(), "dev", "eth0"},
+		{"-n", OutsideNS, "addr", "add", OutsideAddr[1].String(), "dev", "eth0", "nodad"},
+		{"-n", OutsideNS, "link", "set", "eth0", "up"},
+		{"-n", OutsideNS, "route", "add", "default", "via", outsideHost[0].Addr().String()},
+		{"-n", OutsideNS, "-6", "route", "add", "default", "via", outsideHost[1].Addr().String()},
 	}
 	for _, s := range steps {
-		if err := ip(s...); err != nil {
+		if err := RunIP(s...); err != nil {
 			return "", err
 		}
 	}
 	return path, nil
 }
 
-// chain is the CNI network the demo's pods are created through: Debian's
+// Chain is the CNI network the demo's pods are created through: Debian's
 // reference bridge + host-local, then ctscrub, as a runtime would run it.
-type chain struct {
-	node     string // the node's netns path: the plugins run in it
-	cni      *libcni.CNIConfig
-	list     *libcni.NetworkConfigList
-	confPath string
-	plugin   bool // ctscrub is in the chain
+type Chain struct {
+	node      string // the node's netns path: the plugins run in it
+	CNI       *libcni.CNIConfig
+	List      *libcni.NetworkConfigList
+	ConfPath  string
+	HasPlugin bool // ctscrub is in the chain
 }
 
-type chainConfig struct {
+// ChainConfig is what NewChain builds the conflist and bin dir from.
+type ChainConfig struct {
 	Node       string // the node's netns path
 	WorkDir    string // bin dir, cache, IPAM state and the conflist go here
 	RefPlugins string // Debian's reference plugins (/usr/lib/cni)
@@ -155,7 +171,9 @@ type chainConfig struct {
 	RangeSize  int    // addresses host-local may hand out
 }
 
-func newChain(cfg chainConfig) (*chain, error) {
+// NewChain writes the chain's conflist and its bin dir of symlinks under
+// cfg.WorkDir.
+func NewChain(cfg ChainConfig) (*Chain, error) {
 	binDir := filepath.Join(cfg.WorkDir, "cni-bin")
 	if err := os.MkdirAll(binDir, 0o755); err != nil {
 		return nil, err
@@ -182,10 +200,10 @@ func newChain(cfg chainConfig) (*chain, error) {
 			return nil, err
 		}
 	}
-	v4, v6 := podRange(cfg.RangeSize)
+	v4, v6 := PodRange(cfg.RangeSize)
 	plugins := []map[string]any{{
 		"type":        "bridge",
-		"bridge":      bridgeName,
+		"bridge":      BridgeName,
 		"isGateway":   true,
 		"ipMasq":      false, // the outside netns routes back to the pod CIDR: no NAT
 		"hairpinMode": false,
@@ -209,7 +227,7 @@ func newChain(cfg chainConfig) (*chain, error) {
 	conf := map[string]any{
 		// Debian's reference plugins speak CNI up to 1.0.0.
 		"cniVersion": "1.0.0",
-		"name":       netName,
+		"name":       NetName,
 		"plugins":    plugins,
 	}
 	data, err := json.MarshalIndent(conf, "", "  ")
@@ -224,17 +242,17 @@ func newChain(cfg chainConfig) (*chain, error) {
 	if err != nil {
 		return nil, fmt.Errorf("parse the demo's conflist %s: %w", confPath, err)
 	}
-	return &chain{
-		node:     cfg.Node,
-		cni:      libcni.NewCNIConfigWithCacheDir([]string{binDir}, filepath.Join(cfg.WorkDir, "cni-cache"), nil),
-		list:     list,
-		confPath: confPath,
-		plugin:   cfg.Plugin != "",
+	return &Chain{
+		node:      cfg.Node,
+		CNI:       libcni.NewCNIConfigWithCacheDir([]string{binDir}, filepath.Join(cfg.WorkDir, "cni-cache"), nil),
+		List:      list,
+		ConfPath:  confPath,
+		HasPlugin: cfg.Plugin != "",
 	}, nil
 }
 
-// pod is one pod sandbox: a netns attached through the chain.
-type pod struct {
+// Pod is one pod sandbox: a netns attached through the chain.
+type Pod struct {
 	Name        string
 	ContainerID string
 	Netns       string // path
@@ -242,12 +260,10 @@ type pod struct {
 	V4, V6      netip.Addr
 	HostVeth    string
 	AddTook     time.Duration
-
-	gone     bool   // deleted by the demo
-	onDelete func() // tells the cleanup stack its DEL already ran
 }
 
-func (p *pod) IPs() []netip.Addr {
+// IPs is the pod's v4 and v6 address, those it has.
+func (p *Pod) IPs() []netip.Addr {
 	var out []netip.Addr
 	for _, a := range []netip.Addr{p.V4, p.V6} {
 		if a.IsValid() {
@@ -257,31 +273,31 @@ func (p *pod) IPs() []netip.Addr {
 	return out
 }
 
-func (p *pod) rt() *libcni.RuntimeConf {
+func (p *Pod) rt() *libcni.RuntimeConf {
 	return &libcni.RuntimeConf{ContainerID: p.ContainerID, NetNS: p.Netns, IfName: p.IfName}
 }
 
 // Add creates the pod's netns and runs the chain's ADD.
-func (ch *chain) Add(ctx context.Context, c *Cleanup, name string) (*pod, error) {
-	nsName := namePrefix + "-" + name
-	path, err := addNetns(nsName)
+func (ch *Chain) Add(ctx context.Context, c *Cleanup, name string) (*Pod, error) {
+	nsName := NamePrefix + "-" + name
+	path, err := AddNetns(nsName)
 	if err != nil {
 		return nil, err
 	}
-	p := &pod{Name: name, ContainerID: nsName, Netns: path, IfName: "eth0"}
-	c.Push("delete netns "+nsName, func() error { return delNetns(nsName) })
+	p := &Pod{Name: name, ContainerID: nsName, Netns: path, IfName: "eth0"}
+	c.Push("delete netns "+nsName, func() error { return DelNetns(nsName) })
 	start := time.Now()
 	var res types.Result
 	// A runtime runs the plugins in the node's namespace; they inherit it
 	// from the thread that forks them.
-	err = inNetns(ch.node, func() error {
+	err = InNetns(ch.node, func() error {
 		var err error
-		res, err = ch.cni.AddNetworkList(ctx, ch.list, p.rt())
+		res, err = ch.CNI.AddNetworkList(ctx, ch.List, p.rt())
 		return err
 	})
 	p.AddTook = time.Since(start)
 	if err != nil {
-		return nil, fmt.Errorf("CNI ADD of pod %s (netns %s) through %s: %w", name, path, ch.confPath, err)
+		return nil, fmt.Errorf("CNI ADD of pod %s (netns %s) through %s: %w", name, path, ch.ConfPath, err)
 	}
 	// Run DEL on cleanup too: it is what releases the IP and, with ctscrub in
 	// the chain, scrubs it; a pod deleted by the demo itself pushes nothing.
@@ -301,7 +317,7 @@ func (ch *chain) Add(ctx context.Context, c *Cleanup, name string) (*pod, error)
 	for _, ifc := range r.Interfaces {
 		// The bridge plugin reports the bridge, the host-side veth, then the
 		// container side (the one with a sandbox).
-		if ifc.Sandbox == "" && ifc.Name != bridgeName {
+		if ifc.Sandbox == "" && ifc.Name != BridgeName {
 			p.HostVeth = ifc.Name
 		}
 	}
@@ -316,24 +332,24 @@ func (ch *chain) Add(ctx context.Context, c *Cleanup, name string) (*pod, error)
 
 // Del runs the chain's DEL (with the cached prevResult, as a runtime does) and
 // removes the netns.
-func (ch *chain) Del(ctx context.Context, p *pod) (time.Duration, error) {
+func (ch *Chain) Del(ctx context.Context, p *Pod) (time.Duration, error) {
 	start := time.Now()
-	err := inNetns(ch.node, func() error { return ch.cni.DelNetworkList(ctx, ch.list, p.rt()) })
+	err := InNetns(ch.node, func() error { return ch.CNI.DelNetworkList(ctx, ch.List, p.rt()) })
 	took := time.Since(start)
 	if err != nil {
 		return took, fmt.Errorf("CNI DEL of pod %s (%s): %w", p.Name, p.V4, err)
 	}
-	return took, delNetns(namePrefix + "-" + p.Name)
+	return took, DelNetns(NamePrefix + "-" + p.Name)
 }
 
-// waitDAD waits until IPv6 duplicate address detection has finished on the
+// WaitDAD waits until IPv6 duplicate address detection has finished on the
 // bridge (its gateway address answers neighbour solicitations only then):
 // the bridge plugin does not wait for it, a pod's first v6 packets to the
 // outside would be lost.
-func waitDAD(ctx context.Context, link string) error {
+func WaitDAD(ctx context.Context, link string) error {
 	deadline := time.Now().Add(10 * time.Second)
 	for {
-		out, err := exec.Command("ip", "-n", nodeNS, "-6", "addr", "show", "dev", link, "tentative").CombinedOutput()
+		out, err := exec.Command("ip", "-n", NodeNS, "-6", "addr", "show", "dev", link, "tentative").CombinedOutput()
 		if err != nil {
 			return fmt.Errorf("ip -6 addr show dev %s: %v: %s", link, err, bytes.TrimSpace(out))
 		}

@@ -1,4 +1,4 @@
-package demo
+package netnsnode
 
 import (
 	"context"
@@ -23,20 +23,20 @@ var (
 	remoteBase6 = netip.MustParseAddr("2001:db8:c7::")
 )
 
-// ctMaps is the demo's own set of Cilium-layout CT maps, pinned under a
+// CTMaps is the demo's own set of Cilium-layout CT maps, pinned under a
 // private bpffs directory that scrubd opens with --ct-root.
-type ctMaps struct {
+type CTMaps struct {
 	dir  string
 	maps [ctmap.NumKinds]*ebpf.Map
 }
 
-// createCTMaps creates the four global CT maps under dir, each big enough for
+// CreateCTMaps creates the four global CT maps under dir, each big enough for
 // its share of entries with room to spare (see mapSize).
-func createCTMaps(dir string, entries int) (*ctMaps, error) {
+func CreateCTMaps(dir string, entries int) (*CTMaps, error) {
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return nil, fmt.Errorf("create bpffs dir %s: %w (is bpffs mounted at /sys/fs/bpf? run scripts/setup.sh)", dir, err)
 	}
-	m := &ctMaps{dir: dir}
+	m := &CTMaps{dir: dir}
 	for _, k := range ctmap.Kinds {
 		spec := k.Spec(mapSize(k, entries))
 		mp, err := ebpf.NewMap(spec)
@@ -55,10 +55,10 @@ func createCTMaps(dir string, entries int) (*ctMaps, error) {
 	return m, nil
 }
 
-// recreate does what a Cilium agent restart that re-creates its CT maps
+// Recreate does what a Cilium agent restart that re-creates its CT maps
 // does: each map is unpinned and a new, empty one with the same spec pinned
 // in its place. The old maps are closed.
-func (m *ctMaps) recreate(entries int) error {
+func (m *CTMaps) Recreate(entries int) error {
 	for _, k := range ctmap.Kinds {
 		spec := k.Spec(mapSize(k, entries))
 		mp, err := ebpf.NewMap(spec)
@@ -103,8 +103,17 @@ func mapSize(k ctmap.Kind, entries int) uint32 {
 	return uint32(share(k, entries)*5/4 + 4096)
 }
 
+// Dir is the bpffs directory the maps are pinned in (scrubd's --ct-root).
+func (m *CTMaps) Dir() string { return m.dir }
+
+// Map is the map of kind k.
+func (m *CTMaps) Map(k ctmap.Kind) *ebpf.Map { return m.maps[k] }
+
+// All is the four maps, indexed by kind, as internal/ciliumwalk takes them.
+func (m *CTMaps) All() [ctmap.NumKinds]*ebpf.Map { return m.maps }
+
 // Close closes and unpins the maps.
-func (m *ctMaps) Close() error {
+func (m *CTMaps) Close() error {
 	var errs []error
 	for i, mp := range m.maps {
 		if mp == nil {
@@ -117,7 +126,7 @@ func (m *ctMaps) Close() error {
 }
 
 // Count returns the number of entries in each map and their sum.
-func (m *ctMaps) Count() (per [ctmap.NumKinds]int, total int, err error) {
+func (m *CTMaps) Count() (per [ctmap.NumKinds]int, total int, err error) {
 	for _, k := range ctmap.Kinds {
 		st, err := ciliumwalk.BatchMap(m.maps[k], k, func(ctmap.Kind, []byte, *ctmap.Entry) bool { return false }, ciliumwalk.Options{CountOnly: true})
 		if err != nil {
@@ -129,8 +138,8 @@ func (m *ctMaps) Count() (per [ctmap.NumKinds]int, total int, err error) {
 	return per, total, nil
 }
 
-// monotonicSeconds is Cilium's default BPF clock (ktime in seconds).
-func monotonicSeconds() uint32 {
+// MonotonicSeconds is Cilium's default BPF clock (ktime in seconds).
+func MonotonicSeconds() uint32 {
 	var ts unix.Timespec
 	_ = unix.ClockGettime(unix.CLOCK_MONOTONIC, &ts)
 	return uint32(ts.Sec)
@@ -144,16 +153,16 @@ type flowGen struct {
 	lifetime uint32
 	k4       [ctmap.NumKinds][]ctmap.CTKey4
 	k6       [ctmap.NumKinds][]ctmap.CTKey6
-	maps     *ctMaps
+	maps     *CTMaps
 	put      int
 }
 
 const genBatch = 1 << 14
 
-func newFlowGen(m *ctMaps) *flowGen {
+func newFlowGen(m *CTMaps) *flowGen {
 	// Six hours ahead, Cilium's TCP lifetime: nothing the daemon's expiry pass
 	// does may remove the demo's entries while it runs.
-	return &flowGen{maps: m, lifetime: monotonicSeconds() + 6*3600}
+	return &flowGen{maps: m, lifetime: MonotonicSeconds() + 6*3600}
 }
 
 // flow adds flow j of pod: v4 or v6 by the pod's family; TCP for even j, UDP
@@ -242,16 +251,16 @@ func (g *flowGen) Flush() error {
 	return nil
 }
 
-// fillPlan says how the synthetic entries are spread over pod IPs.
-type fillPlan struct {
+// FillPlan says how the synthetic entries are spread over pod IPs.
+type FillPlan struct {
 	Entries    int          // total entries to put in (flows × 2)
 	Background []netip.Addr // the node's other pods
 	Owners     []netip.Addr // previous owners of the IPs the demo's pods get
 	PerOwner   int          // entries each previous owner leaves behind
 }
 
-// fill writes plan into the maps and returns the number of entries put in.
-func fill(ctx context.Context, m *ctMaps, plan fillPlan) (int, time.Duration, error) {
+// Fill writes plan into the maps and returns the number of entries put in.
+func Fill(ctx context.Context, m *CTMaps, plan FillPlan) (int, time.Duration, error) {
 	start := time.Now()
 	g := newFlowGen(m)
 	for _, ip := range plan.Owners {
@@ -275,9 +284,17 @@ func fill(ctx context.Context, m *ctMaps, plan fillPlan) (int, time.Duration, er
 	return g.put, time.Since(start), err
 }
 
-// backgroundPods returns n addresses for the node's other pods: 3/4 v4 from
+// BackgroundPodCount is how many other pods a fill of entries spreads over:
+// 256 entries each, at least 64 and at most 16,384 pods so their v4
+// addresses stay inside BGPods4, a multiple of 4 (BackgroundPods' mix).
+func BackgroundPodCount(entries int) int {
+	n := min(max(64, entries/256), 16384)
+	return n - n%4
+}
+
+// BackgroundPods returns n addresses for the node's other pods: 3/4 v4 from
 // v4 (past the part host-local hands out), 1/4 v6, matching the fill's mix.
-func backgroundPods(v4, v6 netip.Prefix, n int) []netip.Addr {
+func BackgroundPods(v4, v6 netip.Prefix, n int) []netip.Addr {
 	out := make([]netip.Addr, 0, n)
 	a4, a6 := v4.Addr(), v6.Addr()
 	for i := 0; i < n; i++ {

@@ -1,0 +1,137 @@
+package main
+
+import (
+	"fmt"
+	"os"
+	"slices"
+	"strings"
+	"text/tabwriter"
+
+	"github.com/ctscrub/ctscrub/internal/machcost"
+)
+
+// result is the JSON line.
+type result struct {
+	Date    string `json:"date"`
+	Machine string `json:"machine"`
+	// What the machine charged for a page fault, a syscall and a process
+	// start in this run (internal/machcost): compare runs by these.
+	MachineCosts machcost.Costs `json:"machine_costs"`
+	Entries      int            `json:"entries"`
+	PerIP        int            `json:"per_ip"`
+	Pods         int            `json:"pods"`
+
+	NextKeyWalkS    float64 `json:"nextkey_walk_s"`
+	NextKeyReps     int     `json:"nextkey_reps"`
+	NextKeyExtrap   bool    `json:"nextkey_extrapolated,omitempty"`
+	BatchWalkS      float64 `json:"batch_walk_s"`
+	BatchReps       int     `json:"batch_reps"`
+	SweepS          float64 `json:"sweep_s"`
+	SweepReps       int     `json:"sweep_reps"`
+	IndexMedianS    float64 `json:"index_median_s"`
+	IndexP99S       float64 `json:"index_p99_s"`
+	IndexMaxS       float64 `json:"index_max_s"`
+	IndexReps       int     `json:"index_reps"`
+	IndexCPUMedianS float64 `json:"index_cpu_median_s"`
+	IndexCPUP99S    float64 `json:"index_cpu_p99_s"`
+	IndexWaitP99S   float64 `json:"index_wait_for_cpu_p99_s"`
+	IndexMedian1MS  float64 `json:"index_median_1m_s,omitempty"`
+	SocketMedianS   float64 `json:"socket_median_s"`
+	SocketP99S      float64 `json:"socket_p99_s"`
+	SocketMaxS      float64 `json:"socket_max_s"`
+	// Each step's median (s) of the socket scrubs (scrubd's Server-Timing
+	// steps, the client's connect "dial" and the rest "client").
+	SocketSteps     map[string]float64 `json:"socket_steps_p50_s,omitempty"`
+	SocketMedian1MS float64            `json:"socket_median_1m_s,omitempty"`
+	// The kernel's own cost of deleting one present, cold entry
+	// (BPF_MAP_DELETE_BATCH of a fresh target's PER_IP keys, no other
+	// work), median over floorReps targets: PER_IP times it is the floor
+	// under any scrub of those entries, however it finds the keys.
+	DeleteFloorNsKey float64 `json:"delete_floor_ns_per_key"`
+	IndexerNsPacket  float64 `json:"indexer_ns_per_packet"`
+	IndexerNsNew     float64 `json:"indexer_ns_new_flow"`
+	ApplyNsRecord    float64 `json:"index_apply_ns_per_record"`
+	IndexBytesKey    float64 `json:"index_bytes_per_key"`
+	IndexKeys        int64   `json:"index_keys"`
+	CountUs          float64 `json:"count_us"`
+	CountCheap       bool    `json:"count_kfunc"`
+	FillS            float64 `json:"fill_s"`
+
+	NextKeyOverIndex float64 `json:"nextkey_over_index"`
+	BatchOverIndex   float64 `json:"batch_over_index"`
+	BatchOverSweep   float64 `json:"batch_over_sweep"`
+	Index16MOver1M   float64 `json:"index_over_1m,omitempty"`   // socket (end-to-end) medians
+	Backend16MOver1M float64 `json:"backend_over_1m,omitempty"` // backend-only medians
+
+	// Targets holds each target's pass/fail at this run's size; the targets
+	// are stated for TargetEntries (16 M) and TargetsAtSize says whether
+	// this run is that size.
+	Targets       map[string]bool `json:"targets"`
+	TargetEntries int             `json:"target_entries"`
+	TargetsAtSize bool            `json:"targets_at_size"`
+}
+
+func printTable(r result) {
+	fmt.Println()
+	w := tabwriter.NewWriter(os.Stdout, 0, 0, 2, ' ', 0)
+	fmt.Fprintf(w, "scrub of one IP (%d of %d entries)\ttime\truns\tvs index (socket)\n", r.PerIP, r.Entries)
+	fmt.Fprintf(w, "Cilium 1.16 NextKey+Lookup walk\t%s\t%d\t%.0fx\n", secs(r.NextKeyWalkS), r.NextKeyReps, r.NextKeyOverIndex)
+	fmt.Fprintf(w, "Cilium 1.18+ batch-lookup walk\t%s\t%d\t%.0fx\n", secs(r.BatchWalkS), r.BatchReps, r.BatchOverIndex)
+	fmt.Fprintf(w, "ctscrub sweep (in-kernel, 1 pass)\t%s\t%d\t%.0fx\n", secs(r.SweepS), r.SweepReps, r.SweepS/r.SocketMedianS)
+	fmt.Fprintf(w, "ctscrub index scrub through scrubd's socket, median\t%s\t%d\t1x\n", secs(r.SocketMedianS), r.IndexReps)
+	fmt.Fprintf(w, "  p99 / max\t%s / %s\t\t\n", secs(r.SocketP99S), secs(r.SocketMaxS))
+	fmt.Fprintf(w, "  its backend alone (take + deletes), median\t%s\t%d\t\n", secs(r.IndexMedianS), r.IndexReps)
+	fmt.Fprintf(w, "  p99 / max\t%s / %s\t\t\n", secs(r.IndexP99S), secs(r.IndexMaxS))
+	fmt.Fprintf(w, "  backend CPU time, median / p99\t%s / %s\t\t(p99 waiting for a CPU: %s)\n", secs(r.IndexCPUMedianS), secs(r.IndexCPUP99S), secs(r.IndexWaitP99S))
+	if r.IndexMedian1MS > 0 {
+		fmt.Fprintf(w, "socket scrub median at 1M entries\t%s\t%d\t(%d entries / 1M: %.2fx; backend alone %.2fx)\n", secs(r.SocketMedian1MS), r.IndexReps, r.Entries, r.Index16MOver1M, r.Backend16MOver1M)
+	}
+	w.Flush()
+	fmt.Printf("walks are timed fewer times than index scrubs (runs column) where a run is slow.\n")
+	fmt.Printf("sweep vs batch walk: %.2fx faster\n", r.BatchOverSweep)
+	fmt.Printf("recorder per packet: established %.1f ns, new flow %.1f ns (BPF_PROG_TEST_RUN); index apply %.0f ns/record\n",
+		r.IndexerNsPacket, r.IndexerNsNew, r.ApplyNsRecord)
+	fmt.Printf("index memory: %.1f bytes per key (%d keys); entry count per map: %.1f µs (kfunc counter: %v)\n",
+		r.IndexBytesKey, r.IndexKeys, r.CountUs, r.CountCheap)
+	var missed []string
+	for name, ok := range r.Targets {
+		if !ok {
+			missed = append(missed, name)
+		}
+	}
+	slices.Sort(missed)
+	at := fmt.Sprintf("at %d entries", r.Entries)
+	if !r.TargetsAtSize {
+		at += fmt.Sprintf(" (the targets are stated for %d; ratios to the walks grow with the table)", r.TargetEntries)
+	}
+	if len(missed) == 0 {
+		fmt.Println("targets: all met", at)
+	} else {
+		fmt.Println("targets MISSED", at+":", strings.Join(missed, ", "))
+	}
+}
+
+// compare sets the ratios and the targets' pass/fail.
+func (res *result) compare(cfg config) {
+	// Ratios to the scrub as the plugin gets it (through the socket).
+	res.NextKeyOverIndex = res.NextKeyWalkS / res.SocketMedianS
+	res.BatchOverIndex = res.BatchWalkS / res.SocketMedianS
+	res.BatchOverSweep = res.BatchWalkS / res.SweepS
+	if res.IndexMedian1MS > 0 {
+		res.Index16MOver1M = res.SocketMedianS / res.SocketMedian1MS
+		res.Backend16MOver1M = res.IndexMedianS / res.IndexMedian1MS
+	}
+	res.TargetEntries = targetEntries
+	res.TargetsAtSize = cfg.entries == targetEntries
+	// End to end: the scrub as the plugin gets it, through the socket.
+	res.Targets["socket_median_le_1ms"] = res.SocketMedianS <= 0.001
+	res.Targets["socket_p99_le_5ms"] = res.SocketP99S <= 0.005
+	res.Targets["index_10000x_nextkey"] = res.NextKeyOverIndex >= 10000
+	res.Targets["index_1000x_batch"] = res.BatchOverIndex >= 1000
+	res.Targets["sweep_faster_than_batch"] = res.SweepS < res.BatchWalkS
+	res.Targets["indexer_le_100ns_established"] = res.IndexerNsPacket <= 100
+	res.Targets["index_le_20_bytes_per_key"] = res.IndexBytesKey <= 20
+	if res.IndexMedian1MS > 0 {
+		res.Targets["index_size_ratio_le_1.5"] = res.Index16MOver1M <= 1.5
+	}
+}
