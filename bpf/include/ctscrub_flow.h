@@ -14,7 +14,7 @@
 
 #include "ctscrub.h"
 
-/* tcx verdict "run the next program"; older uapi headers lack it. */
+/* -1: run the next filter (TC_ACT_UNSPEC for cls_bpf, TCX_NEXT for tcx). */
 #ifndef TCX_NEXT
 #define TCX_NEXT -1
 #endif

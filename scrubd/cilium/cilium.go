@@ -1,6 +1,8 @@
 // Package cilium is ctscrub's backend for Cilium's four global CT maps: a scrub
-// deletes an IP's entries through the index (O(k), BPF_MAP_DELETE_BATCH of
-// exactly its keys) when the index can prove completeness, else through the
+// deletes an IP's entries through the index (O(k): exactly its keys and the
+// forms Cilium may re-create them in, by the in-kernel delete program, or
+// BPF_MAP_DELETE_BATCH where the kernel refuses it) when the index can prove
+// completeness, else through the
 // sweep (bpf/sweep.c, one in-kernel pass over each map for a set of IPs,
 // shared by concurrent callers).
 package cilium
@@ -458,7 +460,8 @@ func (c *Backend) syncIndex(ctx context.Context) error {
 	return c.ix.Sync(ctx)
 }
 
-// deleteKeys deletes keys from their maps with BPF_MAP_DELETE_BATCH, adding
+// deleteKeys deletes keys from their maps (the delete program, or
+// BPF_MAP_DELETE_BATCH when the kernel refused it: DeleteError), adding
 // to deleted per map name. It returns the keys it did not attempt (ctx ended
 // or an error). A key that is already gone (Cilium's GC, LRU eviction) is
 // skipped: the kernel stops the batch at it with ENOENT and reports how many

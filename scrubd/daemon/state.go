@@ -19,10 +19,12 @@ import (
 // refused rather than half-read.
 const stateVersion = 1
 
-// stateFile is what survives a daemon restart in user space. The recorder's
-// maps and links are pinned in bpffs by the recorder itself; the index is not
-// persisted: after a restart every attached IP is marked incomplete, so its
-// next scrub sweeps (see docs/daemon.md, "Restarts").
+// stateFile is what survives a daemon restart in user space, as a journal
+// of attachments (started, stopped, forgotten). The recorder's maps are
+// pinned in bpffs and its tc filters stay on the pods' interfaces; the index
+// itself is written to a snapshot at a clean stop only (snapshot.go): after
+// any other stop every attached IP is marked incomplete, so its next scrub
+// sweeps (see docs/daemon.md, "Restarts").
 type stateFile struct {
 	Version int              `json:"version"`
 	Pods    []api.IndexedPod `json:"pods"`
