@@ -273,6 +273,10 @@ func (n *Node) AddPod(name string, ip4, ip6 netip.Addr) *Pod {
 	if err := calls.Put(uint32(p.ID), n.LXC.PolicyProg); err != nil {
 		n.t.Fatalf("policy program of endpoint %d: %v", p.ID, err)
 	}
+	// The pod holds its IPs, as after its index start (a mark of an IP no
+	// pod holds drops the slot instead).
+	n.Ix.Hold(ip4)
+	n.Ix.Hold(ip6)
 	n.Ix.TrackAll([]netip.Addr{ip4, ip6})
 	return p
 }
