@@ -30,6 +30,7 @@ import (
 	"github.com/ctscrub/ctscrub/scrubd/api"
 	"github.com/ctscrub/ctscrub/scrubd/expiry"
 	"github.com/ctscrub/ctscrub/scrubd/index"
+	"github.com/ctscrub/ctscrub/scrubd/recorder"
 	"github.com/ctscrub/ctscrub/scrubd/scrub"
 )
 
@@ -448,7 +449,13 @@ func (d *Daemon) restore() error {
 					// behind cached flows of an earlier holder of its
 					// IPs), the index misses flows; its IPs sweep.
 					for _, ip := range pod.IPs {
-						d.ix.MarkIncomplete(ip, reattachFailed(err))
+						if errors.Is(err, recorder.ErrForget) {
+							d.ix.MarkIncomplete(ip, reattachFailed(err))
+						} else {
+							// Nothing records the pod: no sweep may
+							// make its IPs complete while it lives.
+							d.ix.Unrecorded(ip, reattachFailed(err))
+						}
 					}
 					d.log.Error("re-attach recorder after restart: the pod's IPs are marked incomplete", "container_id", pod.ContainerID, "ifname", pod.IfName, "netns", pod.Netns, "ips", pod.IPs, "err", err)
 				}

@@ -518,6 +518,9 @@ func (d *Daemon) handleIndexStart(w http.ResponseWriter, r *http.Request) {
 			return
 		}
 		pod.Ifindex = ifindex
+		for _, ip := range ips {
+			d.ix.Recorded(ip)
+		}
 	}
 	for _, ip := range ips {
 		d.own.forget(ip) // owned now: no longer released

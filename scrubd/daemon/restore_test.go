@@ -36,4 +36,16 @@ func TestRestoreFailsClosedWhenReattachFails(t *testing.T) {
 	if st := second.Index().State(ip); st.Complete || st.Incomplete != reasonNotReattached {
 		t.Errorf("%s of a pod the recorder could not re-attach to: %+v, want incomplete (%s)", ip, st, reasonNotReattached)
 	}
+	// A sweep does not make it complete: nothing records the pod's flows
+	// after it, so its next scrub must sweep again.
+	resp, err := second.c.Scrub(ctx, api.ScrubRequest{IPs: []netip.Addr{ip}, Reason: scrub.ReasonAdd})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if r := resp.Results[0]; r.PerIP[ip.String()] != scrub.MethodSweep || r.SweptWhy[ip.String()] != reasonNotReattached {
+		t.Errorf("scrub of the unrecorded pod's IP: %+v, want a sweep because %q", r, reasonNotReattached)
+	}
+	if st := second.Index().State(ip); st.Complete || st.Incomplete != reasonNotReattached {
+		t.Errorf("%s after a sweep, its pod still unrecorded: %+v, want incomplete (%s)", ip, st, reasonNotReattached)
+	}
 }

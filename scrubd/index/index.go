@@ -182,6 +182,9 @@ type IPEntry struct {
 	keys6      keySet   // IPv6 keys, records relative to a16
 	tracked    bool     // swept (or created fresh) since the index started
 	held       bool     // a pod on this node holds the IP (Hold, Release)
+	// unrecorded: why no recorder sees the holding pod's flows ("" when
+	// one does). Unlike a mark, a sweep does not clear it (Unrecorded).
+	unrecorded string
 	incomplete string   // first reason it cannot prove completeness; "" when complete
 	pruneAt    int      // size at which the set is checked for stale keys
 	gen        uint64   // changes on every Take and Track (see State.Gen)
@@ -418,6 +421,34 @@ func (ix *Index) Hold(ip netip.Addr) {
 	e.mu.Unlock()
 }
 
+// Unrecorded records that no recorder sees the flows of the pod holding
+// ip (the recorder could not attach to it): the IP stays incomplete for
+// reason through any number of sweeps, since a sweep's Track would
+// otherwise declare complete an IP whose new flows nobody records. Recorded
+// or the slot's drop (Release) ends it.
+func (ix *Index) Unrecorded(ip netip.Addr, reason string) {
+	if !ix.Owns(ip) {
+		return
+	}
+	e := ix.entry(ip, true)
+	e.mu.Lock()
+	e.held = true
+	e.unrecorded = reason
+	ix.markLocked(e, reason)
+	e.mu.Unlock()
+}
+
+// Recorded ends Unrecorded: the recorder is attached to the pod holding ip.
+func (ix *Index) Recorded(ip netip.Addr) {
+	e := ix.entry(ip, false)
+	if e == nil {
+		return
+	}
+	e.mu.Lock()
+	e.unrecorded = ""
+	e.mu.Unlock()
+}
+
 // Release records that no pod of this node holds ip any more (its pod was
 // deleted). A complete slot stays: it keeps collecting the keys of live
 // pods' flows towards the IP, so the scrub at the IP's next ADD needs no
@@ -472,7 +503,7 @@ func (ix *Index) dropSlot(ip netip.Addr, e *IPEntry) {
 	// slot no longer in the index: the IP has no slot, so it is not
 	// tracked (ReasonUnknown) whatever they do to e.
 	e.keys4, e.keys6 = keySet{}, keySet{}
-	e.incomplete, e.tracked = "", false
+	e.incomplete, e.tracked, e.unrecorded = "", false, ""
 	e.mu.Unlock()
 	sh.mu.Unlock()
 }
@@ -545,6 +576,8 @@ func (ix *Index) State(ip netip.Addr) State {
 func (e *IPEntry) stateLocked() State {
 	s := State{IP: e.ip, Keys: e.size()}
 	switch {
+	case e.unrecorded != "":
+		s.Incomplete = e.unrecorded
 	case e.incomplete != "":
 		s.Incomplete = e.incomplete
 	case !e.tracked:

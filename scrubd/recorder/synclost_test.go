@@ -64,3 +64,51 @@ func TestSyncSeesLossesAtOnce(t *testing.T) {
 			pod4, time.Since(began), r.Lost(), st, index.ReasonLost)
 	}
 }
+
+// Real records of a pod's flows to thousands of peers inside the pod CIDRs
+// (other nodes' pods) give the peers no slot: the index stays as many IPs
+// as this node's pods, and scrubd's memory with it.
+func TestPeersOfRecordedFlowsGetNoSlot(t *testing.T) {
+	requireRoot(t)
+	dir, err := os.MkdirTemp("/sys/fs/bpf", "ctscrub-test-")
+	if err != nil {
+		t.Fatalf("bpffs dir (is bpffs mounted at /sys/fs/bpf?): %v", err)
+	}
+	t.Cleanup(func() { os.RemoveAll(dir) })
+	r, err := Load(Options{PinDir: filepath.Join(dir, "ctscrub"), CTRoot: t.TempDir()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { r.Close() })
+	ix := index.New(index.Config{PodCIDRs: []netip.Prefix{netip.MustParsePrefix("10.0.0.0/8")}})
+	ix.Hold(pod4)
+	ix.Track(pod4)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- r.Run(ctx, ix) }()
+	t.Cleanup(func() {
+		cancel()
+		if err := <-done; err != nil {
+			t.Error(err)
+		}
+	})
+	const peers = 3000
+	for i := range peers {
+		peer := netip.AddrFrom4([4]byte{10, 9, byte(i >> 8), byte(i)})
+		frame := eth(0x0800).add(ipv4(17, 0, pod4, peer)...).add(ports(40000, 53, 8)...).b
+		if err := r.RunFrame(true, frame); err != nil {
+			t.Fatal(err)
+		}
+	}
+	sctx, scancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer scancel()
+	if err := ix.Sync(sctx); err != nil {
+		t.Fatal(err)
+	}
+	if n := ix.Slots(); n != 1 {
+		t.Fatalf("%d IP slots after flows to %d peers in the pod CIDRs, want 1 (the pod)", n, peers)
+	}
+	if st := ix.State(pod4); !st.Complete || st.Keys < peers {
+		t.Fatalf("pod after its flows: %+v, want complete with at least %d keys", st, peers)
+	}
+}
