@@ -174,20 +174,20 @@ type shard struct {
 // IPEntry is one IP's slot. Its lock is held by a scrub of that IP while it
 // takes the keys, never across another IP's work.
 type IPEntry struct {
-	mu         sync.Mutex
-	ip         netip.Addr
-	a4         [4]byte  // ip.As4() when ip is IPv4
-	a16        [16]byte // ip.As16()
-	keys4      keySet   // IPv4 keys, records relative to a4
-	keys6      keySet   // IPv6 keys, records relative to a16
-	tracked    bool     // swept (or created fresh) since the index started
-	held       bool     // a pod on this node holds the IP (Hold, Release)
+	mu      sync.Mutex
+	ip      netip.Addr
+	a4      [4]byte  // ip.As4() when ip is IPv4
+	a16     [16]byte // ip.As16()
+	keys4   keySet   // IPv4 keys, records relative to a4
+	keys6   keySet   // IPv6 keys, records relative to a16
+	tracked bool     // swept (or created fresh) since the index started
+	held    bool     // a pod on this node holds the IP (Hold, Release)
 	// unrecorded: why no recorder sees the holding pod's flows ("" when
 	// one does). Unlike a mark, a sweep does not clear it (Unrecorded).
 	unrecorded string
-	incomplete string   // first reason it cannot prove completeness; "" when complete
-	pruneAt    int      // size at which the set is checked for stale keys
-	gen        uint64   // changes on every Take and Track (see State.Gen)
+	incomplete string // first reason it cannot prove completeness; "" when complete
+	pruneAt    int    // size at which the set is checked for stale keys
+	gen        uint64 // changes on every Take and Track (see State.Gen)
 
 	// While a Prune of this IP runs (pruning > 0) every key added is also
 	// noted in added4/added6: Prune then keeps it even if it judged the key
