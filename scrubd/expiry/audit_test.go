@@ -49,6 +49,7 @@ func newAuditWorld(t *testing.T, pods []netip.Addr) *auditWorld {
 	w.maps = cm
 	w.now, _ = nows(t)
 	for _, ip := range pods {
+		w.ix.Hold(ip) // pods of this node, as after their ADD
 		w.ix.Track(ip)
 		for range 5 {
 			w.flow(ip, true)
