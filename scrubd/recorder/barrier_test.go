@@ -32,6 +32,7 @@ func TestSyncWaitsForRecordsInTheRing(t *testing.T) {
 	}
 	t.Cleanup(func() { r.Close() })
 	ix := index.New(index.Config{PodCIDRs: []netip.Prefix{netip.MustParsePrefix("10.244.0.0/16")}})
+	ix.Hold(pod4) // a pod of this node, as after its index start
 
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)

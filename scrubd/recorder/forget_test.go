@@ -152,6 +152,8 @@ func TestForgetFailureMarksIncomplete(t *testing.T) {
 	ix := index.New(index.Config{})
 	ix.SetHooks(l.hooks(ix))
 	taken := netip.MustParseAddr("10.244.0.20")
+	ix.Hold(taken) // pods of this node: a mark keeps their slots
+	ix.Hold(netip.MustParseAddr("10.244.0.21"))
 	ix.Track(taken)
 	ix.Add4(ctmap.NewKey4(taken, peer4, 443, 40000, ctmap.ProtoTCP, ctmap.FlagOut))
 	if st := ix.State(taken); !st.Complete {
@@ -179,6 +181,9 @@ func TestLostNeverMissed(t *testing.T) {
 	l := loadPinned(t, Options{RingBytes: os.Getpagesize(), LostEntries: 2})
 	ix := index.New(index.Config{})
 	a, b, c := netip.MustParseAddr("10.244.0.30"), netip.MustParseAddr("10.244.0.31"), netip.MustParseAddr("10.244.0.32")
+	for _, ip := range []netip.Addr{a, b, c} {
+		ix.Hold(ip) // pods of this node: a mark keeps their slots
+	}
 	port := uint16(1000)
 	lose := func(ip netip.Addr) {
 		t.Helper()
@@ -297,6 +302,8 @@ func TestUpgradeReadsLegacyLostCounter(t *testing.T) {
 		}
 	}
 	ix := index.New(index.Config{})
+	ix.Hold(a) // pods of this node: a mark keeps their slots
+	ix.Hold(b)
 	ix.Track(a)
 	ix.Track(b)
 	if err := r.PollLost(ix); err != nil {

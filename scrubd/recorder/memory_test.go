@@ -37,11 +37,13 @@ func measureIndexMemory(t *testing.T, family uint8, lo, hi float64) {
 			r := Record{Family: family, Kind: RecFlow}
 			if family == 4 {
 				pod := netip.AddrFrom4([4]byte{10, 0, byte(p >> 8), byte(p)})
+				ix.Hold(pod)
 				peer := netip.AddrFrom4([4]byte{192, 168, byte(f >> 8), byte(f)})
 				k := ctmap.NewKey4(pod, peer, 443, uint16(32768+f), ctmap.ProtoTCP, ctmap.FlagOut)
 				copy(r.Key[:], k[:])
 			} else {
 				pod := netip.AddrFrom16([16]byte{0: 0xfd, 14: byte(p >> 8), 15: byte(p)})
+				ix.Hold(pod)
 				peer := netip.AddrFrom16([16]byte{0: 0x20, 1: 0x01, 14: byte(f >> 8), 15: byte(f)})
 				k := ctmap.NewKey6(pod, peer, 443, uint16(32768+f), ctmap.ProtoTCP, ctmap.FlagOut)
 				copy(r.Key[:], k[:])

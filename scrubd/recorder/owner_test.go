@@ -95,6 +95,8 @@ func TestApplyForeign(t *testing.T) {
 	pods := []netip.Prefix{netip.MustParsePrefix("10.244.0.0/16")}
 
 	ix := index.New(index.Config{PodCIDRs: pods})
+	ix.Hold(claimed) // pods of this node: a mark keeps their slots
+	ix.Hold(peer)
 	ix.TrackAll([]netip.Addr{claimed, peer})
 	r := Record{Family: 4, Kind: RecForeign}
 	copy(r.Key[:], k[:])
@@ -107,6 +109,7 @@ func TestApplyForeign(t *testing.T) {
 	}
 
 	ix = index.New(index.Config{PodCIDRs: pods})
+	ix.Hold(claimed)
 	r.Kind = RecFlow
 	Apply(ix, &r)
 	if k4, _, _ := ix.KeysOf(claimed); len(k4) == 0 {

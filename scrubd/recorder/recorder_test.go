@@ -64,11 +64,13 @@ func newWorld(t *testing.T, npods int) *world {
 
 	w.pinDir = filepath.Join(standin.TempDir(t), "ctscrub")
 	w.rec = w.loadRecorder(t, ctDir)
-	w.ix = index.New(index.Config{PodCIDRs: w.node.PodCIDRs()})
+	w.ix = w.newIndex()
 	w.run(t)
 
 	for range npods {
 		p := w.node.AddPod()
+		w.ix.Hold(p.Addr4) // a pod of this node, as after its index start
+		w.ix.Hold(p.Addr6)
 		if err := w.node.Do(func() error { return dp.AttachHostSide(p.HostVeth) }); err != nil {
 			t.Fatal(err)
 		}
@@ -123,6 +125,17 @@ func (w *world) run(t *testing.T) {
 }
 
 // podIPs are all pod addresses of the world.
+// newIndex is a fresh index in which the world's pods hold their IPs, as
+// after their index start (only held or tracked IPs collect keys).
+func (w *world) newIndex() *index.Index {
+	ix := index.New(index.Config{PodCIDRs: w.node.PodCIDRs()})
+	for _, p := range w.pods {
+		ix.Hold(p.Addr4)
+		ix.Hold(p.Addr6)
+	}
+	return ix
+}
+
 func (w *world) podIPs() []netip.Addr {
 	var ips []netip.Addr
 	for _, p := range w.pods {
@@ -363,6 +376,8 @@ func TestConcurrentAttach(t *testing.T) {
 	var pods []*netpods.Pod
 	for range 8 {
 		p := w.node.AddPod()
+		w.ix.Hold(p.Addr4) // a pod of this node, as after its index start
+		w.ix.Hold(p.Addr6)
 		if err := w.node.Do(func() error { return w.dp.AttachHostSide(p.HostVeth) }); err != nil {
 			t.Fatal(err)
 		}
@@ -564,7 +579,7 @@ func TestRestartKeepsRecording(t *testing.T) {
 
 	// Daemon up again, with a fresh index fed by the same pins.
 	w.rec = w.loadRecorder(t, w.ct.Root)
-	w.ix = index.New(index.Config{PodCIDRs: w.node.PodCIDRs()})
+	w.ix = w.newIndex()
 	w.run(t)
 	// Re-attaching after a restart is idempotent.
 	for range 2 {
@@ -826,7 +841,7 @@ func TestRingFullMarksLost(t *testing.T) {
 	}
 	t.Logf("%d records lost", rec.Lost())
 
-	w.rec, w.ix = rec, index.New(index.Config{PodCIDRs: w.node.PodCIDRs()})
+	w.rec, w.ix = rec, w.newIndex()
 	w.ix.Track(a.Addr4) // as if swept: only the loss may make it incomplete
 	w.run(t)
 	deadline := time.Now().Add(5 * time.Second)
