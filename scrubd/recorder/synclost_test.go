@@ -17,17 +17,7 @@ import (
 // for the once-a-second poll. Real losses: a one-page ring and the reader
 // stopped while the pod opens more flows than the ring holds.
 func TestSyncSeesLossesAtOnce(t *testing.T) {
-	requireRoot(t)
-	dir, err := os.MkdirTemp("/sys/fs/bpf", "ctscrub-test-")
-	if err != nil {
-		t.Fatalf("bpffs dir (is bpffs mounted at /sys/fs/bpf?): %v", err)
-	}
-	t.Cleanup(func() { os.RemoveAll(dir) })
-	r, err := Load(Options{PinDir: filepath.Join(dir, "ctscrub"), CTRoot: t.TempDir(), RingBytes: os.Getpagesize()})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { r.Close() })
+	r := loadForRun(t, Options{RingBytes: os.Getpagesize()})
 	ix := index.New(index.Config{PodCIDRs: []netip.Prefix{netip.MustParsePrefix("10.244.0.0/16")}})
 	ix.Hold(pod4)
 	ix.Track(pod4) // complete: swept at its ADD
@@ -43,15 +33,7 @@ func TestSyncSeesLossesAtOnce(t *testing.T) {
 		t.Fatal("no record lost: the burst did not overflow the ring")
 	}
 
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- r.Run(ctx, ix) }()
-	t.Cleanup(func() {
-		cancel()
-		if err := <-done; err != nil {
-			t.Error(err)
-		}
-	})
+	runReader(t, r, ix)
 	// The scrub's first step, as soon as the reader runs.
 	sctx, scancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer scancel()
@@ -69,29 +51,11 @@ func TestSyncSeesLossesAtOnce(t *testing.T) {
 // (other nodes' pods) give the peers no slot: the index stays as many IPs
 // as this node's pods, and scrubd's memory with it.
 func TestPeersOfRecordedFlowsGetNoSlot(t *testing.T) {
-	requireRoot(t)
-	dir, err := os.MkdirTemp("/sys/fs/bpf", "ctscrub-test-")
-	if err != nil {
-		t.Fatalf("bpffs dir (is bpffs mounted at /sys/fs/bpf?): %v", err)
-	}
-	t.Cleanup(func() { os.RemoveAll(dir) })
-	r, err := Load(Options{PinDir: filepath.Join(dir, "ctscrub"), CTRoot: t.TempDir()})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { r.Close() })
+	r := loadForRun(t, Options{})
 	ix := index.New(index.Config{PodCIDRs: []netip.Prefix{netip.MustParsePrefix("10.0.0.0/8")}})
 	ix.Hold(pod4)
 	ix.Track(pod4)
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- r.Run(ctx, ix) }()
-	t.Cleanup(func() {
-		cancel()
-		if err := <-done; err != nil {
-			t.Error(err)
-		}
-	})
+	runReader(t, r, ix)
 	const peers = 3000
 	for i := range peers {
 		peer := netip.AddrFrom4([4]byte{10, 9, byte(i >> 8), byte(i)})
@@ -111,4 +75,37 @@ func TestPeersOfRecordedFlowsGetNoSlot(t *testing.T) {
 	if st := ix.State(pod4); !st.Complete || st.Keys < peers {
 		t.Fatalf("pod after its flows: %+v, want complete with at least %d keys", st, peers)
 	}
+}
+
+// loadForRun loads a recorder pinned in a fresh bpffs directory, with no
+// Cilium maps, for tests that run its reader (Run).
+func loadForRun(t *testing.T, opts Options) *Recorder {
+	t.Helper()
+	requireRoot(t)
+	dir, err := os.MkdirTemp("/sys/fs/bpf", "ctscrub-test-")
+	if err != nil {
+		t.Fatalf("bpffs dir (is bpffs mounted at /sys/fs/bpf?): %v", err)
+	}
+	t.Cleanup(func() { os.RemoveAll(dir) })
+	opts.PinDir, opts.CTRoot = filepath.Join(dir, "ctscrub"), t.TempDir()
+	r, err := Load(opts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { r.Close() })
+	return r
+}
+
+// runReader runs r's reader into ix until the test ends.
+func runReader(t *testing.T, r *Recorder, ix *index.Index) {
+	t.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- r.Run(ctx, ix) }()
+	t.Cleanup(func() {
+		cancel()
+		if err := <-done; err != nil {
+			t.Error(err)
+		}
+	})
 }
