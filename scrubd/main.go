@@ -137,7 +137,7 @@ func runConfig(args []string) (daemon.Config, error) {
 	fs.StringVar(&flagCfg.CTRoot, "ct-root", flagCfg.CTRoot, "bpffs directory with Cilium's global CT maps")
 	fs.StringVar(&flagCfg.PinDir, "pin-dir", flagCfg.PinDir, "ctscrub's own bpffs directory (recorder maps and links)")
 	fs.StringVar(&flagCfg.StateFile, "state-file", flagCfg.StateFile, "attachments state file, for restarts")
-	fs.StringVar(&flagCfg.MetricsAddr, "metrics-addr", flagCfg.MetricsAddr, "address of /metrics, /healthz, /readyz (off: none)")
+	fs.StringVar(&flagCfg.MetricsAddr, "metrics-addr", flagCfg.MetricsAddr, "address of /metrics, /healthz, /readyz (off: none; ${HOST_IP}:9967 takes the host from the environment)")
 	fs.Var(&cidrs, "pod-cidr", "pod CIDR of this node, repeatable or comma-separated (REQUIRED): scrubs of other IPs are refused")
 	fs.StringVar(&flagCfg.Backends, "backends", flagCfg.Backends, "auto, cilium, nfct or cilium,nfct")
 	fs.IntVar(&flagCfg.MaxInFlight, "max-in-flight", flagCfg.MaxInFlight, "scrubs running at once (more wait in the queue)")
@@ -212,7 +212,9 @@ func runConfig(args []string) (daemon.Config, error) {
 			cfg.RingBytes = flagCfg.RingBytes
 		}
 	})
-	return cfg, nil
+	var err error
+	cfg.MetricsAddr, err = daemon.ExpandMetricsAddr(cfg.MetricsAddr, os.Getenv)
+	return cfg, err
 }
 
 // cliFlags are the flags every CLI command takes.

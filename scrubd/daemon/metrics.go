@@ -97,6 +97,12 @@ func newMetrics(d *Daemon, reg *prometheus.Registry) *metrics {
 			Help: "Scrub requests admitted and not yet answered (running or queued).",
 		}, func() float64 { return float64(d.admitted.Load()) }),
 		indexCollector{d},
+		// The alert on a stopped recorder reads this: while scrubd runs,
+		// the recorder stopping is what takes readiness away.
+		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+			Name: "ctscrub_ready",
+			Help: "1 while scrubd is ready (/readyz): CT maps open, programs loaded, recorder running; 0 once the recorder stopped or while shutting down.",
+		}, func() float64 { return b2f(d.ready.Load()) }),
 		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 			Name: "ctscrub_indexed_pods",
 			Help: "Pod interfaces the recorder is attached to.",
