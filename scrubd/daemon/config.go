@@ -78,6 +78,12 @@ type Config struct {
 	// loses records: the IPs concerned sweep. Changing it needs the old
 	// ring's pin removed (the recorder says so).
 	RingBytes int `yaml:"ring_bytes"`
+	// DaemonSet is "namespace/name" of the DaemonSet scrubd runs in. When
+	// set, scrubd watches it through the API server, and a SIGTERM that
+	// comes because it was deleted (an uninstall) takes ctscrub off the
+	// node: the conflist entry and the recorder's filters (scrubd/main.go,
+	// uninstall.go). "": never.
+	DaemonSet string `yaml:"daemonset"`
 }
 
 // ExpiryConfig configures the expiry pass (scrubd/expiry).
