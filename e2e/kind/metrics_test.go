@@ -3,139 +3,186 @@ package kind
 import (
 	"encoding/json"
 	"fmt"
-	"net"
-	"net/http"
 	"net/url"
 	"os"
-	"os/exec"
-	"path/filepath"
 	"regexp"
 	"strings"
-	"sync"
 	"testing"
 	"time"
+
+	"go.yaml.in/yaml/v3"
 )
 
-// TestKindMetrics: scrubd's metrics scraped from every node of the cluster,
-// then the Grafana dashboard's queries (conf/dashboard.json) and the alert
-// rules (conf/alerts.yaml) evaluated against them by a real Prometheus
-// (Debian's prometheus package) that scrapes those snapshots; promtool
-// checks the rules file. Every dashboard query must evaluate without error,
-// every metric it names must be exported by scrubd, and every alert rule must
-// evaluate with health "ok".
+// promNamespace holds the test's Prometheus.
+const promNamespace = "ctscrub-prometheus"
+
+// TestKindMetrics: a real Prometheus inside the cluster (Debian's package,
+// e2e/kind/images/prometheus.sh) scrapes scrubd on every node the way the
+// chart's PodMonitor says (its selector, namespace, port name, path and job
+// label, turned into the kubernetes_sd config the Prometheus Operator would
+// generate: no Operator needed), with the chart's PrometheusRule loaded as
+// its rules. Then: every node's target is up (prometheus_targets_up), every
+// Grafana dashboard query (conf/dashboard.json) evaluates without error and
+// names only metrics scrubd exports, the queries that return data are
+// counted (dashboard_queries_with_data), and every alert rule evaluates with
+// health "ok".
 func TestKindMetrics(t *testing.T) {
 	e := getKindEnv(t)
-	c := e.newCluster(t, 5*time.Minute)
-	root := c.root
-	for _, tool := range []string{"prometheus", "promtool"} {
-		if _, err := exec.LookPath(tool); err != nil {
-			t.Fatalf("%s is not installed: apt-get install prometheus (e2e/kind/install.sh does)", tool)
-		}
-	}
-	if out, err := exec.Command("promtool", "check", "rules", filepath.Join(root, "conf", "alerts.yaml")).CombinedOutput(); err != nil {
-		t.Fatalf("promtool check rules conf/alerts.yaml: %v\n%s", err, out)
+	c := e.newCluster(t, 8*time.Minute)
+	image := os.Getenv("PROMETHEUS_IMAGE")
+	if image == "" {
+		t.Fatal("PROMETHEUS_IMAGE is not set: e2e/kind/images/build.sh builds it (cluster.sh env prints it)")
 	}
 
-	// Snapshots of every node's /metrics, refreshed while Prometheus runs.
-	var mu sync.Mutex
-	snap := map[string]string{}
-	scrape := func() {
-		for _, n := range e.nodes {
-			out, err := c.run(time.Minute, "docker", "exec", n, "curl", "-sf", "http://127.0.0.1:9967/metrics")
-			if err != nil {
-				continue
-			}
-			mu.Lock()
-			snap[n] = out
-			mu.Unlock()
-		}
+	// What the chart renders for monitoring, from the chart itself.
+	objs := renderChart(t, "--set", "config.pod_cidrs={"+e.podSubnet+"}", "--set", "metrics.podMonitor.enabled=true",
+		"--set", "metrics.prometheusRule.enabled=true")
+	pm := objs["PodMonitor/ctscrub"]
+	pr := objs["PrometheusRule/ctscrub"]
+	if pm == nil || pr == nil {
+		t.Fatalf("the chart renders no PodMonitor or PrometheusRule")
 	}
-	scrape()
-	exported := map[string]bool{}
-	for _, n := range e.nodes {
-		if !strings.Contains(snap[n], "ctscrub_") {
-			t.Fatalf("scrubd's /metrics on %s has no ctscrub_ series", n)
-		}
-		for _, l := range strings.Split(snap[n], "\n") {
-			if f := strings.FieldsFunc(l, func(r rune) bool { return r == '{' || r == ' ' }); len(f) > 0 && !strings.HasPrefix(l, "#") {
-				exported[f[0]] = true
-			}
-		}
-	}
-	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	scrape, err := scrapeConfigOf(pm)
 	if err != nil {
 		t.Fatal(err)
 	}
-	srv := &http.Server{Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		mu.Lock()
-		defer mu.Unlock()
-		fmt.Fprint(w, snap[strings.TrimPrefix(r.URL.Path, "/metrics/")])
-	})}
-	go srv.Serve(lis)
-	t.Cleanup(func() { srv.Close() })
-	stop := make(chan struct{})
-	t.Cleanup(func() { close(stop) })
-	go func() {
-		for {
-			select {
-			case <-stop:
-				return
-			case <-time.After(3 * time.Second):
-				scrape()
-			}
-		}
-	}()
-
-	// Prometheus on a free loopback port, scraping each node's snapshot as
-	// instance=<node>, with the alert rules loaded.
-	tmp := t.TempDir()
-	pl, err := net.Listen("tcp", "127.0.0.1:0")
+	rules, err := yaml.Marshal(pr["spec"])
 	if err != nil {
 		t.Fatal(err)
 	}
-	promAddr := pl.Addr().String()
-	pl.Close()
-	var cfg strings.Builder
-	fmt.Fprintf(&cfg, "global: {scrape_interval: 1s, evaluation_interval: 1s}\nrule_files: [%q]\nscrape_configs:\n", filepath.Join(root, "conf", "alerts.yaml"))
-	for _, n := range e.nodes {
-		fmt.Fprintf(&cfg, "  - job_name: %q\n    metrics_path: /metrics/%s\n    static_configs: [{targets: [%q], labels: {instance: %q}}]\n", n, n, lis.Addr().String(), n)
-	}
-	cfgPath := writeFile(t, tmp, "prometheus.yml", cfg.String())
-	prom := exec.Command("prometheus", "--config.file="+cfgPath, "--storage.tsdb.path="+filepath.Join(tmp, "data"),
-		"--web.listen-address="+promAddr)
-	promLog, _ := os.Create(filepath.Join(tmp, "prometheus.log"))
-	prom.Stdout, prom.Stderr = promLog, promLog
-	if err := prom.Start(); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { prom.Process.Kill(); prom.Wait() })
+	promYAML := "global: {scrape_interval: 5s, evaluation_interval: 5s}\nrule_files: [/etc/prometheus/rules.yaml]\nscrape_configs:\n" + scrape
+
+	// Prometheus with the permissions kubernetes_sd needs to list pods in the
+	// monitored namespace (what the Operator's Prometheus gets).
+	manifest := fmt.Sprintf(`apiVersion: v1
+kind: Namespace
+metadata: {name: %[1]s}
+---
+apiVersion: v1
+kind: ServiceAccount
+metadata: {name: prometheus, namespace: %[1]s}
+---
+apiVersion: rbac.authorization.k8s.io/v1
+kind: Role
+metadata: {name: ctscrub-prometheus, namespace: %[2]s}
+rules:
+  - {apiGroups: [""], resources: [pods], verbs: [get, list, watch]}
+---
+apiVersion: rbac.authorization.k8s.io/v1
+kind: RoleBinding
+metadata: {name: ctscrub-prometheus, namespace: %[2]s}
+roleRef: {apiGroup: rbac.authorization.k8s.io, kind: Role, name: ctscrub-prometheus}
+subjects: [{kind: ServiceAccount, name: prometheus, namespace: %[1]s}]
+---
+apiVersion: v1
+kind: ConfigMap
+metadata: {name: prometheus, namespace: %[1]s}
+data:
+  prometheus.yml: %[3]q
+  rules.yaml: %[4]q
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: prometheus, namespace: %[1]s, labels: {app: prometheus}}
+spec:
+  serviceAccountName: prometheus
+  nodeName: %[5]s
+  terminationGracePeriodSeconds: 2
+  containers:
+    - name: prometheus
+      image: %[6]s
+      imagePullPolicy: IfNotPresent
+      args: [--config.file=/etc/prometheus/prometheus.yml, --storage.tsdb.path=/prometheus, --web.listen-address=:9090]
+      ports: [{name: web, containerPort: 9090}]
+      readinessProbe: {httpGet: {path: /-/ready, port: web}, periodSeconds: 2}
+      volumeMounts: [{name: config, mountPath: /etc/prometheus}]
+  volumes: [{name: config, configMap: {name: prometheus}}]
+`, promNamespace, "kube-system", promYAML, string(rules), e.worker, image)
+	c.kubectl("apply", "-f", writeFile(t, t.TempDir(), "prometheus.yaml", manifest))
+	t.Cleanup(func() { c.run(2*time.Minute, "kubectl", "delete", "namespace", promNamespace, "--wait=false") })
+	t.Cleanup(func() {
+		c.run(time.Minute, "kubectl", "-n", "kube-system", "delete", "rolebinding,role", "ctscrub-prometheus", "--ignore-not-found")
+	})
+	c.must(3*time.Minute, "kubectl", "-n", promNamespace, "wait", "--for=condition=Ready", "pod/prometheus", "--timeout=3m")
+
 	query := func(path string, v url.Values) (json.RawMessage, error) {
-		resp, err := http.Get("http://" + promAddr + path + "?" + v.Encode())
+		raw := fmt.Sprintf("/api/v1/namespaces/%s/pods/prometheus:9090/proxy%s?%s", promNamespace, path, v.Encode())
+		out, err := c.run(time.Minute, "kubectl", "get", "--raw", raw)
 		if err != nil {
 			return nil, err
 		}
-		defer resp.Body.Close()
 		var r struct {
 			Status string          `json:"status"`
 			Data   json.RawMessage `json:"data"`
 			Error  string          `json:"error"`
 		}
-		if err := json.NewDecoder(resp.Body).Decode(&r); err != nil {
-			return nil, err
+		if err := json.Unmarshal([]byte(out), &r); err != nil {
+			return nil, fmt.Errorf("%v: %s", err, out)
 		}
 		if r.Status != "success" {
 			return nil, fmt.Errorf("%s", r.Error)
 		}
 		return r.Data, nil
 	}
-	eventually(t, c.ctx, time.Minute, "Prometheus has scraped every node twice", func() (bool, string) {
-		d, err := query("/api/v1/query", url.Values{"query": {`count(count by (instance) (count_over_time(ctscrub_ct_max_entries[1m]) >= 2))`}})
+	scalar := func(q string) (string, error) {
+		d, err := query("/api/v1/query", url.Values{"query": {q}})
 		if err != nil {
-			b, _ := os.ReadFile(filepath.Join(tmp, "prometheus.log"))
-			return false, fmt.Sprintf("%v\n%s", err, tail(b))
+			return "", err
 		}
-		return strings.Contains(string(d), fmt.Sprintf(`"%d"`, len(e.nodes))), string(d)
+		var r struct {
+			Result []struct {
+				Value [2]any `json:"value"`
+			} `json:"result"`
+		}
+		if err := json.Unmarshal(d, &r); err != nil || len(r.Result) == 0 {
+			return "", fmt.Errorf("%s: no result (%v): %s", q, err, d)
+		}
+		return fmt.Sprint(r.Result[0].Value[1]), nil
+	}
+
+	// Every node's scrubd is a target, up, and has been scraped twice.
+	want := fmt.Sprint(len(e.nodes))
+	up := ""
+	eventually(t, c.ctx, 2*time.Minute, "Prometheus scrapes scrubd on every node", func() (bool, string) {
+		var err error
+		up, err = scalar(`count(up{job="ctscrub"} == 1)`)
+		if err != nil {
+			out, _ := c.run(time.Minute, "kubectl", "-n", promNamespace, "logs", "prometheus", "--tail=20")
+			return false, fmt.Sprintf("%v\n%s", err, out)
+		}
+		twice, _ := scalar(`count(count by (instance) (count_over_time(ctscrub_ct_max_entries[1m]) >= 2))`)
+		return up == want && twice == want, fmt.Sprintf("%s targets up, %s scraped twice, want %s", up, twice, want)
 	})
+	targets := 0
+	fmt.Sscan(up, &targets)
+	d, err := query("/api/v1/targets", url.Values{"state": {"active"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var tg struct {
+		ActiveTargets []struct {
+			ScrapeURL string            `json:"scrapeUrl"`
+			Labels    map[string]string `json:"labels"`
+			Health    string            `json:"health"`
+		} `json:"activeTargets"`
+	}
+	json.Unmarshal(d, &tg)
+	for _, a := range tg.ActiveTargets {
+		t.Logf("target %s job=%s node=%s: %s", a.ScrapeURL, a.Labels["job"], a.Labels["node"], a.Health)
+		if strings.Contains(a.ScrapeURL, "127.0.0.1") || strings.Contains(a.ScrapeURL, "0.0.0.0") {
+			t.Errorf("target %s: scrubd should be scraped on its node's IP", a.ScrapeURL)
+		}
+	}
+
+	// The metric names scrubd exports, from every node's /metrics.
+	exported := map[string]bool{}
+	for _, n := range e.nodes {
+		for _, l := range strings.Split(c.metrics(n), "\n") {
+			if f := strings.FieldsFunc(l, func(r rune) bool { return r == '{' || r == ' ' }); len(f) > 0 && !strings.HasPrefix(l, "#") {
+				exported[f[0]] = true
+			}
+		}
+	}
 
 	// The dashboard's queries, with its variables as Grafana fills them for
 	// "All" nodes.
@@ -147,7 +194,7 @@ func TestKindMetrics(t *testing.T) {
 			} `json:"targets"`
 		} `json:"panels"`
 	}
-	if err := json.Unmarshal(readFile(t, root, "conf/dashboard.json"), &dash); err != nil {
+	if err := json.Unmarshal(readFile(t, c.root, "conf/dashboard.json"), &dash); err != nil {
 		t.Fatal(err)
 	}
 	metricRe := regexp.MustCompile(`\bctscrub_[a-z_]+`)
@@ -155,9 +202,10 @@ func TestKindMetrics(t *testing.T) {
 	// one happens, so a healthy node does not export them.
 	eventOnly := map[string]bool{"ctscrub_audit_missing_keys_total": true}
 	queries, withData := 0, 0
+	var empty []string
 	for _, p := range dash.Panels {
-		for _, tg := range p.Targets {
-			expr := strings.NewReplacer("$instance", ".*", "${instance}", ".*", "$__rate_interval", "1m").Replace(tg.Expr)
+		for _, q := range p.Targets {
+			expr := strings.NewReplacer("$instance", ".*", "${instance}", ".*", "$__rate_interval", "1m").Replace(q.Expr)
 			queries++
 			for _, m := range metricRe.FindAllString(expr, -1) {
 				base := m
@@ -181,25 +229,24 @@ func TestKindMetrics(t *testing.T) {
 			json.Unmarshal(d, &r)
 			if len(r.Result) > 0 {
 				withData++
+			} else {
+				empty = append(empty, p.Title)
 			}
 		}
 	}
 	if queries == 0 {
 		t.Fatal("conf/dashboard.json has no queries")
 	}
-	t.Logf("dashboard: %d queries evaluated, %d with data", queries, withData)
+	t.Logf("dashboard: %d queries evaluated, %d with data; without data: %q", queries, withData, empty)
 	if withData == 0 {
-		t.Errorf("no dashboard query returned data from %d nodes' metrics", len(e.nodes))
+		t.Errorf("no dashboard query returned data from %d nodes' scrubd", len(e.nodes))
 	}
 
-	// The alert rules evaluate (health ok) against the same series.
-	time.Sleep(3 * time.Second)
-	d, err := query("/api/v1/rules", url.Values{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	var rules struct {
+	// The alert rules evaluate (health ok) against the same series; wait for
+	// one evaluation of every group.
+	var rulesResp struct {
 		Groups []struct {
+			Name  string `json:"name"`
 			Rules []struct {
 				Name      string `json:"name"`
 				Health    string `json:"health"`
@@ -208,24 +255,82 @@ func TestKindMetrics(t *testing.T) {
 			} `json:"rules"`
 		} `json:"groups"`
 	}
-	if err := json.Unmarshal(d, &rules); err != nil {
-		t.Fatal(err)
-	}
+	eventually(t, c.ctx, time.Minute, "every alert rule evaluated", func() (bool, string) {
+		d, err := query("/api/v1/rules", url.Values{})
+		if err != nil {
+			return false, err.Error()
+		}
+		json.Unmarshal(d, &rulesResp)
+		for _, g := range rulesResp.Groups {
+			for _, r := range g.Rules {
+				if r.Health == "unknown" {
+					return false, "rule " + r.Name + " not evaluated yet"
+				}
+			}
+		}
+		return len(rulesResp.Groups) > 0, "no rule groups"
+	})
 	n := 0
-	for _, g := range rules.Groups {
+	for _, g := range rulesResp.Groups {
 		for _, r := range g.Rules {
 			n++
 			if r.Health != "ok" {
 				t.Errorf("alert %s: health %q (%s)", r.Name, r.Health, r.LastError)
 			}
-			if r.State == "firing" {
-				t.Logf("alert %s is firing on the test cluster", r.Name)
+			if r.State == "firing" || r.State == "pending" {
+				t.Logf("alert %s is %s on the test cluster", r.Name, r.State)
 			}
 		}
 	}
 	if n == 0 {
-		t.Error("Prometheus loaded no rule from conf/alerts.yaml")
+		t.Error("Prometheus loaded no rule from the chart's PrometheusRule")
 	}
+	result(t, "prometheus_targets_up", targets)
 	result(t, "dashboard_queries", queries)
+	result(t, "dashboard_queries_with_data", withData)
 	result(t, "alert_rules_ok", n)
+}
+
+// scrapeConfigOf turns the chart's PodMonitor into the Prometheus scrape job
+// the Prometheus Operator generates for it, reduced to what it selects by:
+// pods in its namespaces with its labels, the container port of its name,
+// its path, and the job named by its jobLabel.
+func scrapeConfigOf(pm map[string]any) (string, error) {
+	var m struct {
+		Spec struct {
+			JobLabel          string `yaml:"jobLabel"`
+			NamespaceSelector struct {
+				MatchNames []string `yaml:"matchNames"`
+			} `yaml:"namespaceSelector"`
+			Selector struct {
+				MatchLabels map[string]string `yaml:"matchLabels"`
+			} `yaml:"selector"`
+			Endpoints []struct {
+				Port     string `yaml:"port"`
+				Path     string `yaml:"path"`
+				Interval string `yaml:"interval"`
+			} `yaml:"podMetricsEndpoints"`
+		} `yaml:"spec"`
+	}
+	b, _ := yaml.Marshal(pm)
+	if err := yaml.Unmarshal(b, &m); err != nil {
+		return "", err
+	}
+	s := m.Spec
+	if len(s.Endpoints) != 1 || s.JobLabel == "" || len(s.Selector.MatchLabels) == 0 || len(s.NamespaceSelector.MatchNames) == 0 {
+		return "", fmt.Errorf("the chart's PodMonitor: want one endpoint, a jobLabel, a selector and namespaces: %v", pm)
+	}
+	label := func(k string) string {
+		return "__meta_kubernetes_pod_label_" + regexp.MustCompile(`[^a-zA-Z0-9_]`).ReplaceAllString(k, "_")
+	}
+	var b2 strings.Builder
+	fmt.Fprintf(&b2, "  - job_name: ctscrub-podmonitor\n    metrics_path: %s\n    kubernetes_sd_configs: [{role: pod, namespaces: {names: %q}}]\n    relabel_configs:\n",
+		s.Endpoints[0].Path, s.NamespaceSelector.MatchNames)
+	for k, v := range s.Selector.MatchLabels {
+		fmt.Fprintf(&b2, "      - {source_labels: [%s], regex: %q, action: keep}\n", label(k), regexp.QuoteMeta(v))
+	}
+	fmt.Fprintf(&b2, "      - {source_labels: [__meta_kubernetes_pod_container_port_name], regex: %q, action: keep}\n", regexp.QuoteMeta(s.Endpoints[0].Port))
+	fmt.Fprintf(&b2, "      - {source_labels: [%s], target_label: job}\n", label(s.JobLabel))
+	fmt.Fprintf(&b2, "      - {source_labels: [__meta_kubernetes_pod_node_name], target_label: node}\n")
+	return b2.String(), nil
 }
