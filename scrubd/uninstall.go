@@ -94,8 +94,10 @@ type dsObject struct {
 	Kind     string `json:"kind"`
 	Metadata struct {
 		Name              string  `json:"name"`
+		ResourceVersion   string  `json:"resourceVersion"`
 		DeletionTimestamp *string `json:"deletionTimestamp"`
 	} `json:"metadata"`
+	Code int `json:"code"` // a Status's (an ERROR event's object)
 }
 
 func (w *daemonSetWatch) path() string {
@@ -117,17 +119,29 @@ func (w *daemonSetWatch) request(ctx context.Context, u string) (*http.Response,
 }
 
 // run keeps a watch on the DaemonSet until ctx ends, and sets removed when
-// it sees the DaemonSet deleted or given a deletionTimestamp.
+// it sees the DaemonSet deleted or given a deletionTimestamp. A watch the
+// API server ends (its timeout) is resumed at once from the last
+// resourceVersion, so a deletion in between is still delivered; after an
+// error it waits backoff.
 func (w *daemonSetWatch) run(ctx context.Context) {
-	q := url.Values{"watch": {"1"}, "fieldSelector": {"metadata.name=" + w.name}, "allowWatchBookmarks": {"false"}}
+	rv := ""
 	for ctx.Err() == nil && !w.removed.Load() {
-		err := w.watchOnce(ctx, w.base+w.path()+"?"+q.Encode())
+		q := url.Values{"watch": {"1"}, "fieldSelector": {"metadata.name=" + w.name}}
+		if rv != "" {
+			q.Set("resourceVersion", rv)
+		}
+		var err error
+		began := time.Now()
+		rv, err = w.watchOnce(ctx, w.base+w.path()+"?"+q.Encode(), rv)
 		if ctx.Err() != nil || w.removed.Load() {
 			return
 		}
-		if err != nil {
-			w.log.Debug("daemonset watch ended", "daemonset", w.namespace+"/"+w.name, "err", err)
+		// A stream that lasted ended by the server's timeout; one that
+		// ends at once must not become a busy loop.
+		if (err == nil || errors.Is(err, io.EOF)) && time.Since(began) > time.Second {
+			continue
 		}
+		w.log.Debug("daemonset watch ended", "daemonset", w.namespace+"/"+w.name, "err", err)
 		select {
 		case <-ctx.Done():
 		case <-time.After(w.backoff):
@@ -135,10 +149,12 @@ func (w *daemonSetWatch) run(ctx context.Context) {
 	}
 }
 
-func (w *daemonSetWatch) watchOnce(ctx context.Context, u string) error {
+// watchOnce reads one watch stream; it returns the resourceVersion to
+// resume from ("" after 410 Gone: start over) and why the stream ended.
+func (w *daemonSetWatch) watchOnce(ctx context.Context, u, rv string) (string, error) {
 	resp, err := w.request(ctx, u)
 	if err != nil {
-		return err
+		return rv, err
 	}
 	defer resp.Body.Close()
 	if resp.StatusCode != http.StatusOK {
@@ -149,7 +165,10 @@ func (w *daemonSetWatch) watchOnce(ctx context.Context, u string) error {
 			w.log.Warn("cannot watch scrubd's DaemonSet: an uninstall will leave ctscrub chained on this node (check the chart's Role and RoleBinding)", "err", err)
 			w.synced.Store(true)
 		}
-		return err
+		if resp.StatusCode == http.StatusGone {
+			rv = ""
+		}
+		return rv, err
 	}
 	w.synced.Store(true)
 	dec := json.NewDecoder(bufio.NewReader(resp.Body))
@@ -159,15 +178,24 @@ func (w *daemonSetWatch) watchOnce(ctx context.Context, u string) error {
 			Object dsObject `json:"object"`
 		}
 		if err := dec.Decode(&ev); err != nil {
-			return err
+			return rv, err
+		}
+		if ev.Type == "ERROR" {
+			if ev.Object.Code == http.StatusGone {
+				rv = "" // too old to resume from: start over
+			}
+			return rv, fmt.Errorf("watch %s: ERROR event, code %d", u, ev.Object.Code)
 		}
 		if ev.Object.Kind != "DaemonSet" || ev.Object.Metadata.Name != w.name {
-			continue // an ERROR event's Status: the watch is reopened
+			continue
+		}
+		if ev.Object.Metadata.ResourceVersion != "" {
+			rv = ev.Object.Metadata.ResourceVersion
 		}
 		if ev.Type == "DELETED" || ev.Object.Metadata.DeletionTimestamp != nil {
 			w.log.Info("scrubd's DaemonSet is being deleted: at SIGTERM ctscrub is taken off this node", "daemonset", w.namespace+"/"+w.name, "event", ev.Type)
 			w.removed.Store(true)
-			return nil
+			return rv, nil
 		}
 	}
 }

@@ -11,7 +11,7 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
-	"sync/atomic"
+	"sync"
 	"testing"
 	"time"
 )
@@ -127,18 +127,42 @@ func TestDaemonSetWatchSeesDeletion(t *testing.T) {
 	}
 }
 
-// An ERROR event (the watch expired) is not a deletion: the watch reopens.
-func TestDaemonSetWatchErrorEvent(t *testing.T) {
-	var n atomic.Int32
+// An ERROR event (410: the resourceVersion is too old) is not a deletion:
+// the watch starts over without a resourceVersion. A stream the server ends
+// is resumed from the last resourceVersion seen, so a deletion between two
+// streams is still delivered.
+func TestDaemonSetWatchResumes(t *testing.T) {
+	var mu sync.Mutex
+	var rvs []string
 	w, _ := testWatch(t, http.HandlerFunc(func(rw http.ResponseWriter, r *http.Request) {
-		n.Add(1)
-		b, _ := json.Marshal(map[string]any{"type": "ERROR", "object": map[string]any{"kind": "Status", "code": 410}})
-		rw.Write(append(b, '\n'))
+		mu.Lock()
+		rvs = append(rvs, r.URL.Query().Get("resourceVersion"))
+		n := len(rvs)
+		mu.Unlock()
+		ev := func(typ string, obj map[string]any) {
+			b, _ := json.Marshal(map[string]any{"type": typ, "object": obj})
+			rw.Write(append(b, '\n'))
+		}
+		ds := func(rv string) map[string]any {
+			return map[string]any{"kind": "DaemonSet", "metadata": map[string]any{"name": "ctscrub", "resourceVersion": rv}}
+		}
+		switch n {
+		case 1: // the server's timeout ends the stream
+			ev("ADDED", ds("10"))
+		case 2: // resumed from 10, then too old
+			ev("MODIFIED", ds("11"))
+			ev("ERROR", map[string]any{"kind": "Status", "code": 410})
+		case 3: // started over
+			ev("ADDED", ds("12"))
+			ev("DELETED", ds("13"))
+		}
 	}))
-	ctx, cancel := context.WithTimeout(context.Background(), 200*time.Millisecond)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 	w.run(ctx)
-	if w.removed.Load() || n.Load() < 2 {
-		t.Errorf("after ERROR events: removed %v, %d watches; want false, reopened", w.removed.Load(), n.Load())
+	mu.Lock()
+	defer mu.Unlock()
+	if !w.removed.Load() || fmt.Sprint(rvs) != "[ 10 ]" {
+		t.Errorf("removed %v, watches from resourceVersions %q; want true after [\"\" 10 \"\"]", w.removed.Load(), rvs)
 	}
 }
