@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"net/url"
 	"os"
+	"path/filepath"
 	"regexp"
 	"strings"
 	"testing"
@@ -15,6 +16,11 @@ import (
 
 // promNamespace holds the test's Prometheus.
 const promNamespace = "ctscrub-prometheus"
+
+// The Prometheus Operator whose CRDs the chart's PodMonitor, ServiceMonitor
+// and PrometheusRule are validated against (a Go module: its
+// example/prometheus-operator-crd holds them).
+var promOperatorModule = "github.com/prometheus-operator/prometheus-operator@" + envOr("PROMETHEUS_OPERATOR_VERSION", "v0.85.0")
 
 // TestKindMetrics: a real Prometheus inside the cluster (Debian's package,
 // e2e/kind/images/prometheus.sh) scrapes scrubd on every node the way the
@@ -34,9 +40,36 @@ func TestKindMetrics(t *testing.T) {
 		t.Fatal("PROMETHEUS_IMAGE is not set: e2e/kind/images/build.sh builds it (cluster.sh env prints it)")
 	}
 
+	// Every monitoring object the chart renders is valid against the
+	// Operator's CRDs: a server-side dry run, whose field validation is
+	// strict (an unknown or misspelt field is an error).
+	monitoringOn := []string{"--set", "config.pod_cidrs={" + e.podSubnet + "}", "--set", "metrics.podMonitor.enabled=true",
+		"--set", "metrics.serviceMonitor.enabled=true", "--set", "metrics.prometheusRule.enabled=true", "--set", "metrics.dashboard.enabled=true"}
+	mod, err := runCmd(c.ctx, 5*time.Minute, []string{"GOFLAGS=-mod=mod"}, t.TempDir(), "go", "mod", "download", "-json", promOperatorModule)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var modInfo struct{ Dir string }
+	if err := json.Unmarshal([]byte(mod), &modInfo); err != nil || modInfo.Dir == "" {
+		t.Fatalf("go mod download %s: %v: %s", promOperatorModule, err, mod)
+	}
+	for _, crd := range []string{"podmonitors", "servicemonitors", "prometheusrules"} {
+		c.must(2*time.Minute, "kubectl", "apply", "--server-side", "-f", filepath.Join(modInfo.Dir, "example", "prometheus-operator-crd", "monitoring.coreos.com_"+crd+".yaml"))
+		c.must(time.Minute, "kubectl", "wait", "--for=condition=Established", "crd/"+crd+".monitoring.coreos.com", "--timeout=1m")
+	}
+	rendered, err := helmTemplate(t, monitoringOn...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	out := c.must(2*time.Minute, "kubectl", "apply", "--dry-run=server", "--validate=strict", "-f", writeFile(t, t.TempDir(), "monitoring.yaml", string(rendered)))
+	for _, kind := range []string{"podmonitor", "servicemonitor", "prometheusrule"} {
+		if !strings.Contains(out, kind+".monitoring.coreos.com/ctscrub") {
+			t.Errorf("the server-side dry run did not take the chart's %s:\n%s", kind, out)
+		}
+	}
+
 	// What the chart renders for monitoring, from the chart itself.
-	objs := renderChart(t, "--set", "config.pod_cidrs={"+e.podSubnet+"}", "--set", "metrics.podMonitor.enabled=true",
-		"--set", "metrics.prometheusRule.enabled=true")
+	objs := renderChart(t, monitoringOn...)
 	pm := objs["PodMonitor/ctscrub"]
 	pr := objs["PrometheusRule/ctscrub"]
 	if pm == nil || pr == nil {
