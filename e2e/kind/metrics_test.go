@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"net/url"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"regexp"
 	"strings"
@@ -24,10 +25,14 @@ var promOperatorModule = "github.com/prometheus-operator/prometheus-operator@" +
 
 // TestKindMetrics: a real Prometheus inside the cluster (Debian's package,
 // e2e/kind/images/prometheus.sh) scrapes scrubd on every node the way the
-// chart's PodMonitor says (its selector, namespace, port name, path and job
-// label, turned into the kubernetes_sd config the Prometheus Operator would
-// generate: no Operator needed), with the chart's PrometheusRule loaded as
-// its rules. Then: every node's target is up (prometheus_targets_up), every
+// chart's ServiceMonitor says, through the chart's headless Service (turned
+// into a dns_sd job: its Service's name and namespace, the port it names,
+// its path and job label; Debian builds Prometheus without Kubernetes
+// service discovery, so DNS, not the API, finds the endpoints; no Operator
+// needed), with the chart's PrometheusRule loaded as its rules. The chart's
+// PodMonitor, ServiceMonitor and PrometheusRule are first validated against
+// the Operator's CRDs. Then: every node's target is up
+// (prometheus_targets_up), every
 // Grafana dashboard query (conf/dashboard.json) evaluates without error and
 // names only metrics scrubd exports, the queries that return data are
 // counted (dashboard_queries_with_data), and every alert rule evaluates with
@@ -70,72 +75,55 @@ func TestKindMetrics(t *testing.T) {
 
 	// What the chart renders for monitoring, from the chart itself.
 	objs := renderChart(t, monitoringOn...)
-	pm := objs["PodMonitor/ctscrub"]
 	pr := objs["PrometheusRule/ctscrub"]
-	if pm == nil || pr == nil {
-		t.Fatalf("the chart renders no PodMonitor or PrometheusRule")
+	if pr == nil {
+		t.Fatalf("the chart renders no PrometheusRule")
 	}
-	scrape, err := scrapeConfigOf(pm)
+	scrape, err := scrapeConfigOf(objs)
 	if err != nil {
 		t.Fatal(err)
 	}
+	// The release gets the Service the ServiceMonitor selects (nothing else
+	// changes: the DaemonSet's template stays, no pod restarts).
+	chart := filepath.Join(c.root, "conf", "chart")
+	c.must(3*time.Minute, "helm", "upgrade", "ctscrub", chart, "--namespace", "kube-system", "--reuse-values", "--set", "metrics.service.enabled=true", "--wait")
 	rules, err := yaml.Marshal(pr["spec"])
 	if err != nil {
 		t.Fatal(err)
 	}
-	promYAML := "global: {scrape_interval: 5s, evaluation_interval: 5s}\nrule_files: [/etc/prometheus/rules.yaml]\nscrape_configs:\n" + scrape
+	promYAML := prometheusConfig(scrape, "/etc/prometheus/rules.yaml")
 
-	// Prometheus with the permissions kubernetes_sd needs to list pods in the
-	// monitored namespace (what the Operator's Prometheus gets).
+	// Prometheus needs no API access: DNS finds the targets.
 	manifest := fmt.Sprintf(`apiVersion: v1
 kind: Namespace
 metadata: {name: %[1]s}
 ---
 apiVersion: v1
-kind: ServiceAccount
-metadata: {name: prometheus, namespace: %[1]s}
----
-apiVersion: rbac.authorization.k8s.io/v1
-kind: Role
-metadata: {name: ctscrub-prometheus, namespace: %[2]s}
-rules:
-  - {apiGroups: [""], resources: [pods], verbs: [get, list, watch]}
----
-apiVersion: rbac.authorization.k8s.io/v1
-kind: RoleBinding
-metadata: {name: ctscrub-prometheus, namespace: %[2]s}
-roleRef: {apiGroup: rbac.authorization.k8s.io, kind: Role, name: ctscrub-prometheus}
-subjects: [{kind: ServiceAccount, name: prometheus, namespace: %[1]s}]
----
-apiVersion: v1
 kind: ConfigMap
 metadata: {name: prometheus, namespace: %[1]s}
 data:
-  prometheus.yml: %[3]q
-  rules.yaml: %[4]q
+  prometheus.yml: %[2]q
+  rules.yaml: %[3]q
 ---
 apiVersion: v1
 kind: Pod
 metadata: {name: prometheus, namespace: %[1]s, labels: {app: prometheus}}
 spec:
-  serviceAccountName: prometheus
-  nodeName: %[5]s
+  automountServiceAccountToken: false
+  nodeName: %[4]s
   terminationGracePeriodSeconds: 2
   containers:
     - name: prometheus
-      image: %[6]s
+      image: %[5]s
       imagePullPolicy: IfNotPresent
       args: [--config.file=/etc/prometheus/prometheus.yml, --storage.tsdb.path=/prometheus, --web.listen-address=:9090]
       ports: [{name: web, containerPort: 9090}]
       readinessProbe: {httpGet: {path: /-/ready, port: web}, periodSeconds: 2}
       volumeMounts: [{name: config, mountPath: /etc/prometheus}]
   volumes: [{name: config, configMap: {name: prometheus}}]
-`, promNamespace, "kube-system", promYAML, string(rules), e.worker, image)
+`, promNamespace, promYAML, string(rules), e.worker, image)
 	c.kubectl("apply", "-f", writeFile(t, t.TempDir(), "prometheus.yaml", manifest))
 	t.Cleanup(func() { c.run(2*time.Minute, "kubectl", "delete", "namespace", promNamespace, "--wait=false") })
-	t.Cleanup(func() {
-		c.run(time.Minute, "kubectl", "-n", "kube-system", "delete", "rolebinding,role", "ctscrub-prometheus", "--ignore-not-found")
-	})
 	c.must(3*time.Minute, "kubectl", "-n", promNamespace, "wait", "--for=condition=Ready", "pod/prometheus", "--timeout=3m")
 
 	query := func(path string, v url.Values) (json.RawMessage, error) {
@@ -201,7 +189,7 @@ spec:
 	}
 	json.Unmarshal(d, &tg)
 	for _, a := range tg.ActiveTargets {
-		t.Logf("target %s job=%s node=%s: %s", a.ScrapeURL, a.Labels["job"], a.Labels["node"], a.Health)
+		t.Logf("target %s job=%s: %s", a.ScrapeURL, a.Labels["job"], a.Health)
 		if strings.Contains(a.ScrapeURL, "127.0.0.1") || strings.Contains(a.ScrapeURL, "0.0.0.0") {
 			t.Errorf("target %s: scrubd should be scraped on its node's IP", a.ScrapeURL)
 		}
@@ -324,11 +312,57 @@ spec:
 	result(t, "alert_rules_ok", n)
 }
 
-// scrapeConfigOf turns the chart's PodMonitor into the Prometheus scrape job
-// the Prometheus Operator generates for it, reduced to what it selects by:
-// pods in its namespaces with its labels, the container port of its name,
-// its path, and the job named by its jobLabel.
-func scrapeConfigOf(pm map[string]any) (string, error) {
+// prometheusConfig is the test Prometheus's prometheus.yml.
+func prometheusConfig(scrape, rules string) string {
+	return fmt.Sprintf("global: {scrape_interval: 5s, evaluation_interval: 5s}\nrule_files: [%q]\nscrape_configs:\n%s", rules, scrape)
+}
+
+// TestPrometheusConfigOfChart runs without a cluster: the Prometheus config
+// TestKindMetrics derives from the chart's ServiceMonitor and Service, with
+// the chart's PrometheusRule as its rules, passes `promtool check config` of
+// the Prometheus the test runs (Debian's: no kubernetes_sd).
+func TestPrometheusConfigOfChart(t *testing.T) {
+	objs := renderChart(t, "--set", exampleCIDRs, "--set", "metrics.serviceMonitor.enabled=true", "--set", "metrics.prometheusRule.enabled=true")
+	scrape, err := scrapeConfigOf(objs)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(scrape, `"ctscrub-metrics.kube-system.svc.cluster.local"`) || !strings.Contains(scrape, "port: 9967") {
+		t.Errorf("scrape config does not name the chart's Service and port:\n%s", scrape)
+	}
+	rules, _ := yaml.Marshal(objs["PrometheusRule/ctscrub"]["spec"])
+	dir := t.TempDir()
+	cfg := writeFile(t, dir, "prometheus.yml", prometheusConfig(scrape, writeFile(t, dir, "rules.yaml", string(rules))))
+	promtool, err := exec.LookPath("promtool")
+	if err != nil {
+		t.Fatal("promtool is not installed: run scripts/setup.sh")
+	}
+	if out, err := exec.Command(promtool, "check", "config", cfg).CombinedOutput(); err != nil {
+		b, _ := os.ReadFile(cfg)
+		t.Errorf("promtool check config: %v\n%s\n%s", err, out, b)
+	}
+}
+
+// scrapeConfigOf turns the chart's ServiceMonitor into a Prometheus scrape
+// job that finds the same endpoints by DNS: the rendered Service its selector
+// matches, in its namespace, on the Service port its endpoint names (the
+// headless Service's A records are the scrubd pods' IPs, their nodes' own),
+// its path, and the job label its jobLabel takes from the Service.
+func scrapeConfigOf(objs map[string]map[string]any) (string, error) {
+	type svc struct {
+		Metadata struct {
+			Name      string            `yaml:"name"`
+			Namespace string            `yaml:"namespace"`
+			Labels    map[string]string `yaml:"labels"`
+		} `yaml:"metadata"`
+		Spec struct {
+			ClusterIP string `yaml:"clusterIP"`
+			Ports     []struct {
+				Name string `yaml:"name"`
+				Port int    `yaml:"port"`
+			} `yaml:"ports"`
+		} `yaml:"spec"`
+	}
 	var m struct {
 		Spec struct {
 			JobLabel          string `yaml:"jobLabel"`
@@ -339,31 +373,62 @@ func scrapeConfigOf(pm map[string]any) (string, error) {
 				MatchLabels map[string]string `yaml:"matchLabels"`
 			} `yaml:"selector"`
 			Endpoints []struct {
-				Port     string `yaml:"port"`
-				Path     string `yaml:"path"`
-				Interval string `yaml:"interval"`
-			} `yaml:"podMetricsEndpoints"`
+				Port string `yaml:"port"`
+				Path string `yaml:"path"`
+			} `yaml:"endpoints"`
 		} `yaml:"spec"`
 	}
-	b, _ := yaml.Marshal(pm)
-	if err := yaml.Unmarshal(b, &m); err != nil {
+	conv := func(in, out any) error {
+		b, err := yaml.Marshal(in)
+		if err != nil {
+			return err
+		}
+		return yaml.Unmarshal(b, out)
+	}
+	sm := objs["ServiceMonitor/ctscrub"]
+	if sm == nil {
+		return "", fmt.Errorf("the chart renders no ServiceMonitor")
+	}
+	if err := conv(sm, &m); err != nil {
 		return "", err
 	}
-	s := m.Spec
-	if len(s.Endpoints) != 1 || s.JobLabel == "" || len(s.Selector.MatchLabels) == 0 || len(s.NamespaceSelector.MatchNames) == 0 {
-		return "", fmt.Errorf("the chart's PodMonitor: want one endpoint, a jobLabel, a selector and namespaces: %v", pm)
+	sp := m.Spec
+	if len(sp.Endpoints) != 1 || sp.JobLabel == "" || len(sp.Selector.MatchLabels) == 0 || len(sp.NamespaceSelector.MatchNames) != 1 {
+		return "", fmt.Errorf("the chart's ServiceMonitor: want one endpoint, a jobLabel, a selector and one namespace: %v", sm)
 	}
-	label := func(k string) string {
-		return "__meta_kubernetes_pod_label_" + regexp.MustCompile(`[^a-zA-Z0-9_]`).ReplaceAllString(k, "_")
+	var found []svc
+	for key, o := range objs {
+		if !strings.HasPrefix(key, "Service/") {
+			continue
+		}
+		var s svc
+		if err := conv(o, &s); err != nil {
+			return "", err
+		}
+		match := s.Metadata.Namespace == sp.NamespaceSelector.MatchNames[0]
+		for k, v := range sp.Selector.MatchLabels {
+			match = match && s.Metadata.Labels[k] == v
+		}
+		if match {
+			found = append(found, s)
+		}
 	}
-	var b2 strings.Builder
-	fmt.Fprintf(&b2, "  - job_name: ctscrub-podmonitor\n    metrics_path: %s\n    kubernetes_sd_configs: [{role: pod, namespaces: {names: %q}}]\n    relabel_configs:\n",
-		s.Endpoints[0].Path, s.NamespaceSelector.MatchNames)
-	for k, v := range s.Selector.MatchLabels {
-		fmt.Fprintf(&b2, "      - {source_labels: [%s], regex: %q, action: keep}\n", label(k), regexp.QuoteMeta(v))
+	if len(found) != 1 || found[0].Spec.ClusterIP != "None" {
+		return "", fmt.Errorf("the chart's ServiceMonitor selects %d Services (%v); want one, headless", len(found), found)
 	}
-	fmt.Fprintf(&b2, "      - {source_labels: [__meta_kubernetes_pod_container_port_name], regex: %q, action: keep}\n", regexp.QuoteMeta(s.Endpoints[0].Port))
-	fmt.Fprintf(&b2, "      - {source_labels: [%s], target_label: job}\n", label(s.JobLabel))
-	fmt.Fprintf(&b2, "      - {source_labels: [__meta_kubernetes_pod_node_name], target_label: node}\n")
-	return b2.String(), nil
+	s := found[0]
+	port := 0
+	for _, p := range s.Spec.Ports {
+		if p.Name == sp.Endpoints[0].Port {
+			port = p.Port
+		}
+	}
+	job := s.Metadata.Labels[sp.JobLabel]
+	if port == 0 || job == "" {
+		return "", fmt.Errorf("Service %s: no port named %q or no label %q", s.Metadata.Name, sp.Endpoints[0].Port, sp.JobLabel)
+	}
+	return fmt.Sprintf("  - job_name: ctscrub-servicemonitor\n    metrics_path: %s\n"+
+		"    dns_sd_configs: [{names: [%q], type: A, port: %d, refresh_interval: 5s}]\n"+
+		"    relabel_configs: [{target_label: job, replacement: %q}]\n",
+		sp.Endpoints[0].Path, s.Metadata.Name+"."+s.Metadata.Namespace+".svc.cluster.local", port, job), nil
 }
