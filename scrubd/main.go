@@ -18,6 +18,7 @@ import (
 	"net/netip"
 	"os"
 	"os/signal"
+	"path/filepath"
 	"strings"
 	"syscall"
 	"text/tabwriter"
@@ -114,14 +115,63 @@ func run(args []string) error {
 	}
 	log := slog.New(slog.NewJSONHandler(os.Stderr, &slog.HandlerOptions{Level: level}))
 
+	var dsw *daemonSetWatch
+	if cfg.DaemonSet != "" {
+		if dsw, err = newInClusterDaemonSetWatch(cfg.DaemonSet, log); err != nil {
+			return err
+		}
+	}
 	d, err := daemon.Open(cfg, log, version)
 	if err != nil {
 		return err
 	}
-	defer d.Close()
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
 	defer stop()
-	return d.Run(ctx)
+	if dsw == nil {
+		defer d.Close()
+		return d.Run(ctx)
+	}
+	watchCtx, stopWatch := context.WithCancel(context.Background())
+	defer stopWatch()
+	go dsw.run(watchCtx)
+	// At SIGTERM, while the daemon drains its in-flight scrubs: an
+	// uninstall takes the conflist entry out first, so pods created from
+	// now on no longer call a scrubd that is going away.
+	uninstalling := make(chan bool, 1)
+	go func() {
+		<-ctx.Done()
+		askCtx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		removed, why, err := dsw.decide(askCtx)
+		cancel()
+		stopWatch()
+		switch {
+		case err != nil:
+			log.Warn("cannot tell whether scrubd's DaemonSet was deleted: ctscrub stays chained on this node; if this is an uninstall, run `ctscrub uninstall` on the node",
+				"daemonset", cfg.DaemonSet, "err", err)
+		case !removed:
+			log.Info("stopping with ctscrub chained", "daemonset", cfg.DaemonSet, "why", why)
+		default:
+			log.Info("uninstall: taking ctscrub off this node", "daemonset", cfg.DaemonSet, "why", why)
+			if err := uninstallStep(context.Background(), log, "conflist", "--conf-dir", cfg.CNIConfDir, "--keep-recorders"); err != nil {
+				log.Error("uninstall: the conflist still chains ctscrub: run `ctscrub uninstall` on the node", "err", err)
+			}
+		}
+		uninstalling <- removed && err == nil
+	}()
+	runErr := d.Run(ctx)
+	closeErr := d.Close()
+	// Run returned at once when it failed before SIGTERM: then this is no
+	// uninstall, and the decision is not waited for.
+	if ctx.Err() != nil && <-uninstalling {
+		// The recorder's filters stay on pods' interfaces after the
+		// process (tc holds them): `ctscrub uninstall` takes them off now
+		// that scrubd no longer answers on its socket.
+		if err := uninstallStep(context.Background(), log, "recorder filters", "--conf-dir", cfg.CNIConfDir,
+			"--state-file", cfg.StateFile, "--run-dir", filepath.Dir(cfg.Socket)); err != nil {
+			log.Error("uninstall: recorder filters may be left on pods' interfaces: run `ctscrub uninstall` on the node", "err", err)
+		}
+	}
+	return errors.Join(runErr, closeErr)
 }
 
 // runConfig builds the daemon's config: defaults, then the config file, then
@@ -137,7 +187,7 @@ func runConfig(args []string) (daemon.Config, error) {
 	fs.StringVar(&flagCfg.CTRoot, "ct-root", flagCfg.CTRoot, "bpffs directory with Cilium's global CT maps")
 	fs.StringVar(&flagCfg.PinDir, "pin-dir", flagCfg.PinDir, "ctscrub's own bpffs directory (recorder maps and links)")
 	fs.StringVar(&flagCfg.StateFile, "state-file", flagCfg.StateFile, "attachments state file, for restarts")
-	fs.StringVar(&flagCfg.MetricsAddr, "metrics-addr", flagCfg.MetricsAddr, "address of /metrics, /healthz, /readyz (off: none)")
+	fs.StringVar(&flagCfg.MetricsAddr, "metrics-addr", flagCfg.MetricsAddr, "address of /metrics, /healthz, /readyz (off: none; ${HOST_IP}:9967 takes the host from the environment)")
 	fs.Var(&cidrs, "pod-cidr", "pod CIDR of this node, repeatable or comma-separated (REQUIRED): scrubs of other IPs are refused")
 	fs.StringVar(&flagCfg.Backends, "backends", flagCfg.Backends, "auto, cilium, nfct or cilium,nfct")
 	fs.IntVar(&flagCfg.MaxInFlight, "max-in-flight", flagCfg.MaxInFlight, "scrubs running at once (more wait in the queue)")
@@ -152,6 +202,7 @@ func runConfig(args []string) (daemon.Config, error) {
 	fs.StringVar(&flagCfg.Expiry.Clock, "expiry-clock", flagCfg.Expiry.Clock, "clock of Cilium's CT lifetimes: auto, ktime or jiffies")
 	fs.StringVar(&flagCfg.CNIConfDir, "cni-conf-dir", flagCfg.CNIConfDir, "the runtime's CNI config dir: watch that it chains ctscrub (empty: off)")
 	fs.IntVar(&flagCfg.RingBytes, "ring-bytes", flagCfg.RingBytes, "recorder ring buffer size in bytes, a power of two (0: 8 MiB)")
+	fs.StringVar(&flagCfg.DaemonSet, "daemonset", flagCfg.DaemonSet, "namespace/name of scrubd's DaemonSet: when it is deleted, SIGTERM takes ctscrub off the node (empty: never)")
 	fs.StringVar(&flagCfg.NFCTFallback, "nfct-fallback", flagCfg.NFCTFallback, "nf_conntrack scrub of incomplete IPs: auto (empty), flush or dump")
 	if err := fs.Parse(args); err != nil {
 		return daemon.Config{}, err
@@ -210,9 +261,13 @@ func runConfig(args []string) (daemon.Config, error) {
 			cfg.CNIConfDir = flagCfg.CNIConfDir
 		case "ring-bytes":
 			cfg.RingBytes = flagCfg.RingBytes
+		case "daemonset":
+			cfg.DaemonSet = flagCfg.DaemonSet
 		}
 	})
-	return cfg, nil
+	var err error
+	cfg.MetricsAddr, err = daemon.ExpandMetricsAddr(cfg.MetricsAddr, os.Getenv)
+	return cfg, err
 }
 
 // cliFlags are the flags every CLI command takes.

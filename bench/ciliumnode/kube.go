@@ -5,6 +5,7 @@ import (
 	"context"
 	"fmt"
 	"io"
+	"net"
 	"os"
 	"os/exec"
 	"strings"
@@ -65,6 +66,16 @@ func (k *kube) nodeFile(p string) string {
 // so nsenter runs the host's curl there.
 func (k *kube) nodeHTTP(url string) (string, error) {
 	return run(k.ctx, 30*time.Second, "", "nsenter", "-t", fmt.Sprint(k.nodePID), "-n", "curl", "-sf", "--max-time", "20", url)
+}
+
+// scrubdMetrics is scrubd's /metrics on the worker: it listens on the
+// node's IP (conf/scrubd.yaml, metrics_addr ${HOST_IP}:9967).
+func (k *kube) scrubdMetrics() (string, error) {
+	ip, err := k.kubectl(time.Minute, "get", "node", k.worker, "-o", `jsonpath={.status.addresses[?(@.type=="InternalIP")].address}`)
+	if err != nil {
+		return "", err
+	}
+	return k.nodeHTTP("http://" + net.JoinHostPort(strings.TrimSpace(ip), "9967") + "/metrics")
 }
 
 // readFrom returns a node file's content from byte offset off on, and its

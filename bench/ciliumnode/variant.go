@@ -323,6 +323,14 @@ func installCtscrub(k *kube, cfg config, mode string) error {
 	if err := k.apply(cm); err != nil {
 		return err
 	}
+	// The DaemonSet's service account and its Role (the uninstall's watch).
+	raw, err = os.ReadFile(filepath.Join(cfg.root, "conf", "rbac.yaml"))
+	if err != nil {
+		return err
+	}
+	if err := k.apply(string(raw)); err != nil {
+		return err
+	}
 	raw, err = os.ReadFile(filepath.Join(cfg.root, "conf", "daemonset.yaml"))
 	if err != nil {
 		return err
@@ -404,7 +412,7 @@ func waitFirstSweep(k *kube, maps *ctmap.Maps) error {
 	}
 	start := time.Now()
 	for deadline := start.Add(5 * time.Minute); ; time.Sleep(time.Second) {
-		text, err := k.nodeHTTP("http://127.0.0.1:9967/metrics")
+		text, err := k.scrubdMetrics()
 		swept := 0
 		if err == nil {
 			for _, l := range strings.Split(text, "\n") {

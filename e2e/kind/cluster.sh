@@ -156,7 +156,7 @@ EOY
 	local nodes
 	nodes=$(kind get nodes --name "$CLUSTER" | paste -sd, -)
 	log "loading images into $nodes"
-	local imgs=("$CILIUM_IMAGE" "$CILIUM_OPERATOR_IMAGE" "$CTSCRUB_IMAGE" "$SERVER_IMAGE" "$CLIENT_IMAGE")
+	local imgs=("$CILIUM_IMAGE" "$CILIUM_OPERATOR_IMAGE" "$CTSCRUB_IMAGE" "$SERVER_IMAGE" "$CLIENT_IMAGE" "$PROMETHEUS_IMAGE")
 	kind load docker-image --name "$CLUSTER" "${imgs[@]}" >&2
 
 	local cp_ip

@@ -22,6 +22,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"net"
 	"net/netip"
 	"os"
 	"os/exec"
@@ -337,11 +338,16 @@ func (c *cluster) ctLines(ciliumPod, ip string) []string {
 	return lines
 }
 
-// metrics is scrubd's /metrics on node: it listens on the node's loopback
-// (hostNetwork), reached from inside the kind node container.
+// metrics is scrubd's /metrics on node: it listens on the node's IP
+// (metrics_addr ${HOST_IP}:9967, hostNetwork), fetched from inside the kind
+// node container.
 func (c *cluster) metrics(node string) string {
 	c.t.Helper()
-	return c.must(time.Minute, "docker", "exec", node, "curl", "-sf", "http://127.0.0.1:9967/metrics")
+	ip := strings.TrimSpace(c.kubectl("get", "node", node, "-o", `jsonpath={.status.addresses[?(@.type=="InternalIP")].address}`))
+	if ip == "" {
+		c.t.Fatalf("node %s has no InternalIP", node)
+	}
+	return c.must(time.Minute, "docker", "exec", node, "curl", "-sf", "http://"+net.JoinHostPort(ip, "9967")+"/metrics")
 }
 
 // chain is the plugin types of the conflist Cilium wrote on node.
@@ -366,8 +372,7 @@ func (c *cluster) chain(node string) ([]string, error) {
 }
 
 // delScrubs sums ctscrub_scrub_duration_seconds_count{reason="del"} from the
-// worker's scrubd. Its metrics listen on the node's loopback (hostNetwork),
-// reached from inside the kind node container.
+// worker's scrubd (c.metrics).
 func (c *cluster) delScrubs(node string) float64 {
 	c.t.Helper()
 	out := c.metrics(node)

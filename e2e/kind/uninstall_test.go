@@ -1,26 +1,45 @@
 package kind
 
 import (
+	"bytes"
 	"fmt"
+	"os"
+	"os/exec"
 	"strings"
 	"testing"
 	"time"
 )
 
 // TestKindUninstall runs last (it removes ctscrub): the uninstall of
-// docs/plugin.md on the live cluster. Cilium goes back to its own conflist
-// (cni.customConf=false, agents restarted), the chart is uninstalled, each
-// node runs `ctscrub uninstall --remove-binary` and removes scrubd's pin dir
-// and run dir (scrubd keeps them across restarts on purpose, docs/daemon.md).
-// Then on every node: the conflist chains cilium-cni alone, no ctscrub
-// binary, pin, socket or file is left, no tcx link of ctscrub's recorder is
-// attached, and a new pod still starts and answers.
+// docs/plugin.md on the live cluster, with no command on the nodes.
+//
+// First a rolling restart of the DaemonSet: each scrubd stopped by it must
+// decide to keep the chain (its log, followed until the pod is gone, says
+// "stopping with ctscrub chained"). Then Cilium goes back to its own
+// conflist (option 1's step on Cilium's side: cni.customConf=false, agents
+// restarted; the cni-conf sidecar chains ctscrub into it again) and the
+// chart is uninstalled. Each scrubd, stopped because its DaemonSet was
+// deleted, must take ctscrub off its node by itself. Pods started on every
+// node right after `helm uninstall` must all become Ready
+// (uninstall_pods_started); afterwards every node's conflist chains
+// cilium-cni alone and no interface carries the recorder's filters.
 func TestKindUninstall(t *testing.T) {
 	e := getKindEnv(t)
 	if e.uninstallSkipped(t) {
 		return
 	}
-	c := e.newCluster(t, 10*time.Minute)
+	c := e.newCluster(t, 15*time.Minute)
+
+	// A rolling update keeps the chain.
+	logs := c.followScrubdLogs()
+	c.must(time.Minute, "kubectl", "-n", "kube-system", "rollout", "restart", "ds/ctscrub")
+	c.must(5*time.Minute, "kubectl", "-n", "kube-system", "rollout", "status", "ds/ctscrub", "--timeout=5m")
+	for pod, log := range logs(2 * time.Minute) {
+		if !strings.Contains(log, `"msg":"stopping with ctscrub chained"`) || strings.Contains(log, "uninstall: taking ctscrub off") {
+			t.Errorf("scrubd %s stopped by a rolling restart did not keep the chain; its log's end:\n%s", pod, tail([]byte(log)))
+		}
+	}
+
 	chart := strings.TrimSpace(envOr("CILIUM_CHART", ""))
 	args := []string{"upgrade", "cilium", chart, "--namespace", "kube-system", "--reuse-values", "--set", "cni.customConf=false"}
 	if repo := envOr("CILIUM_CHART_REPO", ""); repo != "" {
@@ -29,60 +48,131 @@ func TestKindUninstall(t *testing.T) {
 	c.must(5*time.Minute, "helm", args...)
 	c.must(5*time.Minute, "kubectl", "-n", "kube-system", "rollout", "restart", "ds/cilium")
 	c.must(8*time.Minute, "kubectl", "-n", "kube-system", "rollout", "status", "ds/cilium", "--timeout=8m")
-	// While the DaemonSet runs, its cni-conf container (install --watch)
-	// puts the entry back into the conflist Cilium now writes itself
-	// (option 2 of docs/plugin.md), so the entry comes out after the
-	// DaemonSet is gone (docs/plugin.md, "Uninstall").
 	// The recorder's filters on the pods' interfaces before: some pods
 	// (CoreDNS at least) started while ctscrub ran, so the check below can fail.
 	filtersBefore := 0
 	for _, n := range e.nodes {
 		filtersBefore += c.recorderFilters(n)
-	}
-	if filtersBefore == 0 {
-		t.Errorf("no pod interface on %v carries the recorder's filters before the uninstall", e.nodes)
-	}
-	c.must(5*time.Minute, "helm", "uninstall", "ctscrub", "--namespace", "kube-system", "--wait", "--timeout", "5m")
-	// helm's --wait ends when the DaemonSet object is gone; its pods may
-	// still be terminating, and scrubd still answer on its socket.
-	c.must(3*time.Minute, "kubectl", "-n", "kube-system", "wait", "--for=delete", "pod", "-l", "app.kubernetes.io/name=ctscrub", "--timeout=2m")
-	for _, n := range e.nodes {
-		out := c.must(time.Minute, "docker", "exec", n, "/opt/cni/bin/ctscrub", "uninstall", "--conf-dir", "/etc/cni/net.d",
-			"--bin-dir", "/opt/cni/bin", "--remove-binary", "--remove-state")
-		t.Logf("%s: %s", n, strings.TrimSpace(out))
-	}
-	for _, n := range e.nodes {
-		eventually(t, c.ctx, 2*time.Minute, "Cilium's own conflist on "+n, func() (bool, string) {
+		// Cilium's own conflist, with ctscrub chained again by the sidecar:
+		// so the check after the uninstall can fail.
+		eventually(t, c.ctx, time.Minute, "the cni-conf sidecar chains ctscrub into Cilium's own conflist on "+n, func() (bool, string) {
 			chain, err := c.chain(n)
 			if err != nil {
 				return false, err.Error()
 			}
-			return strings.Join(chain, ",") == "cilium-cni", fmt.Sprintf("chain %v", chain)
+			return strings.Join(chain, ",") == "cilium-cni,ctscrub", fmt.Sprintf("chain %v", chain)
 		})
 	}
+	if filtersBefore == 0 {
+		t.Errorf("no pod interface on %v carries the recorder's filters before the uninstall", e.nodes)
+	}
+
+	logs = c.followScrubdLogs()
+	start := time.Now()
+	c.must(5*time.Minute, "helm", "uninstall", "ctscrub", "--namespace", "kube-system", "--wait", "--timeout", "5m")
+	// Pods right away, on every node, while the ctscrub pods may still be
+	// stopping: a pod whose ADD still meets the entry fails and the kubelet
+	// retries it; left chained (before issue 25) none would ever start.
+	ns := "ctscrub-uninstalled"
+	c.kubectl("create", "namespace", ns)
+	t.Cleanup(func() { c.run(2*time.Minute, "kubectl", "delete", "namespace", ns, "--wait=false") })
+	var pods strings.Builder
+	const perNode = 3
 	for _, n := range e.nodes {
-		if k := c.recorderFilters(n); k != 0 {
-			t.Errorf("%s: %d recorder filters left on pod interfaces after the uninstall", n, k)
+		for i := range perNode {
+			fmt.Fprintf(&pods, `---
+apiVersion: v1
+kind: Pod
+metadata: {name: after-%[2]s-%[3]d, namespace: %[1]s, labels: {app: after-uninstall}}
+spec:
+  nodeName: %[2]s
+  terminationGracePeriodSeconds: 1
+  tolerations: [{operator: Exists}]
+  containers:
+    - {name: server, image: %[4]s, imagePullPolicy: IfNotPresent, args: ["netexec", "--http-port=8080"]}
+`, ns, n, i, e.serverImage)
 		}
-		out := c.must(time.Minute, "docker", "exec", n, "sh", "-c",
-			"ls -d /opt/cni/bin/ctscrub /sys/fs/bpf/ctscrub /run/ctscrub 2>/dev/null; grep -l ctscrub /etc/cni/net.d/* 2>/dev/null; true")
-		if strings.TrimSpace(out) != "" {
-			t.Errorf("%s: ctscrub left after the uninstall:\n%s", n, out)
+	}
+	c.kubectl("apply", "-f", writeFile(t, t.TempDir(), "after.yaml", pods.String()))
+	c.must(3*time.Minute, "kubectl", "-n", ns, "wait", "--for=condition=Ready", "pod", "-l", "app=after-uninstall", "--timeout=3m")
+	ready := strings.Count(c.kubectl("-n", ns, "get", "pods", "-l", "app=after-uninstall", "-o",
+		`jsonpath={range .items[*]}{.status.conditions[?(@.type=="Ready")].status}{"\n"}{end}`), "True")
+	t.Logf("%d pods Ready %s after helm uninstall began", ready, time.Since(start).Round(time.Second))
+	if ready != perNode*len(e.nodes) {
+		t.Errorf("%d of %d pods started after the uninstall are Ready", ready, perNode*len(e.nodes))
+	}
+
+	// What each scrubd did at its SIGTERM.
+	for pod, log := range logs(2 * time.Minute) {
+		if !strings.Contains(log, "uninstall: taking ctscrub off this node") {
+			t.Errorf("scrubd %s did not take ctscrub off its node at the uninstall; its log's end:\n%s", pod, tail([]byte(log)))
+			continue
 		}
+		for _, l := range strings.Split(log, "\n") {
+			if strings.Contains(l, "uninstall") || strings.Contains(l, "DaemonSet") {
+				t.Logf("%s: %s", pod, l)
+			}
+		}
+	}
+	for _, n := range e.nodes {
 		chain, err := c.chain(n)
 		if err != nil || strings.Join(chain, ",") != "cilium-cni" {
 			t.Errorf("%s: conflist chain %v (%v), want Cilium's own [cilium-cni]", n, chain, err)
 		}
+		if k := c.recorderFilters(n); k != 0 {
+			t.Errorf("%s: %d recorder filters left on pod interfaces after the uninstall", n, k)
+		}
+		// Kept on purpose (docs/plugin.md, "Uninstall"): harmless, removed
+		// by `ctscrub uninstall --remove-binary --remove-state`.
+		out, _ := c.run(time.Minute, "docker", "exec", n, "sh", "-c", "ls -d /opt/cni/bin/ctscrub /sys/fs/bpf/ctscrub /run/ctscrub 2>/dev/null; true")
+		t.Logf("%s: left on the node: %q", n, strings.Fields(out))
 	}
-	// A pod starts without ctscrub in the chain.
-	ns := "ctscrub-uninstalled"
-	c.kubectl("create", "namespace", ns)
-	t.Cleanup(func() { c.run(2*time.Minute, "kubectl", "delete", "namespace", ns, "--wait=false") })
-	c.kubectl("-n", ns, "run", "after", "--image="+e.serverImage, "--image-pull-policy=IfNotPresent",
-		"--overrides", fmt.Sprintf(`{"spec":{"nodeName":%q}}`, e.worker), "--", "netexec", "--http-port=8080")
-	c.must(3*time.Minute, "kubectl", "-n", ns, "wait", "--for=condition=Ready", "pod/after", "--timeout=3m")
 	result(t, "uninstall_clean", !t.Failed())
 	result(t, "uninstall_filters_removed", filtersBefore)
+	result(t, "uninstall_pods_started", ready)
+}
+
+// followScrubdLogs follows the scrubd container's log of every ctscrub pod
+// running now; the function it returns waits (up to a limit) for each pod
+// to be gone and returns each pod's log. A pod's log goes with the pod, so
+// what scrubd logs at its SIGTERM is only seen this way.
+func (c *cluster) followScrubdLogs() func(time.Duration) map[string]string {
+	c.t.Helper()
+	names := strings.Fields(c.kubectl("-n", "kube-system", "get", "pods", "-l", "app.kubernetes.io/name=ctscrub",
+		"--field-selector=status.phase=Running", "-o", "jsonpath={.items[*].metadata.name}"))
+	if len(names) == 0 {
+		c.t.Fatal("no running ctscrub pod to follow")
+	}
+	type follow struct {
+		out  *bytes.Buffer
+		done chan struct{}
+	}
+	fs := map[string]follow{}
+	for _, p := range names {
+		f := follow{out: &bytes.Buffer{}, done: make(chan struct{})}
+		cmd := exec.CommandContext(c.ctx, "kubectl", "-n", "kube-system", "logs", "-f", p, "-c", "scrubd", "--tail=5")
+		cmd.Env = append(os.Environ(), c.env...)
+		cmd.Stdout = f.out
+		if err := cmd.Start(); err != nil {
+			c.t.Fatal(err)
+		}
+		go func() { cmd.Wait(); close(f.done) }()
+		c.t.Cleanup(func() { cmd.Process.Kill() })
+		fs[p] = f
+	}
+	return func(limit time.Duration) map[string]string {
+		deadline := time.After(limit)
+		logs := map[string]string{}
+		for p, f := range fs {
+			select {
+			case <-f.done:
+			case <-deadline:
+				c.t.Errorf("scrubd pod %s still logging %s later", p, limit)
+			}
+			logs[p] = f.out.String()
+		}
+		return logs
+	}
 }
 
 // recorderFilters counts the recorder's tc filters (name ctscrub_recorder)

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"net"
 	"net/netip"
 	"os"
 	"strings"
@@ -35,6 +36,8 @@ type Config struct {
 	// StateFile lists the attachments scrubd indexes, for restarts.
 	StateFile string `yaml:"state_file"`
 	// MetricsAddr serves /metrics, /healthz, /readyz ("" or "off": none).
+	// Its host may name an environment variable, ${HOST_IP}:9967 (see
+	// ExpandMetricsAddr).
 	MetricsAddr string `yaml:"metrics_addr"`
 	// PodCIDRs: scrubs of any other address are refused. Required: a scrub
 	// deletes every flow of an address, and guessing the node's pod ranges
@@ -75,6 +78,12 @@ type Config struct {
 	// loses records: the IPs concerned sweep. Changing it needs the old
 	// ring's pin removed (the recorder says so).
 	RingBytes int `yaml:"ring_bytes"`
+	// DaemonSet is "namespace/name" of the DaemonSet scrubd runs in. When
+	// set, scrubd watches it through the API server, and a SIGTERM that
+	// comes because it was deleted (an uninstall) takes ctscrub off the
+	// node: the conflist entry and the recorder's filters (scrubd/main.go,
+	// uninstall.go). "": never.
+	DaemonSet string `yaml:"daemonset"`
 }
 
 // ExpiryConfig configures the expiry pass (scrubd/expiry).
@@ -138,6 +147,34 @@ func LoadConfigFile(path string, cfg *Config) error {
 		return fmt.Errorf("config file %s: %v (see conf/scrubd.yaml for the keys)", path, err)
 	}
 	return nil
+}
+
+// ExpandMetricsAddr replaces $NAME or ${NAME} in the host of a metrics
+// address with that environment variable's value. scrubd runs on the host's
+// network: the DaemonSet passes the node's IP (status.hostIP) as HOST_IP, so
+// ${HOST_IP}:9967 is reachable by an in-cluster Prometheus without listening
+// on every address of the node. An unset or empty variable is an error, not
+// a silent ":9967" (every address).
+func ExpandMetricsAddr(addr string, getenv func(string) string) (string, error) {
+	if !strings.Contains(addr, "$") {
+		return addr, nil
+	}
+	host, port, err := net.SplitHostPort(addr)
+	if err != nil {
+		return "", fmt.Errorf("metrics_addr %q: %v (write it like ${HOST_IP}:9967)", addr, err)
+	}
+	var unset []string
+	host = os.Expand(host, func(name string) string {
+		v := getenv(name)
+		if v == "" {
+			unset = append(unset, name)
+		}
+		return v
+	})
+	if len(unset) > 0 {
+		return "", fmt.Errorf("metrics_addr %q: environment variable %s is empty or not set (the DaemonSet sets HOST_IP from the downward API, status.hostIP)", addr, strings.Join(unset, ", "))
+	}
+	return net.JoinHostPort(host, port), nil
 }
 
 // Validate checks cfg and returns the parsed pod CIDRs.

@@ -833,6 +833,7 @@ func TestMetricsEndpoint(t *testing.T) {
 			`ctscrub_scrub_deleted_entries_total{backend="cilium",map="cilium_ct4_global",method="sweep"} 10`,
 			`ctscrub_scrub_deleted_entries_total{backend="cilium",map="cilium_ct_any4_global",method="sweep"} 10`,
 			`ctscrub_scrubs_in_flight 0`,
+			`ctscrub_ready 1`,
 			`ctscrub_index_keys{backend="cilium"} 0`,
 			`ctscrub_index_incomplete_ips{backend="cilium"}`,
 			`ctscrub_index_lost_total{backend="cilium"} 0`,

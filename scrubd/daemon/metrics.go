@@ -102,6 +102,12 @@ func newMetrics(d *Daemon, reg *prometheus.Registry) *metrics {
 			Help: "Scrub requests admitted and not yet answered (running or queued).",
 		}, func() float64 { return float64(d.admitted.Load()) }),
 		indexCollector{d},
+		// The alert on a stopped recorder reads this: while scrubd runs,
+		// the recorder stopping is what takes readiness away.
+		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+			Name: "ctscrub_ready",
+			Help: "1 while scrubd is ready (/readyz): CT maps open, programs loaded, recorder running; 0 once the recorder stopped or while shutting down.",
+		}, func() float64 { return b2f(d.isReady()) }),
 		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 			Name: "ctscrub_recorder_running",
 			Help: "1 while the recorder feeds the index (or scrubd runs without one); 0 while it is down and every scrub sweeps.",

@@ -11,6 +11,7 @@
 #                                    in CILIUM_CHART_REPO
 #   CTSCRUB_IMAGE                    ctscrub (conf/Containerfile)
 #   SERVER_IMAGE, CLIENT_IMAGE       workloads: agnhost, busybox
+#   PROMETHEUS_IMAGE                 Debian's prometheus (TestKindMetrics)
 #   IMAGE_BUILD_S                    seconds this run spent here
 #
 # Every local image comes from Debian packages and Go modules only, and is
@@ -63,10 +64,13 @@ else
 	[[ -f $CILIUM_CHART/Chart.yaml ]] || die "no chart at $CILIUM_CHART"
 fi
 CTSCRUB_IMAGE=$("$IMAGES_DIR/ctscrub.sh")
+# From Debian's package in both modes: the test needs this version's flags
+# and API, not whatever an upstream tag holds.
+PROMETHEUS_IMAGE=$("$IMAGES_DIR/prometheus.sh")
 IMAGE_BUILD_S=$(($(date +%s) - start))
 {
 	for v in K8S_VERSION CILIUM_VERSION KIND_NODE_IMAGE CILIUM_IMAGE CILIUM_OPERATOR_IMAGE \
-		CILIUM_CHART CILIUM_CHART_REPO CTSCRUB_IMAGE SERVER_IMAGE CLIENT_IMAGE IMAGE_BUILD_S; do
+		CILIUM_CHART CILIUM_CHART_REPO CTSCRUB_IMAGE SERVER_IMAGE CLIENT_IMAGE PROMETHEUS_IMAGE IMAGE_BUILD_S; do
 		printf '%s=%q\n' "$v" "${!v}"
 	done
 } | tee "$out"

@@ -1,0 +1,34 @@
+package daemon
+
+import (
+	"strings"
+	"testing"
+)
+
+// The chart's metrics_addr, ${HOST_IP}:9967, becomes the node's address; an
+// unset variable is refused rather than widened to every address.
+func TestExpandMetricsAddr(t *testing.T) {
+	env := map[string]string{"HOST_IP": "172.18.0.3", "HOST_IP6": "fd00::3"}
+	getenv := func(k string) string { return env[k] }
+	for _, c := range []struct{ in, want, err string }{
+		{in: "127.0.0.1:9967", want: "127.0.0.1:9967"},
+		{in: "off", want: "off"},
+		{in: "", want: ""},
+		{in: "${HOST_IP}:9967", want: "172.18.0.3:9967"},
+		{in: "$HOST_IP:9967", want: "172.18.0.3:9967"},
+		{in: "${HOST_IP6}:9967", want: "[fd00::3]:9967"},
+		{in: "${NODE_IP}:9967", err: "NODE_IP is empty or not set"},
+		{in: "${HOST_IP}", err: "missing port"},
+	} {
+		got, err := ExpandMetricsAddr(c.in, getenv)
+		if c.err != "" {
+			if err == nil || !strings.Contains(err.Error(), c.err) {
+				t.Errorf("%q: %q, %v; want an error with %q", c.in, got, err, c.err)
+			}
+			continue
+		}
+		if err != nil || got != c.want {
+			t.Errorf("%q: %q, %v; want %q", c.in, got, err, c.want)
+		}
+	}
+}
