@@ -83,7 +83,7 @@ func (s *soak) faultGCChurn(ctx context.Context, cycle int) FaultResult {
 	s.res.FailedAddsInWin += addFails
 	r.WindowS = closeWin()
 	r.OK = gone == 0 && left == 0 && len(errs) == 0
-	r.Outcome = fmt.Sprintf("%d rounds (GC %v after the churn's first ADDs): the GCs dropped %d attachments; of the lost pods' IPs, %d taken by an ADD before the GC's listing (displaced, not the GC's), %d scrubbed by the GC, %d skipped (an ADD took them while the GC ran); churn pods' entries gone before their DEL %d; entries left %d; failed ADDs %d; errors %v",
+	r.Outcome = fmt.Sprintf("%d rounds (GC %v after the churn's first ADDs): the GCs dropped %d attachments (the lost pods, and the deleted pods scrubd kept as stopped); of the lost pods' IPs, %d taken by an ADD before the GC's listing (displaced, not the GC's), %d scrubbed by the GC, %d skipped (an ADD took them while the GC ran); churn pods' entries gone before their DEL %d; entries left %d; failed ADDs %d; errors %v",
 		len(gcDelays), gcDelays, dropped, displaced, scrubbed, skipped, gone, left, addFails, errs)
 	return r
 }
