@@ -25,7 +25,10 @@ import (
 // host-local ran (tens of ms), the GC after one exec of the plugin, so
 // over the rounds the ADDs' takes land before the GC lists the
 // attachments, between its listing and its scrub, and after it.
-var gcDelays = []time.Duration{0, 40 * time.Millisecond, 80 * time.Millisecond, 120 * time.Millisecond, 160 * time.Millisecond}
+// (In the first development runs, with delays up to 160 ms, every GC listed
+// before the ADDs took their IPs: the ADDs took longer under load.)
+var gcDelays = []time.Duration{0, 25 * time.Millisecond, 50 * time.Millisecond, 100 * time.Millisecond,
+	150 * time.Millisecond, 250 * time.Millisecond, 400 * time.Millisecond}
 
 // faultGCChurn: a CNI GC, through libcni's GCNetworkList and the ctscrub
 // plugin as a runtime calls it, while pods are added and deleted. Each
@@ -83,7 +86,7 @@ func (s *soak) faultGCChurn(ctx context.Context, cycle int) FaultResult {
 	s.res.FailedAddsInWin += addFails
 	r.WindowS = closeWin()
 	r.OK = gone == 0 && left == 0 && len(errs) == 0
-	r.Outcome = fmt.Sprintf("%d rounds (GC %v after the churn's first ADDs): the GCs dropped %d attachments (the lost pods, and the deleted pods scrubd kept as stopped); of the lost pods' IPs, %d taken by an ADD before the GC's listing (displaced, not the GC's), %d scrubbed by the GC, %d skipped (an ADD took them while the GC ran); churn pods' entries gone before their DEL %d; entries left %d; failed ADDs %d; errors %v",
+	r.Outcome = fmt.Sprintf("%d rounds (GC %v after the churn's first ADDs began): the GCs dropped %d attachments (the lost pods, and the deleted pods scrubd kept as stopped); of the lost pods' IPs, %d taken by an ADD before the GC's listing (displaced, not the GC's), %d scrubbed by the GC, %d skipped (an ADD took them while the GC ran); churn pods' entries gone before their DEL %d; entries left %d; failed ADDs %d; errors %v",
 		len(gcDelays), gcDelays, dropped, displaced, scrubbed, skipped, gone, left, addFails, errs)
 	return r
 }
