@@ -125,14 +125,15 @@ type scrubAnswer struct {
 
 // faultRecorderKilled: the recorder runs inside scrubd, so killing it is
 // SIGKILL of scrubd, here during a start burst: pods start at once and open
-// new flows, scrubd is killed, the burst goes on (ADDs fail and are retried,
-// the running pods keep opening flows, the two pods being deleted open 300
-// more each, records nobody reads, and their DELs are retried), and scrubd
-// is started again as faultKill does. From the kill on the soak scrubs the
-// deleted pods' IPs every 10 ms, so the first scrubs land as scrubd serves
-// again. OK when the first scrub answered swept every IP (and every scrub
-// answered while scrubd said not ready), nothing of the deleted pods is
-// left, and no entry of the pods that ran through it was deleted.
+// new flows, scrubd is killed, the burst goes on (four more pods start and
+// their ADDs fail and are retried, the running pods keep opening flows, the
+// two pods being deleted open 300 more each, records nobody reads, and
+// their DELs are retried), and scrubd is started again as faultKill does.
+// From the kill on the soak scrubs the deleted pods' IPs every 10 ms, so the
+// first scrubs land as scrubd serves again. OK when the first scrub answered
+// swept every IP (and every scrub answered while scrubd said not ready),
+// nothing of the deleted pods is left, and no entry of the pods that ran
+// through it was deleted.
 func (s *soak) faultRecorderKilled(ctx context.Context, cycle int) FaultResult {
 	r := FaultResult{Name: "recorder killed (scrubd SIGKILLed) during a start burst"}
 	closeWin := s.openWindow()
@@ -219,6 +220,10 @@ wait:
 	killedAt := time.Now()
 	_ = d.Signal(syscall.SIGKILL)
 	<-d.Exited()
+	// The burst goes on: four more pods start while scrubd is dead (their
+	// ADDs fail and are retried; at a quiet moment the first six were all
+	// up before the kill).
+	upC, waitC := start(names("c", 4))
 	// The victims' DELs, retried as a runtime retries them.
 	var victimWG sync.WaitGroup
 	var victimIPs []netip.Addr
@@ -298,10 +303,14 @@ wait:
 	<-pollDone
 	victimWG.Wait()
 	errs = append(errs, waitB()...)
+	errs = append(errs, waitC()...)
 	close(stopFlows)
 	flowsWG.Wait()
 	var rest []*netnsnode.Pod
 	for p := range upB {
+		rest = append(rest, p)
+	}
+	for p := range upC {
 		rest = append(rest, p)
 	}
 	if serr != nil {
@@ -361,7 +370,7 @@ wait:
 		}
 	}
 	r.OK = firstSwept && beforeSwept == before && failed == 0 && left == 0 && gone == 0 && len(errs) == 0
-	r.Outcome = fmt.Sprintf("%d pods running, 6 starting (%d failed ADDs, retried); scrubd killed with 2 of them up, which then opened 300 new flows each and were deleted; serving again after %.2fs; scrubs of the 2 deleted pods' IPs from then: the first answered swept every IP: %v; %d answered before scrubd said ready (%d swept every IP), %d after (%d swept), %d refused, %d failed; swept_why %q; %d of the running pods' %d entries gone before their lifetime; entries left of the deleted pods %d (%d DEL attempts failed, retried); errors %v",
+	r.Outcome = fmt.Sprintf("%d pods running, 6 starting, 4 more from the kill on (%d failed ADDs, retried); scrubd killed with 2 of the 6 up, which then opened 300 new flows each and were deleted; serving again after %.2fs; scrubs of the 2 deleted pods' IPs from then: the first answered swept every IP: %v; %d answered before scrubd said ready (%d swept every IP), %d after (%d swept), %d refused, %d failed; swept_why %q; %d of the running pods' %d entries gone before their lifetime; entries left of the deleted pods %d (%d DEL attempts failed, retried); errors %v",
 		len(live), fails, restartS, firstSwept, before, beforeSwept, after, afterSwept, refused, failed, whys, gone, len(keep), left, victimDelFails+delFails, errs)
 	return r
 }
