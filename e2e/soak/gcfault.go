@@ -136,6 +136,11 @@ func (s *soak) gcRound(ctx context.Context, gcList *libcni.NetworkConfigList, na
 	var gcErr error
 	var gcStart time.Time
 	var mu sync.Mutex
+	// A DEL and the count of what it left hold reuse; ADDs share it. Without
+	// it the other worker's next pod could get the address between the two,
+	// and its live entries counted as left (5 "stale" entries in the second
+	// default run of 2 Dec, round 4: w1's count of .13 after w0's ADD of it).
+	var reuse sync.RWMutex
 	var adds []churnAdd
 	var wg sync.WaitGroup
 	for w := range workers {
@@ -145,7 +150,10 @@ func (s *soak) gcRound(ctx context.Context, gcList *libcni.NetworkConfigList, na
 				var err error
 				for a := range 3 {
 					n := churnName(w, j) + fmt.Sprintf("-a%d", a)
-					if p, err = s.add(ctx, n); err == nil {
+					reuse.RLock()
+					p, err = s.add(ctx, n)
+					reuse.RUnlock()
+					if err == nil {
 						break
 					}
 					mu.Lock()
@@ -174,13 +182,18 @@ func (s *soak) gcRound(ctx context.Context, gcList *libcni.NetworkConfigList, na
 					<-gcDone
 				}
 				n1, err1 := s.leftOf(ctx, p.IPs())
+				reuse.Lock()
 				n, derr, cerr := s.delAndCount(ctx, p)
+				reuse.Unlock()
 				mu.Lock()
 				if err0 == nil && err1 == nil && n1 < n0 {
 					rs.gone += n0 - n1
 					s.logf("GC fault: %d of churn pod %s's %d entries (%v) gone before its DEL", n0-n1, p.Name, n0, p.IPs())
 				}
 				rs.left += n
+				if n > 0 {
+					s.logf("GC fault: %d entries of churn pod %s (%v) left after its DEL", n, p.Name, p.IPs())
+				}
 				for _, e := range []error{err0, err1, derr, cerr} {
 					if e != nil {
 						rs.errs = append(rs.errs, e.Error())
