@@ -158,7 +158,8 @@ func (s *soak) checkOthers() error {
 	if err != nil {
 		return err
 	}
-	s.res.WrongDeletions = max(0, s.bgBefore-bgAfter)
+	// Added to what the faults counted of their live pods' entries.
+	s.res.WrongDeletions += max(0, s.bgBefore-bgAfter)
 	now := netnsnode.MonotonicSeconds()
 	for k, lt := range s.keep {
 		if !present(s.maps, k) && lt >= now {

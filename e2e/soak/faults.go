@@ -4,6 +4,7 @@ package main
 // returns a FaultResult. (containerd's restart is in crifault.go.)
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -14,6 +15,7 @@ import (
 	"path/filepath"
 	"runtime"
 	"slices"
+	"sync"
 	"syscall"
 	"time"
 
@@ -28,17 +30,24 @@ type faultFn func(ctx context.Context, cycle int) FaultResult
 // schedule spreads the faults over the middle of the run, from 15 % to
 // 75 %: the first tenth of the cycles is the node at its steady state before
 // any fault (the baseline of rss_start), the last tenth the node at least
-// 15 % of the run after the last one (rss_end). The SIGKILL comes first, so
-// the restarted scrubd has most of the run to fill its index again.
+// 15 % of the run after the last one (rss_end). The two faults that kill
+// scrubd come first (the SIGKILL, then the recorder killed during a start
+// burst), so the restarted scrubd has most of the run to fill its index
+// again. The ring overrun during a start burst follows the plain ring
+// overrun, and the GC during churn comes before the CT maps are re-created
+// (which marks every IP incomplete and would make every scrub sweep).
 func (s *soak) schedule() map[int]faultFn {
 	n := s.cfg.Cycles
 	at := func(frac float64) int { return min(n-1, max(1, int(float64(n)*frac))) }
 	m := map[int]faultFn{
 		at(0.15): s.faultKill,
+		at(0.20): s.faultRecorderKilled,
 		at(0.25): s.faultDeadline,
 		at(0.35): s.faultRingOverrun,
+		at(0.40): s.faultRingBurst,
 		at(0.45): s.faultPinsRemoved,
 		at(0.50): s.faultSocketRemoved,
+		at(0.60): s.faultGCChurn,
 		at(0.65): s.faultCTMapsRecreated,
 		at(0.75): s.faultContainerdRestart,
 	}
@@ -133,11 +142,7 @@ func (s *soak) faultRingOverrun(ctx context.Context, cycle int) FaultResult {
 	}
 	d := s.daemon()
 	lostBefore := s.metric("ctscrub_index_lost_total")
-	_ = d.Signal(syscall.SIGSTOP)
-	// Four times the ring's records, within what the maps have room for.
-	flows := min(4*soakRingBytes/56, s.cfg.Entries/2)
-	sent, berr := burst(p.Netns, netnsnode.OutsideAddr[0].Addr(), flows)
-	_ = d.Signal(syscall.SIGCONT)
+	sent, berr := s.overrun([]*netnsnode.Pod{p})
 	// scrubd polls the kernel's lost counters every second.
 	var lost float64
 	var st *api.IPState
@@ -174,6 +179,31 @@ func (s *soak) faultRingOverrun(ctx context.Context, cycle int) FaultResult {
 		r.Outcome += " (no record lost: the ring was not overrun)"
 	}
 	return r
+}
+
+// overrun stops scrubd (SIGSTOP: its reader drains nothing), has pods send
+// four times the ring's records of new flows between them, at once, and
+// continues it: the kernel must drop records. The flows stay within what the
+// maps have room for (ENTRIES/2).
+func (s *soak) overrun(pods []*netnsnode.Pod) (sent int, err error) {
+	d := s.daemon()
+	_ = d.Signal(syscall.SIGSTOP)
+	defer func() { _ = d.Signal(syscall.SIGCONT) }()
+	flows := min(4*soakRingBytes/56, s.cfg.Entries/2)
+	per := (flows + len(pods) - 1) / len(pods)
+	var mu sync.Mutex
+	var wg sync.WaitGroup
+	for _, p := range pods {
+		wg.Go(func() {
+			n, berr := burst(p.Netns, netnsnode.OutsideAddr[0].Addr(), per)
+			mu.Lock()
+			sent += n
+			err = cmp.Or(err, berr)
+			mu.Unlock()
+		})
+	}
+	wg.Wait()
+	return sent, err
 }
 
 // burst sends one UDP datagram to each of n distinct destination ports from

@@ -27,6 +27,7 @@ type soak struct {
 	w       io.Writer
 	cleanup *netnsnode.Cleanup
 	ch      *netnsnode.Chain
+	burstCh *netnsnode.Chain // a second network for the start-burst faults (burst.go)
 	maps    *netnsnode.CTMaps
 	dcfg    netnsnode.DaemonConfig
 	d       *netnsnode.Daemon
@@ -55,7 +56,12 @@ type soak struct {
 // add creates a pod through the chain and puts the Cilium stand-in on its
 // host-side veth, so its traffic makes CT entries.
 func (s *soak) add(ctx context.Context, name string) (*netnsnode.Pod, error) {
-	p, err := s.ch.Add(ctx, s.cleanup, name)
+	return s.addVia(ctx, s.ch, name)
+}
+
+// addVia is add through the chain ch.
+func (s *soak) addVia(ctx context.Context, ch *netnsnode.Chain, name string) (*netnsnode.Pod, error) {
+	p, err := ch.Add(ctx, s.cleanup, name)
 	if err != nil {
 		return p, err
 	}
@@ -186,6 +192,13 @@ func (s *soak) setUpNode(ctx context.Context) error {
 	const longLived, slots = 2, 2
 	s.ch, err = netnsnode.NewChain(netnsnode.ChainConfig{Node: node, WorkDir: netnsnode.WorkDir, RefPlugins: cfg.RefPlugins,
 		Plugin: filepath.Join(cfg.BinDir, "ctscrub"), Socket: s.d.Socket, RangeSize: longLived + slots})
+	if err != nil {
+		return err
+	}
+	// The start bursts' pods get addresses of their own: many at once would
+	// not fit in the cycles' two.
+	s.burstCh, err = netnsnode.NewChain(netnsnode.ChainConfig{Node: node, WorkDir: filepath.Join(netnsnode.WorkDir, "burst"), RefPlugins: cfg.RefPlugins,
+		Plugin: filepath.Join(cfg.BinDir, "ctscrub"), Socket: s.d.Socket, Name: netnsnode.NetName + "-burst", RangeFrom: burstRangeFrom, RangeSize: burstRangeSize})
 	if err != nil {
 		return err
 	}

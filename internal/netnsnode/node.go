@@ -15,6 +15,7 @@ package netnsnode
 
 import (
 	"bytes"
+	"cmp"
 	"context"
 	"encoding/json"
 	"fmt"
@@ -69,9 +70,16 @@ var (
 )
 
 // PodRange returns the first n addresses host-local hands out (from .10).
-func PodRange(n int) (v4, v6 []netip.Addr) {
+func PodRange(n int) (v4, v6 []netip.Addr) { return PodRangeFrom(0, n) }
+
+// PodRangeFrom returns n addresses from the from-th one after .10: the range
+// of a second network on the same bridge and subnet.
+func PodRangeFrom(from, n int) (v4, v6 []netip.Addr) {
 	a4 := netip.MustParseAddr("10.199.1.10")
 	a6 := netip.MustParseAddr("fd10:199:0:1::10")
+	for range from {
+		a4, a6 = a4.Next(), a6.Next()
+	}
 	for i := 0; i < n; i++ {
 		v4 = append(v4, a4)
 		v6 = append(v6, a6)
@@ -169,6 +177,10 @@ type ChainConfig struct {
 	Plugin     string // the ctscrub binary; "" leaves it out of the chain
 	Socket     string // scrubd's socket
 	RangeSize  int    // addresses host-local may hand out
+	// A second network on the same bridge: its name ("": NetName) and
+	// where its range starts (addresses after the first of PodRange).
+	Name      string
+	RangeFrom int
 }
 
 // NewChain writes the chain's conflist and its bin dir of symlinks under
@@ -200,7 +212,7 @@ func NewChain(cfg ChainConfig) (*Chain, error) {
 			return nil, err
 		}
 	}
-	v4, v6 := PodRange(cfg.RangeSize)
+	v4, v6 := PodRangeFrom(cfg.RangeFrom, cfg.RangeSize)
 	plugins := []map[string]any{{
 		"type":        "bridge",
 		"bridge":      BridgeName,
@@ -227,7 +239,7 @@ func NewChain(cfg ChainConfig) (*Chain, error) {
 	conf := map[string]any{
 		// Debian's reference plugins speak CNI up to 1.0.0.
 		"cniVersion": "1.0.0",
-		"name":       NetName,
+		"name":       cmp.Or(cfg.Name, NetName),
 		"plugins":    plugins,
 	}
 	data, err := json.MarshalIndent(conf, "", "  ")
