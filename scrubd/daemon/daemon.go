@@ -425,11 +425,9 @@ func (d *Daemon) restore() error {
 	// slot no pod holds); a restored slot no pod holds is kept only when
 	// complete (index.Release).
 	active, _ := d.pods.list()
-	held := map[netip.Addr]bool{}
 	for _, pod := range active {
 		for _, ip := range pod.IPs {
 			d.ix.Hold(ip)
-			held[ip] = true
 		}
 	}
 	for _, pod := range active {

@@ -11,16 +11,7 @@ import (
 // ReloadPrograms the programs read the map pinned now; a service map that
 // appears after Load (Cilium started after scrubd) is noticed too.
 func TestServiceMapChangeNoticed(t *testing.T) {
-	requireRoot(t)
-	dir := standin.TempDir(t)
-	if err := standin.CreateServiceMaps(dir); err != nil {
-		t.Fatal(err)
-	}
-	r, err := Load(Options{PinDir: filepath.Join(dir, "ctscrub"), CTRoot: dir})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { r.Close() })
+	r, dir := loadOverServiceMaps(t)
 	if v4, v6 := r.VIPDetection(); !v4 || !v6 {
 		t.Fatalf("VIP detection v4 %v v6 %v with both service maps pinned", v4, v6)
 	}
@@ -72,16 +63,7 @@ func TestServiceMapChangeNoticed(t *testing.T) {
 // filters that still use them hold their own references): reloads on every
 // agent restart must not pile up programs in scrubd.
 func TestReloadsDoNotAccumulatePrograms(t *testing.T) {
-	requireRoot(t)
-	dir := standin.TempDir(t)
-	if err := standin.CreateServiceMaps(dir); err != nil {
-		t.Fatal(err)
-	}
-	r, err := Load(Options{PinDir: filepath.Join(dir, "ctscrub"), CTRoot: dir})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { r.Close() })
+	r, dir := loadOverServiceMaps(t)
 	first, _ := r.Programs()
 	var prev [2]int
 	for i := range 5 {
@@ -103,4 +85,21 @@ func TestReloadsDoNotAccumulatePrograms(t *testing.T) {
 	if first.FD() < 0 {
 		t.Fatal("Load's own program closed by a reload (Close owns it)")
 	}
+}
+
+// loadOverServiceMaps loads a recorder over both service maps pinned, as
+// Cilium pins them, in a fresh directory that it returns.
+func loadOverServiceMaps(t *testing.T) (*Recorder, string) {
+	t.Helper()
+	requireRoot(t)
+	dir := standin.TempDir(t)
+	if err := standin.CreateServiceMaps(dir); err != nil {
+		t.Fatal(err)
+	}
+	r, err := Load(Options{PinDir: filepath.Join(dir, "ctscrub"), CTRoot: dir})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { r.Close() })
+	return r, dir
 }
