@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Kubernetes binaries from the k8s.io/kubernetes Go module: kubeadm, kubelet,
 # kubectl, the control plane (kube-apiserver, kube-controller-manager,
-# kube-scheduler) and the e2e workload server agnhost. Prints the image that
-# holds them (/usr/local/bin), built or reused.
+# kube-scheduler), kube-proxy (for the clusters that run it: CILIUM_LB=default
+# and hostns, CNI=kindnet) and the e2e workload server agnhost. Prints the
+# image that holds them (/usr/local/bin), built or reused.
 #
 # k8s.io/kubernetes cannot be built as a plain dependency: its go.mod points
 # its 31 staging modules (k8s.io/api, ...) at ./staging. A throwaway module
@@ -41,6 +42,7 @@ go_build -tags providerless -ldflags "$ld" -o out/usr/local/bin/ \
 	k8s.io/kubernetes/cmd/kube-apiserver \
 	k8s.io/kubernetes/cmd/kube-controller-manager \
 	k8s.io/kubernetes/cmd/kube-scheduler \
+	k8s.io/kubernetes/cmd/kube-proxy \
 	k8s.io/kubernetes/test/images/agnhost
 out/usr/local/bin/kubeadm version -o short | grep -qx "$K8S_VERSION" || die "kubeadm reports $(out/usr/local/bin/kubeadm version -o short), want $K8S_VERSION"
 import_dir out "$image"
