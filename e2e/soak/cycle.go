@@ -10,14 +10,24 @@ import (
 )
 
 // runCycles runs the cycles, each fault before its cycle (schedule), and
-// reads scrubd's memory, fds, goroutines, heap and index over the first and
-// the last tenth of them.
+// reads scrubd's memory, fds, goroutines, heap and index over the baseline
+// tenth of them and over the last tenth. The baseline is the first tenth;
+// after the last fault that restarts scrubd, the soak re-warms the new
+// process and the baseline is the tenth after that, so rss_start and
+// rss_end are one process's.
 func (s *soak) runCycles(ctx context.Context, bgFlows *atomic.Int64) error {
 	cfg := s.cfg
-	faults := s.schedule()
+	faults, restarting := s.schedule()
+	lastRestart := -1
+	for c := range restarting {
+		if faults[c] != nil {
+			lastRestart = max(lastRestart, c)
+		}
+	}
 	tenth := max(1, cfg.Cycles/10)
-	var rssFirst, rssLast, anonFirst, anonLast []int64 // per cycle, first and last tenth
-	firstPid := 0
+	var rssFirst, rssLast, anonFirst, anonLast []int64 // per cycle, baseline and last tenth
+	base := 0                                          // the baseline's first cycle
+	pids := map[int]bool{}
 	for i := 0; i < cfg.Cycles; i++ {
 		if ctx.Err() != nil {
 			return ctx.Err()
@@ -30,20 +40,30 @@ func (s *soak) runCycles(ctx context.Context, bgFlows *atomic.Int64) error {
 			fr.RSSAfter, _, _ = s.procFigures()
 			s.res.Faults = append(s.res.Faults, fr)
 			s.logf("fault %s at cycle %d: %s (ok %v)", fr.Name, i, fr.Outcome, fr.OK)
+			if restarting[i] && !fr.Skipped {
+				s.res.PlannedRestarts++
+			}
+			if i == lastRestart && i+tenth <= cfg.Cycles-tenth {
+				if err := s.rewarm(ctx); err != nil {
+					return err
+				}
+				if len(rssFirst) > 0 {
+					s.res.RSSFirstProcess = netnsnode.Median(rssFirst)
+				}
+				base, rssFirst, anonFirst = i, nil, nil
+			}
 		}
 		if err := s.cycle(ctx, i, s.others); err != nil {
 			return err
 		}
+		pids[s.daemon().Pid()] = true
 		switch m := s.memory(); {
-		case i < tenth:
-			if pid := s.daemon().Pid(); pid != firstPid {
-				firstPid, rssFirst, anonFirst = pid, nil, nil // a restarted scrubd starts over
-			}
+		case i >= base && i < base+tenth:
 			rssFirst, anonFirst = append(rssFirst, m["VmRSS"]), append(anonFirst, m["RssAnon"])
 		case i >= cfg.Cycles-tenth:
 			rssLast, anonLast = append(rssLast, m["VmRSS"]), append(anonLast, m["RssAnon"])
 		}
-		if i == tenth-1 {
+		if i == base+tenth-1 {
 			_, s.res.FDsStart, s.res.GoroutinesStart = s.procFigures()
 			s.res.HeapLiveStart = int64(s.metric("go_gc_heap_live_bytes"))
 			s.res.IndexKeysStart = int64(s.metric("ctscrub_index_keys"))
@@ -53,6 +73,7 @@ func (s *soak) runCycles(ctx context.Context, bgFlows *atomic.Int64) error {
 				i, cfg.Cycles, s.res.StaleEntriesLeft, s.res.CRICycles, s.res.FailedAdds, s.res.FailedAddsInWin, s.res.FailedDels, s.res.FailedDelsInWin, bgFlows.Load())
 		}
 	}
+	s.res.BaselineCycle, s.res.ScrubdProcesses = base, len(pids)
 	_, s.res.FDsEnd, s.res.GoroutinesEnd = s.procFigures()
 	s.res.HeapLiveEnd = int64(s.metric("go_gc_heap_live_bytes"))
 	s.res.IndexKeysEnd = int64(s.metric("ctscrub_index_keys"))

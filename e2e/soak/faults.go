@@ -28,21 +28,24 @@ import (
 type faultFn func(ctx context.Context, cycle int) FaultResult
 
 // schedule spreads the faults over the middle of the run, from 15 % to
-// 75 %: the first tenth of the cycles is the node at its steady state before
-// any fault (the baseline of rss_start), the last tenth the node at least
-// 15 % of the run after the last one (rss_end). The two faults that kill
-// scrubd come first (the SIGKILL, then the recorder killed during a start
-// burst), so the restarted scrubd has most of the run to fill its index
-// again. The ring overrun during a start burst follows the plain ring
-// overrun, and the GC during churn comes before the CT maps are re-created
-// (which marks every IP incomplete and would make every scrub sweep).
-func (s *soak) schedule() map[int]faultFn {
+// 75 %: the first tenth of the cycles is the node at its steady state
+// before any fault, the last tenth the node at least 15 % of the run after
+// the last one (rss_end). The two faults that kill scrubd come first (the
+// SIGKILL, then the recorder killed during a start burst); after the
+// second the soak re-warms the restarted scrubd (rewarm) and takes the RSS
+// baseline (rss_start) over the tenth of cycles after it, which no fault
+// falls in (the next comes at 30 %). The ring overrun during a start burst
+// follows the plain ring overrun, and the GC during churn comes before the
+// CT maps are re-created (which marks every IP incomplete and would make
+// every scrub sweep). restarting lists the cycles whose fault restarts
+// scrubd.
+func (s *soak) schedule() (faults map[int]faultFn, restarting map[int]bool) {
 	n := s.cfg.Cycles
 	at := func(frac float64) int { return min(n-1, max(1, int(float64(n)*frac))) }
 	m := map[int]faultFn{
 		at(0.15): s.faultKill,
 		at(0.20): s.faultRecorderKilled,
-		at(0.25): s.faultDeadline,
+		at(0.30): s.faultDeadline,
 		at(0.35): s.faultRingOverrun,
 		at(0.40): s.faultRingBurst,
 		at(0.45): s.faultPinsRemoved,
@@ -54,7 +57,7 @@ func (s *soak) schedule() map[int]faultFn {
 	if s.cfg.Starve > 0 {
 		m[at(0.55)] = s.faultStarve
 	}
-	return m
+	return m, map[int]bool{at(0.15): true, at(0.20): true}
 }
 
 func (s *soak) inWindow() bool { return s.window.Load() > 0 }

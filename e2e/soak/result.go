@@ -31,13 +31,29 @@ type SoakResult struct {
 	AddP99S          float64       `json:"add_p99_s"`
 	AddP50S          float64       `json:"add_p50_s"`
 	Faults           []FaultResult `json:"faults"`
-	// RSS: the median of one reading per cycle over the first tenth of
-	// the cycles (after the warm-up, before the first fault) and over the
-	// last tenth (after the last fault). One reading at each end lands
-	// anywhere on the GC's sawtooth (a few MiB here), the medians compare
-	// like with like.
+	// RSS: the median of one reading per cycle over a tenth of the
+	// cycles at the start of the process that runs to the end (the
+	// baseline: the first tenth, or when a fault restarts scrubd, the
+	// tenth after the last such fault and its re-warm, with no fault in
+	// it; BaselineCycle is its first cycle) and over the last tenth
+	// (after the last fault). One reading at each end lands anywhere on
+	// the GC's sawtooth (a few MiB here), the medians compare like with
+	// like, and the same process with itself.
 	RSSStart int64 `json:"rss_start_bytes"`
 	RSSEnd   int64 `json:"rss_end_bytes"`
+	// The first process's first tenth (the run's first baseline, before
+	// any fault), kept when a restart moved the baseline.
+	RSSFirstProcess int64 `json:"rss_first_process_bytes,omitempty"`
+	BaselineCycle   int   `json:"baseline_cycle"`
+	// The re-warm after the last restarting fault (rewarm): how long it
+	// ran, and the index's keys when it ended.
+	RewarmS            float64 `json:"rewarm_s,omitempty"`
+	IndexKeysRewarmEnd int64   `json:"index_keys_rewarm_end,omitempty"`
+	// Processes of scrubd during the cycles: 1, plus one per restart. A
+	// process more than the faults' restarts (PlannedRestarts) is scrubd
+	// dying on its own, and fails the run.
+	ScrubdProcesses int `json:"scrubd_processes"`
+	PlannedRestarts int `json:"planned_restarts"`
 	// The heap the last GC found live (go_gc_heap_live_bytes) at the end
 	// of the first tenth and at the end: a leak grows it, the GC's
 	// sawtooth does not.
@@ -53,7 +69,7 @@ type SoakResult struct {
 	// RssFile and RssShmem at the end (the code pages and the ring's).
 	RSSFileEnd  int64 `json:"rss_file_end_bytes"`
 	RSSShmemEnd int64 `json:"rss_shmem_end_bytes"`
-	// Keys in scrubd's index at the end of the first tenth and at the
+	// Keys in scrubd's index at the end of the baseline tenth and at the
 	// end: the long-lived pods' flows are indexed for as long as their CT
 	// entries live, so the index (and the heap) follows the CT table.
 	// The warm-up before the first cycle (warmUp): how long it ran, and
@@ -76,13 +92,14 @@ type SoakResult struct {
 
 // passed is the soak's verdict: nothing stale, nothing wrongly deleted, no
 // CNI call failed outside a fault's window, scrubd's RSS and fds flat
-// (within 10 %) from the first tenth to the last, and every fault handled
-// or skipped.
+// (within 10 %) from the baseline tenth to the last, no restart of scrubd
+// but the faults', and every fault handled or skipped.
 func (r *SoakResult) passed() bool {
 	flat := func(a, b int64) bool { return a > 0 && float64(b) <= float64(a)*1.1 && float64(b) >= float64(a)*0.9 }
 	pass := r.StaleEntriesLeft == 0 && r.WrongDeletions == 0 &&
 		r.FailedAdds == r.FailedAddsInWin && r.FailedDels == r.FailedDelsInWin &&
-		flat(r.RSSStart, r.RSSEnd) && flat(int64(r.FDsStart), int64(r.FDsEnd))
+		flat(r.RSSStart, r.RSSEnd) && flat(int64(r.FDsStart), int64(r.FDsEnd)) &&
+		r.ScrubdProcesses <= 1+r.PlannedRestarts
 	for _, f := range r.Faults {
 		pass = pass && (f.OK || f.Skipped)
 	}
