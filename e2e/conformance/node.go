@@ -130,8 +130,9 @@ func NewNode(t testing.TB, o *Objects, dsr bool) *Node {
 		}
 	}
 	for name, m := range n.LXC.Maps {
-		for _, want := range []string{recorder.ServiceMap4, recorder.ServiceMap6} {
-			// 1.17+: the production name; 1.16's test config: test_cilium_lb4_services.
+		for _, want := range []string{recorder.ServiceMap4, recorder.ServiceMap6, ctmap.BackendMap4, ctmap.BackendMap6} {
+			// 1.17+: the production name; 1.16's test config:
+			// test_cilium_lb4_services, test_cilium_lb4_backends.
 			if name == want || name == "test_"+want[:len(want)-3] {
 				if err := pinAlso(m, filepath.Join(n.Globals, want)); err != nil {
 					t.Fatal(err)
@@ -160,6 +161,7 @@ func NewNode(t testing.TB, o *Objects, dsr bool) *Node {
 	if err != nil {
 		t.Fatal(err)
 	}
+	n.Rec.SetCT(n.CT) // Resolve reads SERVICE and OUT entries there
 	if v4, v6 := n.Rec.VIPDetection(); !v4 || !v6 {
 		t.Fatalf("recorder did not find Cilium %s's service maps (v4 %v, v6 %v)", o.Version, v4, v6)
 	}
@@ -310,8 +312,10 @@ const (
 	SvcRoutable   = 1 << 6
 )
 
-// AddService registers a service frontend with one backend.
-func (n *Node) AddService(proto uint8, vip, backend netip.AddrPort, flags uint8) {
+// AddService registers a service frontend with one backend (slot 1) and
+// returns the backend's ID. Again for the same frontend, it replaces the
+// backend in slot 1, as the agent does when a backend changes.
+func (n *Node) AddService(proto uint8, vip, backend netip.AddrPort, flags uint8) uint32 {
 	n.t.Helper()
 	n.mu.Lock()
 	rev := n.revNAT
@@ -328,6 +332,40 @@ func (n *Node) AddService(proto uint8, vip, backend netip.AddrPort, flags uint8)
 	n.setup(a, "conf_setup")
 	if err := n.SI.AddService(proto, vip, backend); err != nil {
 		n.t.Fatal(err)
+	}
+	return a.BackendID
+}
+
+// RemoveBackend deletes backend id from Cilium's backend map of the
+// family of v6, as the agent does when the backend's pod goes: a flow's
+// next packet then makes Cilium pick another (ct_update_svc_entry).
+func (n *Node) RemoveBackend(v6 bool, id uint32) {
+	n.t.Helper()
+	want := ctmap.BackendMap4
+	if v6 {
+		want = ctmap.BackendMap6
+	}
+	for name, m := range n.LXC.Maps {
+		if name == want || name == "test_"+want[:len(want)-3] {
+			if err := m.Delete(id); err != nil {
+				n.t.Fatalf("remove backend %d from %s: %v", id, name, err)
+			}
+			return
+		}
+	}
+	n.t.Fatalf("no backend map %s in bpf_lxc of %s", want, n.O.Version)
+}
+
+// Settle does what the daemon does soon after records arrive: applies
+// them and runs the early resolution of the pods' service flows.
+func (n *Node) Settle(pods ...*Pod) {
+	n.t.Helper()
+	if _, err := n.Rec.Drain(n.Ix); err != nil {
+		n.t.Fatal(err)
+	}
+	for _, p := range pods {
+		n.Rec.Resolve(n.Ix, p.IP4, false)
+		n.Rec.Resolve(n.Ix, p.IP6, false)
 	}
 }
 
@@ -583,6 +621,13 @@ func (n *Node) Check(pods []*Pod, reasons ...string) (misses []Miss, wrong []str
 	n.t.Helper()
 	if _, err := n.Rec.Drain(n.Ix); err != nil {
 		n.t.Fatal(err)
+	}
+	// What a scrub does first (index.Hooks.Resolve, installed by the
+	// recorder's Run): learn the backends of the IPs' service flows.
+	for _, p := range pods {
+		for _, ip := range []netip.Addr{p.IP4, p.IP6} {
+			n.Rec.Resolve(n.Ix, ip, true)
+		}
 	}
 	// What a scrub does first (cilium.Backend.Scrub): a Cilium feature that
 	// puts the IP's entries out of the index's reach marks it incomplete.

@@ -117,5 +117,7 @@ func (ix *Index) restoreIP(si SnapshotIP) error {
 		return err
 	}
 	e.pruneAt = max(1024, 2*e.size())
+	k4, k6 := e.list(nil, nil)
+	e.noteServiceKeysLocked(k4, k6)
 	return nil
 }

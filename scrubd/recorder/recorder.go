@@ -111,7 +111,7 @@ type Recorder struct {
 	progMu sync.RWMutex
 	prog   [2]*ebpf.Program // ingress, egress
 	vip    [2]bool          // VIP detection on for IPv4, IPv6
-	svc    [2]ebpf.MapID
+	svc    [numWatched]ebpf.MapID // the Cilium maps the programs read (watchedMaps)
 	// reloaded: programs of a ReloadPrograms (r.objs holds the first ones).
 	reloaded []*ebpf.Program
 
@@ -134,6 +134,8 @@ type Recorder struct {
 	netnsCheck bool
 
 	bar atomic.Pointer[barrier] // Run's, while it runs
+
+	unresolved atomic.Uint64 // IPs Resolve marked incomplete
 }
 
 // FastSyncs returns how many Index.Sync calls of the running Run found the
@@ -268,11 +270,20 @@ func recorderSpec(opts Options) (*ebpf.CollectionSpec, error) {
 	return spec, nil
 }
 
-// openServiceMaps opens Cilium's service maps pinned under opts.CTRoot, as
-// replacements for the programs' own, and sets vip (detection on per family)
-// and ids (the maps opened). A family whose map is not pinned has VIP
-// detection off.
-func openServiceMaps(spec *ebpf.CollectionSpec, opts Options, vip *[2]bool, ids *[2]ebpf.MapID) (map[string]*ebpf.Map, error) {
+// watchedMaps are the maps of Cilium's the programs read, pinned under
+// CTRoot: the service maps (VIP detection) and the four global CT maps (a
+// service flow's SERVICE entry, for its backend_id).
+var watchedMaps = []string{ServiceMap4, ServiceMap6,
+	ctmap.TCP4.Name(), ctmap.Any4.Name(), ctmap.TCP6.Name(), ctmap.Any6.Name()}
+
+const numWatched = 6
+
+// openServiceMaps opens Cilium's maps the programs read (watchedMaps),
+// pinned under opts.CTRoot, as replacements for the programs' own, and
+// sets vip (detection on per family) and ids (the maps opened). A family
+// whose service map is not pinned has VIP detection off; a CT map not
+// pinned leaves its service flows' backends to user space (Resolve).
+func openServiceMaps(spec *ebpf.CollectionSpec, opts Options, vip *[2]bool, ids *[numWatched]ebpf.MapID) (map[string]*ebpf.Map, error) {
 	repl := make(map[string]*ebpf.Map)
 	fail := func(err error) (map[string]*ebpf.Map, error) {
 		for _, m := range repl {
@@ -280,13 +291,18 @@ func openServiceMaps(spec *ebpf.CollectionSpec, opts Options, vip *[2]bool, ids 
 		}
 		return nil, err
 	}
-	for i, name := range []string{ServiceMap4, ServiceMap6} {
-		vip[i], ids[i] = false, 0
+	for i, name := range watchedMaps {
+		if i < 2 {
+			vip[i] = false
+		}
+		ids[i] = 0
 		path := filepath.Join(opts.CTRoot, name)
 		m, err := ebpf.LoadPinnedMap(path, nil)
 		if errors.Is(err, os.ErrNotExist) {
-			opts.Log.Info("recorder: Cilium service map not pinned, VIP detection off for this family (fine without Cilium; with Cilium check --ct-root)",
-				"map", path)
+			if i < 2 {
+				opts.Log.Info("recorder: Cilium service map not pinned, VIP detection off for this family (fine without Cilium; with Cilium check --ct-root)",
+					"map", path)
+			}
 			continue
 		}
 		if err != nil {
@@ -303,7 +319,9 @@ func openServiceMaps(spec *ebpf.CollectionSpec, opts Options, vip *[2]bool, ids 
 		ms.MaxEntries = m.MaxEntries()
 		ms.Flags = m.Flags()
 		repl[name] = m
-		vip[i] = true
+		if i < 2 {
+			vip[i] = true
+		}
 		if info, err := m.Info(); err == nil {
 			ids[i], _ = info.ID()
 		}
@@ -629,6 +647,7 @@ func (r *Recorder) Run(ctx context.Context, ix *index.Index) error {
 	r.bar.Store(bar)
 	defer r.bar.Store(nil)
 	hooks := r.hooks(ix)
+	hooks.Resolve = func(ip netip.Addr) { r.Resolve(ix, ip, true) }
 	hooks.Sync = func(ctx context.Context) error {
 		if err := bar.wait(ctx); err != nil {
 			return err
@@ -688,6 +707,28 @@ func (r *Recorder) Run(ctx context.Context, ix *index.Index) error {
 		}()
 	}
 
+	// Early resolution: a service flow's OUT key in the index soon after
+	// its record, so the audit and the prune see it.
+	svcq := newPruneQueue()
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		for {
+			select {
+			case <-ctx.Done():
+				return
+			case ip := <-svcq.ch:
+				select {
+				case <-ctx.Done():
+					return
+				case <-time.After(resolveDelay):
+				}
+				svcq.taken(ip)
+				r.Resolve(ix, ip, false)
+			}
+		}
+	}()
+
 	var rec ringbuf.Record
 	for {
 		upTo := bar.noted()
@@ -713,6 +754,9 @@ func (r *Recorder) Run(ctx context.Context, ix *index.Index) error {
 		}
 		Apply(ix, &rc)
 		bar.appliedUpTo()
+		if rc.Kind == RecServiceEntry {
+			svcq.offer(rc.addrs()[1]) // the pod: saddr of the SERVICE key
+		}
 		if q != nil {
 			for _, ip := range rc.addrs() {
 				if ix.Owns(ip) && ix.NeedsPrune(ip) {
@@ -732,9 +776,9 @@ func (r *Recorder) Run(ctx context.Context, ix *index.Index) error {
 // the pod's IP would pass as complete with its real entries missing.
 func (r *Recorder) ServiceMapsChanged() bool {
 	r.progMu.RLock()
-	vip, svc := r.vip, r.svc
+	svc := r.svc
 	r.progMu.RUnlock()
-	for i, name := range []string{ServiceMap4, ServiceMap6} {
+	for i, name := range watchedMaps {
 		var id ebpf.MapID
 		if m, err := ebpf.LoadPinnedMap(filepath.Join(r.opts.CTRoot, name), nil); err == nil {
 			if info, ierr := m.Info(); ierr == nil {
@@ -743,7 +787,7 @@ func (r *Recorder) ServiceMapsChanged() bool {
 			m.Close()
 		}
 		// A pin gone (Cilium between unpin and re-create) is no change yet.
-		if id != 0 && (!vip[i] || id != svc[i]) {
+		if id != 0 && id != svc[i] {
 			return true
 		}
 	}
@@ -762,7 +806,7 @@ func (r *Recorder) ReloadPrograms() error {
 		return err
 	}
 	var vip [2]bool
-	var ids [2]ebpf.MapID
+	var ids [numWatched]ebpf.MapID
 	repl, err := openServiceMaps(spec, r.opts, &vip, &ids)
 	if err != nil {
 		return err

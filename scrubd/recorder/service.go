@@ -1,0 +1,190 @@
+package recorder
+
+import (
+	"errors"
+	"net/netip"
+	"time"
+
+	"github.com/cilium/ebpf"
+
+	"github.com/ctscrub/ctscrub/scrubd/ctmap"
+	"github.com/ctscrub/ctscrub/scrubd/index"
+)
+
+// resolveDelay: how long after a service flow's record the early
+// resolution waits, so Cilium (which handles the packet after the
+// recorder) has created the flow's SERVICE and OUT entries.
+const resolveDelay = 100 * time.Millisecond
+
+// Resolve learns the backends of ip's flows through VIPs Cilium
+// load-balances per packet (index.Services) and indexes each flow's OUT
+// key and its RELATED key, under every address of them that has a slot (a
+// local backend pod's too). A backend that cannot be learnt for certain
+// marks ip incomplete (index.ReasonServiceUnresolved), never guessed.
+//
+// final: a scrub or the audit is about to rely on the index. Then a pick
+// still unread whose SERVICE entry is gone, and a newly learnt backend
+// whose OUT entry is absent, mark the IP; early (final false, soon after
+// the record) they only stay pending, since Cilium may not have created
+// the entries yet. The windows are in docs/recorder.md ("Service VIPs").
+func (r *Recorder) Resolve(ix *index.Index, ip netip.Addr, final bool) {
+	svcs := ix.Services(ip)
+	if len(svcs) == 0 || !ix.State(ip).Complete {
+		return // an incomplete IP sweeps: nothing to learn for it
+	}
+	r.ctMu.RLock()
+	defer r.ctMu.RUnlock()
+	ct := r.opts.CT
+	fail := func(why string, err error) {
+		if final {
+			r.opts.Log.Warn("recorder: service flow's backend unresolved; the IP is marked incomplete", "ip", ip, "why", why, "err", err)
+			r.unresolved.Add(1)
+			ix.MarkIncomplete(ip, index.ReasonServiceUnresolved)
+		}
+	}
+	if ct == nil {
+		fail("no CT maps to read SERVICE entries from", nil)
+		return
+	}
+	be, err := ctmap.OpenBackends(r.opts.CTRoot)
+	if err != nil {
+		fail("open backend maps", err)
+		return
+	}
+	defer be.Close()
+	for _, s := range svcs {
+		if why, err := resolveOne(ix, ip, ct, be, s, final); why != "" {
+			if !final {
+				// A fact whatever the timing (a backend removed before
+				// its address was read): mark now.
+				final = true
+				fail(why, err)
+				final = false
+			} else {
+				fail(why, err)
+			}
+			return
+		}
+	}
+}
+
+// resolveOne resolves one flow; why is non-empty when ip must be marked.
+func resolveOne(ix *index.Index, ip netip.Addr, ct *ctmap.Maps, be *ctmap.Backends, s index.Service, final bool) (why string, err error) {
+	id, pending := s.ID, s.Pending
+	learn := func(b uint32) (ok bool, err error) {
+		bk, found, err := be.Lookup(s.V6, b)
+		if err != nil || !found {
+			return false, err
+		}
+		addOut(ix, s, bk)
+		return true, nil
+	}
+	// Backends the recorder read from the entry on later packets.
+	for _, b := range s.Read {
+		ok, err := learn(b)
+		if err != nil {
+			return "read backend map", err
+		}
+		if !ok {
+			if b != id {
+				return "a backend the flow used was removed before its address was read", nil
+			}
+			pending = true // Cilium re-picks at the flow's next packet
+			continue
+		}
+		id = b
+	}
+	// The entry now: the backend of the flow's last packet.
+	var e ctmap.Entry
+	if s.V6 {
+		err = ct.Map(s.K6.Kind()).Lookup(s.K6, &e)
+	} else {
+		err = ct.Map(s.K4.Kind()).Lookup(s.K4, &e)
+	}
+	if errors.Is(err, ebpf.ErrKeyNotExist) {
+		if pending {
+			if final {
+				return "the SERVICE entry is gone and its last backend was never read", nil
+			}
+			ix.ServiceResolved(ip, s, id, true, false)
+			return "", nil
+		}
+		ix.ServiceResolved(ip, s, id, false, true) // every pick learnt; the entry is gone
+		return "", nil
+	}
+	if err != nil {
+		return "read SERVICE entry", err
+	}
+	b := uint32(e.Decode().BackendID)
+	bk, found, err := be.Lookup(s.V6, b)
+	if err != nil {
+		return "read backend map", err
+	}
+	if !found {
+		if b != id {
+			return "the SERVICE entry's backend was removed before its address was read", nil
+		}
+		ix.ServiceResolved(ip, s, id, true, false) // the next packet re-picks
+		return "", nil
+	}
+	out := outKey(s, bk)
+	if b != id || pending {
+		// A newly learnt backend: its OUT entry must be there (Cilium
+		// creates it right after the SERVICE entry), unless the backend is
+		// the client itself (IPv4 hairpin: the OUT entry names the service
+		// loopback address, and the pod's own recorder saw the packet
+		// arrive from it). Absent: the ID may name another backend than
+		// the one the flow went to (removed, ID reused), or Cilium dropped
+		// the packet after the SERVICE entry.
+		if !present(ct, s, out) && !(bk.Addr == ip && !s.V6) {
+			if final {
+				return "no OUT entry towards the SERVICE entry's backend", nil
+			}
+			addOut(ix, s, bk)
+			ix.ServiceResolved(ip, s, b, true, false)
+			return "", nil
+		}
+	}
+	addOut(ix, s, bk)
+	ix.ServiceResolved(ip, s, b, false, false)
+	return "", nil
+}
+
+type outKeys struct {
+	k4 ctmap.CTKey4
+	k6 ctmap.CTKey6
+}
+
+// outKey is the flow's OUT key towards bk: the pod as initiator (daddr, its
+// port in sport), the backend as responder.
+func outKey(s index.Service, bk ctmap.Backend) outKeys {
+	if s.V6 {
+		return outKeys{k6: ctmap.NewKey6(s.K6.SAddr(), bk.Addr, bk.Port, s.K6.DPort(), s.K6.NextHdr(), ctmap.FlagOut)}
+	}
+	return outKeys{k4: ctmap.NewKey4(s.K4.SAddr(), bk.Addr, bk.Port, s.K4.DPort(), s.K4.NextHdr(), ctmap.FlagOut)}
+}
+
+func present(ct *ctmap.Maps, s index.Service, o outKeys) bool {
+	var e ctmap.Entry
+	if s.V6 {
+		return ct.Map(o.k6.Kind()).Lookup(o.k6, &e) == nil
+	}
+	return ct.Map(o.k4.Kind()).Lookup(o.k4, &e) == nil
+}
+
+// addOut indexes the OUT key and its RELATED key as Apply indexes a flow's
+// (under each address with a slot: a local backend pod's too).
+func addOut(ix *index.Index, s index.Service, bk ctmap.Backend) {
+	o := outKey(s, bk)
+	if s.V6 {
+		ix.Add6(o.k6)
+		ix.Add6(o.k6.Related())
+		return
+	}
+	ix.Add4(o.k4)
+	ix.Add4(o.k4.Related())
+}
+
+// ServiceUnresolved counts the IPs Resolve marked incomplete
+// (index.ReasonServiceUnresolved).
+func (r *Recorder) ServiceUnresolved() uint64 { return r.unresolved.Load() }
