@@ -114,6 +114,38 @@ func (e *Env) DeleteCT(k4 ctmap.CTKey4, k6 ctmap.CTKey6) {
 	}
 }
 
+// RequireServiceEntry fails the case unless Cilium's CT maps hold a
+// SERVICE entry of a flow p sent to vip: bpf_lxc load-balanced it per
+// packet (without that the case would pass on a plain flow to the VIP).
+func (e *Env) RequireServiceEntry(p *Pod, vip netip.Addr) {
+	for _, kind := range ctmap.Kinds {
+		if kind.IPv6() != e.V6 {
+			continue
+		}
+		it := e.N.CT.Map(kind).Iterate()
+		var v ctmap.Entry
+		if e.V6 {
+			var k ctmap.CTKey6
+			for it.Next(&k, &v) {
+				if k.Flags() == ctmap.FlagService && k.SAddr() == e.IP(p) && k.DAddr() == vip {
+					return
+				}
+			}
+		} else {
+			var k ctmap.CTKey4
+			for it.Next(&k, &v) {
+				if k.Flags() == ctmap.FlagService && k.SAddr() == e.IP(p) && k.DAddr() == vip {
+					return
+				}
+			}
+		}
+		if err := it.Err(); err != nil {
+			e.Fail("read CT: %v", err)
+		}
+	}
+	e.Fail("no SERVICE entry for %s -> %s: this build did not load-balance per packet", e.IP(p), vip)
+}
+
 // proxyRedirect is struct ct_entry's proxy_redirect flag bit (1.16-1.20).
 const proxyRedirect = 1 << 6
 
@@ -166,9 +198,9 @@ func (e *Env) Key(daddr, saddr netip.Addr, dport, sport uint16, proto, flags uin
 // check accepts for them.
 type Case struct {
 	Name string
-	// DSR: runs on the second node (host firewall on, bpf_host with
-	// NodePort DSR).
-	DSR bool
+	// Node: the node configuration the case runs on (NodeDefault unless
+	// it needs another datapath build).
+	Node NodeConfig
 	// NotStandin says why the stand-in (which models only the pod's veth,
 	// not bpf_host) is not compared with Cilium on this case.
 	NotStandin string
@@ -345,6 +377,28 @@ var Cases = []Case{
 		e.Expect("UDP to VIP, re-picked", e.N.Send(a, UDPFrame(AP(e.IP(a), 40006), AP(vip, 9000))))
 		return []*Pod{a}, []string{index.ReasonServiceUnresolved}
 	}},
+	// Socket LB in host-namespace-only mode (service meshes): bpf_lxc
+	// load-balances the pod's packets itself, as with the default values.
+	// Each case first checks that Cilium made the SERVICE entry (the
+	// per-packet path ran on this build), then that the client is complete.
+	{Name: "hostns-service-tcp-local-backend", Node: NodeSocketLBHostNS, Run: func(e *Env) ([]*Pod, []string) {
+		a, b, vip := e.Pod("client"), e.Pod("backend"), e.VIP()
+		e.N.AddService(ProtoTCP, AP(vip, 80), AP(e.IP(b), 8080), 0)
+		e.Expect("SYN to VIP", e.N.Send(a, TCPFrame(AP(e.IP(a), 40001), AP(vip, 80), SYN)))
+		e.Expect("SYN-ACK from backend", e.N.Send(b, TCPFrame(AP(e.IP(b), 8080), AP(e.IP(a), 40001), SYN|ACK)))
+		e.Expect("ACK to VIP", e.N.Send(a, TCPFrame(AP(e.IP(a), 40001), AP(vip, 80), ACK)))
+		e.RequireServiceEntry(a, vip)
+		return []*Pod{a, b}, nil
+	}},
+	{Name: "hostns-dns-over-udp-remote-backend", Node: NodeSocketLBHostNS, Run: func(e *Env) ([]*Pod, []string) {
+		a, dns, vip := e.Pod("a"), e.Remote(), e.VIP()
+		e.N.AddService(ProtoUDP, AP(vip, 53), AP(dns, 53), 0)
+		e.Expect("query", e.N.Send(a, UDPFrame(AP(e.IP(a), 41053), AP(vip, 53))))
+		e.Expect("answer", e.N.FromNetdev(UDPFrame(AP(dns, 53), AP(e.IP(a), 41053))))
+		e.Expect("second query", e.N.Send(a, UDPFrame(AP(e.IP(a), 41053), AP(vip, 53))))
+		e.RequireServiceEntry(a, vip)
+		return []*Pod{a}, nil
+	}},
 	{Name: "icmp-echo", Run: func(e *Env) ([]*Pod, []string) {
 		a, b, w := e.Pod("a"), e.Pod("b"), e.World()
 		e.Expect("echo out", e.N.Send(a, e.Echo(e.IP(a), w, true, 7)))
@@ -423,14 +477,14 @@ var Cases = []Case{
 		e.Expect("SYN-ACK", e.N.Send(b, TCPFrame(AP(e.IP(b), 8080), AP(w, 50001), SYN|ACK)))
 		return []*Pod{b}, nil
 	}},
-	{Name: "nodeport-dsr-backend", DSR: true, NotStandin: notHost, Run: func(e *Env) ([]*Pod, []string) {
+	{Name: "nodeport-dsr-backend", Node: NodeHostFWDSR, NotStandin: notHost, Run: func(e *Env) ([]*Pod, []string) {
 		b, w := e.Pod("backend"), e.World()
 		svc := AP(e.VIP(), 30080)
 		e.Expect("DSR SYN", e.N.FromNetdev(DSRFrame(AP(w, 50001), AP(e.IP(b), 8080), svc, SYN)))
 		e.Expect("SYN-ACK", e.N.Send(b, TCPFrame(AP(e.IP(b), 8080), AP(w, 50001), SYN|ACK)))
 		return []*Pod{b}, nil
 	}},
-	{Name: "host-firewall-pod-node", DSR: true, NotStandin: notHostFW, Run: func(e *Env) ([]*Pod, []string) {
+	{Name: "host-firewall-pod-node", Node: NodeHostFWDSR, NotStandin: notHostFW, Run: func(e *Env) ([]*Pod, []string) {
 		a, node := e.Pod("a"), e.NodeIP()
 		e.N.AddRemote(node, HostID)
 		// The pod connects to the node: bpf_lxc, then the host firewall's

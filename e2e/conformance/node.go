@@ -89,9 +89,24 @@ func (p *Pod) IP(v6 bool) netip.Addr {
 // PodCIDRs of the harness's node.
 var PodCIDRs = []netip.Prefix{netip.MustParsePrefix("10.244.0.0/16"), netip.MustParsePrefix("fd00:244::/48")}
 
-// NewNode loads a node: dsr selects the second configuration, bpf_lxc and
-// bpf_host with the host firewall and bpf_host with NodePort DSR.
-func NewNode(t testing.TB, o *Objects, dsr bool) *Node {
+// NodeConfig is a node's datapath configuration.
+type NodeConfig int
+
+const (
+	// NodeDefault: Cilium's default values (no socket LB: bpf_lxc
+	// load-balances per packet), legacy host routing.
+	NodeDefault NodeConfig = iota
+	// NodeHostFWDSR: bpf_lxc and bpf_host with the host firewall, bpf_host
+	// with NodePort DSR.
+	NodeHostFWDSR
+	// NodeSocketLBHostNS: socket LB in host-namespace-only mode
+	// (bpf_lxc built with ENABLE_SOCKET_LB_HOST_ONLY), bpf_host as default.
+	NodeSocketLBHostNS
+	numNodeConfigs
+)
+
+// NewNode loads a node of configuration cfg.
+func NewNode(t testing.TB, o *Objects, nc NodeConfig) *Node {
 	t.Helper()
 	dir, err := os.MkdirTemp("/sys/fs/bpf", "ctscrub-conformance-")
 	if err != nil {
@@ -102,14 +117,17 @@ func NewNode(t testing.TB, o *Objects, dsr bool) *Node {
 	lb := loopback4(o).As4()
 	cfg := configs{"interface_ifindex": nativeIf, "service_loopback_ipv4": uint64(binary.NativeEndian.Uint32(lb[:]))}
 	lxc := o.LXC
-	if dsr {
+	switch nc {
+	case NodeHostFWDSR:
 		lxc = o.LXCHostFW
+	case NodeSocketLBHostNS:
+		lxc = o.LXCHostNS
 	}
 	if n.LXC, err = loadObject(lxc, dir, o.Minor, cfg); err != nil {
 		t.Fatal(err)
 	}
 	host := o.Host
-	if dsr {
+	if nc == NodeHostFWDSR {
 		host = o.HostDSR
 	}
 	if n.Host, err = loadObject(host, dir, o.Minor, cfg); err != nil {

@@ -13,8 +13,10 @@ import (
 
 // Names of Cilium's backend maps (key: backend ID, u32; value: struct
 // lb4_backend / lb6_backend), pinned beside the CT maps. The same name and
-// layout in 1.16 to 1.20: address, port (network order), proto, flags, then
-// cluster ID and zone.
+// layout in 1.16 to 1.20 (read in each version's bpf/lib/common.h): address,
+// port (network order), proto, flags, cluster ID, zone, pad; 12 and 24
+// bytes. e2e/conformance reads every backend it adds back through Backends
+// from Cilium's own maps, at each version.
 const (
 	BackendMap4 = "cilium_lb4_backends_v3"
 	BackendMap6 = "cilium_lb6_backends_v3"
@@ -45,11 +47,13 @@ func OpenBackends(root string) (*Backends, error) {
 			b.Close()
 			return nil, fmt.Errorf("open Cilium backend map %s: %w", filepath.Join(root, name), err)
 		}
-		if min := uint32(6 + 12*i); m.KeySize() != 4 || m.ValueSize() < min+2 {
+		// Exactly the known layout: a longer value may have moved the
+		// fields, and a backend read wrong would be a guess.
+		if want := uint32(12 + 12*i); m.KeySize() != 4 || m.ValueSize() != want {
 			m.Close()
 			b.Close()
-			return nil, fmt.Errorf("Cilium backend map %s: key %d value %d bytes, expected 4 and at least %d (unsupported Cilium version?)",
-				filepath.Join(root, name), m.KeySize(), m.ValueSize(), min+2)
+			return nil, fmt.Errorf("Cilium backend map %s: key %d value %d bytes, expected 4 and %d (an unsupported Cilium version? ctscrub knows 1.16 to 1.20)",
+				filepath.Join(root, name), m.KeySize(), m.ValueSize(), want)
 		}
 		b.m[i] = m
 	}

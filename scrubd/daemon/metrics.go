@@ -135,6 +135,15 @@ func newMetrics(d *Daemon, reg *prometheus.Registry) *metrics {
 			}
 			return 0
 		}),
+		prometheus.NewCounterFunc(prometheus.CounterOpts{
+			Name: "ctscrub_service_early_resolve_dropped_total",
+			Help: "Service records whose pod IP the early resolution's full queue did not take; the IP's next scrub or audit resolves it (or marks it incomplete).",
+		}, func() float64 {
+			if q, ok := d.rec.(interface{ EarlyResolveDropped() uint64 }); ok {
+				return float64(q.EarlyResolveDropped())
+			}
+			return 0
+		}),
 		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 			Name: "ctscrub_index_ips",
 			Help: "IP slots in the Cilium index: this node's pods' IPs and released IPs kept complete.",

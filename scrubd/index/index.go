@@ -614,6 +614,13 @@ func (ix *Index) Take(ip netip.Addr) (k4 []ctmap.CTKey4, k6 []ctmap.CTKey6, st S
 		return nil, nil, State{IP: ip, Incomplete: ReasonUnknown}
 	}
 	e.mu.Lock()
+	// A service flow with a pick not resolved to an OUT key (a read, or a
+	// pending pick, left after the Resolve above or without one): its
+	// state goes with the keys, so the scrub cannot know that OUT entry.
+	drop := false
+	if e.svcUnsettledLocked() {
+		drop = ix.markLocked(e, ReasonServiceUnresolved)
+	}
 	st = e.stateLocked()
 	k4, k6 = e.list(nil, nil)
 	ix.keys.Add(-int64(len(k4) + len(k6)))
@@ -621,6 +628,9 @@ func (ix *Index) Take(ip netip.Addr) (k4 []ctmap.CTKey4, k6 []ctmap.CTKey6, st S
 	e.svc = nil
 	e.gen = ix.gens.Add(1)
 	e.mu.Unlock()
+	if drop {
+		ix.dropSlot(ip, e)
+	}
 	if h := ix.hooks.Load(); h != nil && h.Taken != nil && len(k4)+len(k6) > 0 {
 		h.Taken(ip, k4, k6)
 	}

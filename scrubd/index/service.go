@@ -187,3 +187,25 @@ func (e *IPEntry) noteServiceKeysLocked(k4 []ctmap.CTKey4, k6 []ctmap.CTKey6) {
 		}
 	}
 }
+
+// svcUnsettledLocked: one of e's service flows has a pick not resolved to
+// an OUT key in the set (pending, or backends read and not resolved).
+func (e *IPEntry) svcUnsettledLocked() bool {
+	for _, st := range e.svc {
+		if st.Pending || len(st.Read) > 0 {
+			return true
+		}
+	}
+	return false
+}
+
+// svcReadLocked: one of e's service flows has backends read and not yet
+// resolved (lost by a snapshot, which keeps only the keys).
+func (e *IPEntry) svcReadLocked() bool {
+	for _, st := range e.svc {
+		if len(st.Read) > 0 {
+			return true
+		}
+	}
+	return false
+}

@@ -136,6 +136,8 @@ type Recorder struct {
 	bar atomic.Pointer[barrier] // Run's, while it runs
 
 	unresolved atomic.Uint64 // IPs Resolve marked incomplete
+	// svcq: Run's early-resolution queue (its drops are a metric).
+	svcq atomic.Pointer[resolveQueue]
 }
 
 // FastSyncs returns how many Index.Sync calls of the running Run found the
@@ -709,24 +711,12 @@ func (r *Recorder) Run(ctx context.Context, ix *index.Index) error {
 
 	// Early resolution: a service flow's OUT key in the index soon after
 	// its record, so the audit and the prune see it.
-	svcq := newPruneQueue()
+	svcq := newResolveQueue(resolveQueueLen)
+	r.svcq.Store(svcq)
 	wg.Add(1)
 	go func() {
 		defer wg.Done()
-		for {
-			select {
-			case <-ctx.Done():
-				return
-			case ip := <-svcq.ch:
-				select {
-				case <-ctx.Done():
-					return
-				case <-time.After(resolveDelay):
-				}
-				svcq.taken(ip)
-				r.Resolve(ix, ip, false)
-			}
-		}
+		r.resolveEarly(ctx, ix, svcq)
 	}()
 
 	var rec ringbuf.Record
@@ -755,7 +745,7 @@ func (r *Recorder) Run(ctx context.Context, ix *index.Index) error {
 		Apply(ix, &rc)
 		bar.appliedUpTo()
 		if rc.Kind == RecServiceEntry {
-			svcq.offer(rc.addrs()[1]) // the pod: saddr of the SERVICE key
+			svcq.offer(rc.addrs()[1], time.Now()) // the pod: saddr of the SERVICE key
 		}
 		if q != nil {
 			for _, ip := range rc.addrs() {
@@ -773,7 +763,9 @@ func (r *Recorder) Run(ctx context.Context, ix *index.Index) error {
 // programs were loaded (Cilium started after scrubd). Until ReloadPrograms
 // runs, VIP detection looks at maps Cilium no longer fills, so a flow to a
 // new service is recorded as a flow to its VIP, a key Cilium never makes:
-// the pod's IP would pass as complete with its real entries missing.
+// the pod's IP would pass as complete with its real entries missing. The
+// same for the CT maps the programs read SERVICE entries from (a
+// re-created one is reported once the CT watch handed it over).
 func (r *Recorder) ServiceMapsChanged() bool {
 	r.progMu.RLock()
 	svc := r.svc
@@ -787,11 +779,30 @@ func (r *Recorder) ServiceMapsChanged() bool {
 			m.Close()
 		}
 		// A pin gone (Cilium between unpin and re-create) is no change yet.
-		if id != 0 && id != svc[i] {
-			return true
+		if id == 0 || id == svc[i] {
+			continue
 		}
+		if i >= 2 && !r.ctHandedOver(watchedCT[i-2], id) {
+			continue
+		}
+		return true
 	}
 	return false
+}
+
+// watchedCT are the CT maps of watchedMaps[2:], in that order.
+var watchedCT = []ctmap.Kind{ctmap.TCP4, ctmap.Any4, ctmap.TCP6, ctmap.Any6}
+
+// ctHandedOver: a re-created CT map (pinned as id) is followed once the
+// daemon's CT watch has re-opened the CT maps and handed them over
+// (SetCT): that watch marks every IP first, with the reason that names the
+// CT maps, and Resolve reads the new maps from then on. Without maps handed
+// over (no CT watch) the pins are followed at once.
+func (r *Recorder) ctHandedOver(k ctmap.Kind, id ebpf.MapID) bool {
+	r.ctMu.RLock()
+	ct := r.opts.CT
+	r.ctMu.RUnlock()
+	return ct == nil || ct.ID(k) == id
 }
 
 // ReloadPrograms loads the recorder's programs again over the service maps

@@ -1,8 +1,11 @@
 package recorder
 
 import (
+	"context"
 	"errors"
 	"net/netip"
+	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/cilium/ebpf"
@@ -15,6 +18,90 @@ import (
 // resolution waits, so Cilium (which handles the packet after the
 // recorder) has created the flow's SERVICE and OUT entries.
 const resolveDelay = 100 * time.Millisecond
+
+// resolveQueueLen bounds the early resolution's queue (IPs, not records:
+// an IP queued is not queued again).
+const resolveQueueLen = 4096
+
+// resolveQueue hands the early resolution the IPs of new service records,
+// each due resolveDelay after its record. In order of records, so the
+// worker waits only for the head's remaining delay: a burst of IPs is
+// resolved one after the other at Resolve's own pace, not 100 ms apiece.
+// Bounded: an IP offered to a full queue is dropped (counted); its next
+// record offers it again. Dropping is sound because every scrub and audit
+// resolves first (index.Hooks.Resolve, final) and marks there what can no
+// longer be learnt: the early pass only narrows the windows in which a
+// backend can vanish before its address is read.
+type resolveQueue struct {
+	mu      sync.Mutex
+	queued  map[netip.Addr]bool
+	ch      chan queuedIP
+	dropped atomic.Uint64
+}
+
+type queuedIP struct {
+	ip  netip.Addr
+	due time.Time
+}
+
+func newResolveQueue(n int) *resolveQueue {
+	return &resolveQueue{queued: make(map[netip.Addr]bool), ch: make(chan queuedIP, n)}
+}
+
+// offer queues ip, due resolveDelay after at (its record's arrival).
+func (q *resolveQueue) offer(ip netip.Addr, at time.Time) {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	if q.queued[ip] {
+		return
+	}
+	select {
+	case q.ch <- queuedIP{ip: ip, due: at.Add(resolveDelay)}:
+		q.queued[ip] = true
+	default:
+		q.dropped.Add(1)
+	}
+}
+
+// taken: the worker resolves ip now; a record from here on queues it again.
+func (q *resolveQueue) taken(ip netip.Addr) {
+	q.mu.Lock()
+	delete(q.queued, ip)
+	q.mu.Unlock()
+}
+
+// resolveEarly runs the early resolution until ctx ends.
+func (r *Recorder) resolveEarly(ctx context.Context, ix *index.Index, q *resolveQueue) {
+	t := time.NewTimer(0)
+	defer t.Stop()
+	for {
+		var it queuedIP
+		select {
+		case <-ctx.Done():
+			return
+		case it = <-q.ch:
+		}
+		if d := time.Until(it.due); d > 0 {
+			t.Reset(d)
+			select {
+			case <-ctx.Done():
+				return
+			case <-t.C:
+			}
+		}
+		q.taken(it.ip)
+		r.Resolve(ix, it.ip, false)
+	}
+}
+
+// EarlyResolveDropped counts IPs the early resolution's full queue did not
+// take (resolved at their scrub instead).
+func (r *Recorder) EarlyResolveDropped() uint64 {
+	if q := r.svcq.Load(); q != nil {
+		return q.dropped.Load()
+	}
+	return 0
+}
 
 // Resolve learns the backends of ip's flows through VIPs Cilium
 // load-balances per packet (index.Services) and indexes each flow's OUT
