@@ -38,7 +38,7 @@ type Objects struct {
 	// firewall and (bpf_host) NodePort DSR on, and the third node's
 	// bpf_lxc.c with socket LB in host-namespace-only mode.
 	LXC, Host, LXCHostFW, HostDSR, LXCHostNS string
-	BuildTime                     time.Duration // zero when every object came from the cache
+	BuildTime                                time.Duration // zero when every object came from the cache
 }
 
 // Clang is the compiler used (the one `make generate` pins).

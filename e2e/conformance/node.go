@@ -351,7 +351,24 @@ func (n *Node) AddService(proto uint8, vip, backend netip.AddrPort, flags uint8)
 	if err := n.SI.AddService(proto, vip, backend); err != nil {
 		n.t.Fatal(err)
 	}
+	n.checkBackend(vip.Addr().Is6(), a.BackendID, backend)
 	return a.BackendID
+}
+
+// checkBackend reads backend id back through ctmap.Backends (what
+// recorder.Resolve uses) from the map Cilium's own helpers wrote: the
+// layout ctscrub decodes is this version's.
+func (n *Node) checkBackend(v6 bool, id uint32, want netip.AddrPort) {
+	n.t.Helper()
+	be, err := ctmap.OpenBackends(n.Globals)
+	if err != nil {
+		n.t.Fatalf("cilium %s: %v", n.O.Version, err)
+	}
+	defer be.Close()
+	got, ok, err := be.Lookup(v6, id)
+	if err != nil || !ok || got.Addr != want.Addr() || got.Port != want.Port() {
+		n.t.Fatalf("cilium %s: backend %d read through ctmap.Backends as %+v (found %v, err %v), Cilium wrote %s", n.O.Version, id, got, ok, err, want)
+	}
 }
 
 // RemoveBackend deletes backend id from Cilium's backend map of the

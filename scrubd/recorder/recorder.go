@@ -109,8 +109,8 @@ type Recorder struct {
 	// progMu guards what ReloadPrograms swaps: the programs Attach puts on
 	// interfaces, and the service maps they read.
 	progMu sync.RWMutex
-	prog   [2]*ebpf.Program // ingress, egress
-	vip    [2]bool          // VIP detection on for IPv4, IPv6
+	prog   [2]*ebpf.Program       // ingress, egress
+	vip    [2]bool                // VIP detection on for IPv4, IPv6
 	svc    [numWatched]ebpf.MapID // the Cilium maps the programs read (watchedMaps)
 	// reloaded: programs of a ReloadPrograms (r.objs holds the first ones).
 	reloaded []*ebpf.Program

@@ -124,7 +124,7 @@ func (w *svcWorld) removeBackend(id uint32) {
 
 // flow is one client flow to a VIP (TCP unless udp).
 type flow struct {
-	client, vip netip.Addr
+	client, vip  netip.Addr
 	cport, vport uint16
 	proto        uint8
 }
