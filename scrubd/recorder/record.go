@@ -44,10 +44,12 @@ type Record struct {
 // ParseRecord decodes one ring-buffer sample.
 func ParseRecord(b []byte) (Record, error) {
 	if len(b) < RecordSizeV1 {
-		return Record{}, fmt.Errorf("recorder record: %d bytes, want %d", len(b), RecordSize)
+		return Record{}, fmt.Errorf("recorder record: %d bytes, want %d (or an older program's %d)", len(b), RecordSize, RecordSizeV1)
 	}
 	r := Record{Family: b[0], Kind: b[1], Ifindex: binary.NativeEndian.Uint32(b[4:8])}
 	copy(r.Key[:], b[8:48])
+	// Shorter than RecordSize (an older program's record): backend 0,
+	// which Apply reads as a pick nobody has read.
 	if len(b) >= RecordSize {
 		r.Backend = binary.NativeEndian.Uint32(b[48:52])
 	}
