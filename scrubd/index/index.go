@@ -777,6 +777,9 @@ func (ix *Index) Prune(ip netip.Addr, gone4 func(ctmap.CTKey4) bool, gone6 func(
 		if pack(rec[:], e.a4[:], d4[i][:], 4) {
 			if _, again := e.added4.find0(rec[:]); !again && e.keys4.del(rec[:]) {
 				dropped++
+				if d4[i].Flags()&ctmap.FlagService != 0 {
+					e.dropSettledSvcLocked(svcID4(&d4[i]))
+				}
 			}
 		}
 		yield()
@@ -786,6 +789,9 @@ func (ix *Index) Prune(ip netip.Addr, gone4 func(ctmap.CTKey4) bool, gone6 func(
 		if pack(rec[:], e.a16[:], d6[i][:], 16) {
 			if _, again := e.added6.find0(rec[:]); !again && e.keys6.del(rec[:]) {
 				dropped++
+				if d6[i].Flags()&ctmap.FlagService != 0 {
+					e.dropSettledSvcLocked(svcID6(&d6[i]))
+				}
 			}
 		}
 		yield()

@@ -209,3 +209,12 @@ func (e *IPEntry) svcReadLocked() bool {
 	}
 	return false
 }
+
+// dropSettledSvcLocked forgets the state of a service flow whose SERVICE
+// key a prune removed (its entry gone), when every pick of it was learnt;
+// an unsettled one stays, for the next final resolution to mark.
+func (e *IPEntry) dropSettledSvcLocked(id svcID) {
+	if st := e.svc[id]; st != nil && !st.Pending && len(st.Read) == 0 {
+		delete(e.svc, id)
+	}
+}

@@ -122,3 +122,23 @@ func TestRestorePreviousVersionServiceClient(t *testing.T) {
 		t.Fatalf("restored: %+v, want incomplete (%s)", st, ReasonService)
 	}
 }
+
+// A prune that removes a SERVICE key (its entry gone) forgets the flow's
+// state when every pick was learnt, so the states of a pod's many short
+// DNS flows do not pile up; an unsettled one stays for the next final
+// resolution to mark.
+func TestPruneServiceState(t *testing.T) {
+	gone := func(ctmap.CTKey4) bool { return true }
+	ix := resolvedClient(t)
+	ix.Prune(svcClient, gone, nil)
+	if s := ix.Services(svcClient); s != nil {
+		t.Fatalf("settled state kept after its SERVICE key was pruned: %+v", s)
+	}
+
+	ix = resolvedClient(t)
+	ix.ServiceRecord4(svcClient, svcKey, 8) // read, not resolved
+	ix.Prune(svcClient, gone, nil)
+	if s := ix.Services(svcClient); len(s) != 1 || len(s[0].Read) != 1 {
+		t.Fatalf("unsettled state after the prune: %+v, want it kept", s)
+	}
+}

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"net/netip"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -116,6 +117,15 @@ func (r *Recorder) EarlyResolveDropped() uint64 {
 // the entries yet. The windows are in docs/recorder.md ("Service VIPs").
 func (r *Recorder) Resolve(ix *index.Index, ip netip.Addr, final bool) {
 	svcs := ix.Services(ip)
+	if !final {
+		// The early pass only settles what records left unsettled: a
+		// settled flow changes backend only by a re-pick, which the
+		// recorder reads at the flow's next packet (a read, unsettling it)
+		// or which the final pass finds in the entry. Without this, each
+		// record of a pod with thousands of live DNS flows would re-read
+		// all of their entries.
+		svcs = slices.DeleteFunc(svcs, func(s index.Service) bool { return !s.Pending && len(s.Read) == 0 })
+	}
 	if len(svcs) == 0 || !ix.State(ip).Complete {
 		return // an incomplete IP sweeps: nothing to learn for it
 	}
