@@ -46,8 +46,11 @@ struct seen_key6 {
  * recorded; an entry whose generations are not the current ones is a miss. */
 struct seen_val {
 	__u8 dir;    /* CT_F_OUT or CT_F_IN: the direction of the recorded key */
-	__u8 pad[3];
-	__u32 last;  /* non-TCP flows: time of the last packet, in 2^30 ns units */
+	__u8 svc;    /* 1: a flow to a load-balanced VIP (REC_SERVICE_ENTRY) */
+	__u8 pad[2];
+	/* non-TCP flows: time of the last packet, in 2^30 ns units; service
+	 * flows: the backend_id their SERVICE entry held at the last record */
+	__u32 last;
 	__u32 gen_local;
 	__u32 gen_remote;
 };
@@ -307,6 +310,77 @@ static __always_inline int to_service(const struct flow *f)
 	}
 }
 
+/* Cilium's global CT maps, as placeholders: user space replaces them at
+ * load with the maps Cilium pinned (empty, a SERVICE entry is never found
+ * and its flow's backend stays unknown: user space then resolves it). */
+#define CT_PLACEHOLDER(name, key_t)                    \
+	struct {                                       \
+		__uint(type, BPF_MAP_TYPE_LRU_HASH);   \
+		__type(key, key_t);                    \
+		__type(value, struct ct_entry);        \
+		__uint(max_entries, 1);                \
+	} name SEC(".maps")
+
+CT_PLACEHOLDER(cilium_ct4_global, struct ct_key4);
+CT_PLACEHOLDER(cilium_ct_any4_global, struct ct_key4);
+CT_PLACEHOLDER(cilium_ct6_global, struct ct_key6);
+CT_PLACEHOLDER(cilium_ct_any6_global, struct ct_key6);
+
+/* The backend_id of the SERVICE entry of a flow the pod sends to a VIP
+ * (key: Cilium's SERVICE key, built from this packet), 0 when there is no
+ * entry. Read before Cilium handles the packet: it names the backend the
+ * previous packets went to, which is the one this packet goes to unless
+ * that backend is gone (Cilium then picks another, read at the next
+ * packet or by user space). */
+static __always_inline __u32 svc_backend(const struct flow *f, void *key)
+{
+	struct ct_entry *e;
+
+	if (f->family == 4) {
+		flow_reply_key4(f, key, CT_F_SERVICE);
+		e = bpf_map_lookup_elem(f->proto == PROTO_TCP ? (void *)&cilium_ct4_global : (void *)&cilium_ct_any4_global, key);
+	} else {
+		flow_reply_key6(f, key, CT_F_SERVICE);
+		e = bpf_map_lookup_elem(f->proto == PROTO_TCP ? (void *)&cilium_ct6_global : (void *)&cilium_ct_any6_global, key);
+	}
+	return e ? (__u32)e->backend_id : 0;
+}
+
+/* Emits a REC_SERVICE_ENTRY record: the flow's SERVICE key and the backend
+ * its entry holds now (*backend). -1 when the ring was full. */
+static __always_inline int emit_service(const struct flow *f, __u32 ifindex, __u32 *backend)
+{
+	struct record *r = bpf_ringbuf_reserve(&rec_events, sizeof(*r), 0);
+
+	if (!r) {
+		count_lost(f->src);
+		return -1;
+	}
+	__builtin_memset(r, 0, sizeof(*r));
+	r->family = f->family;
+	r->kind = REC_SERVICE_ENTRY;
+	r->ifindex = ifindex;
+	*backend = svc_backend(f, r->key);
+	r->backend = *backend;
+	bpf_ringbuf_submit(r, 0);
+	return 0;
+}
+
+/* A later packet the pod sends on a service flow: a record when its SERVICE
+ * entry names another backend than at the last record (a backend re-picked
+ * after the old one was removed, or the entry re-created). One CT lookup,
+ * only on service flows. */
+static __always_inline void service_packet(struct __sk_buff *skb, const struct flow *f, struct seen_val *v)
+{
+	struct ct_key6 k;
+	__u32 b;
+
+	if (svc_backend(f, &k) == v->last)
+		return;
+	if (emit_service(f, skb->ifindex, &b) == 0)
+		v->last = b;
+}
+
 /* Emits the record of a new flow. Returns 0 when it is in the ring buffer
  * (the caller then marks the flow seen), -1 when the ring was full (the
  * loss is counted against the pod IP; the flow stays unseen so its next
@@ -314,13 +388,18 @@ static __always_inline int to_service(const struct flow *f)
  * nothing on a cached flow's path. A foreign flow stays cached like any
  * other: the genuine owner's same 5-tuple then hits the cache, but its
  * address is marked incomplete by the foreign record, and only a sweep
- * (Track: a generation bump that drops the cached flow) makes it complete. */
-static __always_inline int emit(struct __sk_buff *skb, const struct flow *f, int egress, __u8 dir)
+ * (Track: a generation bump that drops the cached flow) makes it complete.
+ * A flow the pod sends to a VIP (a foreign source's excepted: marking the
+ * claimed source covers its entries) is a service flow: 1 is returned and
+ * *backend set. */
+static __always_inline int emit(struct __sk_buff *skb, const struct flow *f, int egress, __u8 dir, __u32 *backend)
 {
 	struct record *r;
 	__u8 flags = dir;
 	int foreign = egress && !scoped_source(f) && !own_source(skb, f->src);
 
+	if (!foreign && egress && to_service(f))
+		return emit_service(f, skb->ifindex, backend) < 0 ? -1 : 1;
 	r = bpf_ringbuf_reserve(&rec_events, sizeof(*r), 0);
 	if (!r) {
 		count_lost(egress ? f->src : f->dst);
@@ -332,13 +411,6 @@ static __always_inline int emit(struct __sk_buff *skb, const struct flow *f, int
 	r->family = f->family;
 	r->kind = foreign ? REC_FOREIGN : REC_FLOW;
 	r->ifindex = skb->ifindex;
-	/* A foreign source's service flow: marking the claimed source covers
-	 * what the service entries would hold. */
-	if (!foreign && egress && to_service(f)) {
-		/* The pod IP goes in daddr, as in an OUT key. */
-		r->kind = REC_SERVICE;
-		flags = CT_F_SERVICE;
-	}
 	if (f->family == 4)
 		flow_key4(f, (struct ct_key4 *)r->key, flags);
 	else
@@ -381,9 +453,17 @@ static __always_inline int bare_syn(const struct flow *f)
 
 /* Whether a cached flow still stands for its recorded key: present, with the
  * current generations of both addresses, and not reopened by this packet. */
-static __always_inline int cached(const struct flow *f, struct seen_val *v, __u8 dir, __u32 gl, __u32 gr)
+static __always_inline int cached(struct __sk_buff *skb, const struct flow *f, struct seen_val *v, __u8 dir, __u32 gl, __u32 gr)
 {
-	return v && v->gen_local == gl && v->gen_remote == gr && !reopened(f, v, dir);
+	if (!v || v->gen_local != gl || v->gen_remote != gr)
+		return 0;
+	if (v->svc) {
+		/* Replies come from the VIP: nothing Cilium keys on them. */
+		if (dir == CT_F_OUT)
+			service_packet(skb, f, v);
+		return 1;
+	}
+	return !reopened(f, v, dir);
 }
 
 static __always_inline void record4(struct __sk_buff *skb, const struct flow *f, int egress)
@@ -401,7 +481,9 @@ static __always_inline void record4(struct __sk_buff *skb, const struct flow *f,
 	__u32 gr = gen_of(gen_slot4(k.remote));
 	struct front4 *fr = NULL;
 	const __u64 *kw = (const __u64 *)&k;
+	struct seen_val *v;
 	__u32 slot;
+	int ret;
 
 	if (f->proto == PROTO_TCP && !bare_syn(f)) {
 		slot = front_slot4(&k);
@@ -410,16 +492,22 @@ static __always_inline void record4(struct __sk_buff *skb, const struct flow *f,
 		    fr->gen_local == gl && fr->gen_remote == gr)
 			return;
 	}
-	if (!cached(f, bpf_map_lookup_elem(&rec_flows4, &k), val.dir, gl, gr)) {
-		if (emit(skb, f, egress, val.dir) < 0)
+	v = bpf_map_lookup_elem(&rec_flows4, &k);
+	if (!cached(skb, f, v, val.dir, gl, gr)) {
+		ret = emit(skb, f, egress, val.dir, &val.last);
+		if (ret < 0)
 			return; /* lost: not cached, the next packet tries again */
-		if (f->proto != PROTO_TCP)
+		val.svc = ret;
+		if (f->proto != PROTO_TCP && !ret)
 			val.last = now_coarse();
 		val.gen_local = gl;
 		val.gen_remote = gr;
 		bpf_map_update_elem(&rec_flows4, &k, &val, BPF_ANY);
+		v = &val;
 	}
-	if (fr) {
+	/* A service flow never enters the front cache: each packet the pod
+	 * sends on it reads its SERVICE entry. */
+	if (fr && !v->svc) {
 		fr->key[0] = kw[0];
 		fr->key[1] = kw[1];
 		fr->gen_local = gl;
@@ -437,6 +525,7 @@ static __always_inline void record6(struct __sk_buff *skb, const struct flow *f,
 	};
 	struct seen_val val = {.dir = egress ? CT_F_OUT : CT_F_IN};
 	__u32 gl, gr;
+	int ret;
 
 	if (egress) {
 		__builtin_memcpy(k.local, f->src, 16);
@@ -447,11 +536,13 @@ static __always_inline void record6(struct __sk_buff *skb, const struct flow *f,
 	}
 	gl = gen_of(gen_slot6(k.local));
 	gr = gen_of(gen_slot6(k.remote));
-	if (cached(f, bpf_map_lookup_elem(&rec_flows6, &k), val.dir, gl, gr))
+	if (cached(skb, f, bpf_map_lookup_elem(&rec_flows6, &k), val.dir, gl, gr))
 		return;
-	if (emit(skb, f, egress, val.dir) < 0)
+	ret = emit(skb, f, egress, val.dir, &val.last);
+	if (ret < 0)
 		return;
-	if (f->proto != PROTO_TCP)
+	val.svc = ret;
+	if (f->proto != PROTO_TCP && !ret)
 		val.last = now_coarse();
 	val.gen_local = gl;
 	val.gen_remote = gr;

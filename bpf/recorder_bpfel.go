@@ -13,6 +13,43 @@ import (
 	"github.com/cilium/ebpf"
 )
 
+type RecorderCtEntry struct {
+	_            structs.HostLayout
+	Reserved0    uint64
+	BackendId    uint64
+	Packets      uint64
+	Bytes        uint64
+	Lifetime     uint32
+	FlagBits     uint16
+	RevNatIndex  uint16
+	Ifindex      uint16
+	TxFlagsSeen  uint8
+	RxFlagsSeen  uint8
+	SrcSecId     uint32
+	LastTxReport uint32
+	LastRxReport uint32
+}
+
+type RecorderCtKey4 struct {
+	_       structs.HostLayout
+	Daddr   uint32
+	Saddr   uint32
+	Dport   uint16
+	Sport   uint16
+	Nexthdr uint8
+	Flags   uint8
+}
+
+type RecorderCtKey6 struct {
+	_       structs.HostLayout
+	Daddr   [16]uint8
+	Saddr   [16]uint8
+	Dport   uint16
+	Sport   uint16
+	Nexthdr uint8
+	Flags   uint8
+}
+
 type RecorderFront4 struct {
 	_         structs.HostLayout
 	Key       [2]uint64
@@ -80,7 +117,8 @@ type RecorderSeenKey6 struct {
 type RecorderSeenVal struct {
 	_         structs.HostLayout
 	Dir       uint8
-	Pad       [3]uint8
+	Svc       uint8
+	Pad       [2]uint8
 	Last      uint32
 	GenLocal  uint32
 	GenRemote uint32
@@ -90,6 +128,10 @@ type RecorderSeenVal struct {
 //
 // Used for safe lookups in a Collection or CollectionSpec.
 const (
+	RecorderMapCiliumCt4Global     = "cilium_ct4_global"
+	RecorderMapCiliumCt6Global     = "cilium_ct6_global"
+	RecorderMapCiliumCtAny4Global  = "cilium_ct_any4_global"
+	RecorderMapCiliumCtAny6Global  = "cilium_ct_any6_global"
 	RecorderMapCiliumLb4ServicesV2 = "cilium_lb4_services_v2"
 	RecorderMapCiliumLb6ServicesV2 = "cilium_lb6_services_v2"
 	RecorderMapRecEvents           = "rec_events"
@@ -159,6 +201,10 @@ type RecorderProgramSpecs struct {
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type RecorderMapSpecs struct {
+	CiliumCt4Global     *ebpf.MapSpec `ebpf:"cilium_ct4_global"`
+	CiliumCt6Global     *ebpf.MapSpec `ebpf:"cilium_ct6_global"`
+	CiliumCtAny4Global  *ebpf.MapSpec `ebpf:"cilium_ct_any4_global"`
+	CiliumCtAny6Global  *ebpf.MapSpec `ebpf:"cilium_ct_any6_global"`
 	CiliumLb4ServicesV2 *ebpf.MapSpec `ebpf:"cilium_lb4_services_v2"`
 	CiliumLb6ServicesV2 *ebpf.MapSpec `ebpf:"cilium_lb6_services_v2"`
 	RecEvents           *ebpf.MapSpec `ebpf:"rec_events"`
@@ -202,6 +248,10 @@ func (o *RecorderObjects) Close() error {
 //
 // It can be passed to LoadRecorderObjects or ebpf.CollectionSpec.LoadAndAssign.
 type RecorderMaps struct {
+	CiliumCt4Global     *ebpf.Map `ebpf:"cilium_ct4_global"`
+	CiliumCt6Global     *ebpf.Map `ebpf:"cilium_ct6_global"`
+	CiliumCtAny4Global  *ebpf.Map `ebpf:"cilium_ct_any4_global"`
+	CiliumCtAny6Global  *ebpf.Map `ebpf:"cilium_ct_any6_global"`
 	CiliumLb4ServicesV2 *ebpf.Map `ebpf:"cilium_lb4_services_v2"`
 	CiliumLb6ServicesV2 *ebpf.Map `ebpf:"cilium_lb6_services_v2"`
 	RecEvents           *ebpf.Map `ebpf:"rec_events"`
@@ -218,6 +268,10 @@ type RecorderMaps struct {
 
 func (m *RecorderMaps) Close() error {
 	return _RecorderClose(
+		m.CiliumCt4Global,
+		m.CiliumCt6Global,
+		m.CiliumCtAny4Global,
+		m.CiliumCtAny6Global,
 		m.CiliumLb4ServicesV2,
 		m.CiliumLb6ServicesV2,
 		m.RecEvents,

@@ -4,7 +4,8 @@
 //   - attach/detach: Attach and Detach of a veth in a network namespace, as
 //     scrubd does at CNI ADD (and GC), with the flow caches full of flows;
 //   - ns per packet, hot: one packet repeated with BPF_PROG_TEST_RUN
-//     (recorder.MeasureEstablishedCosts, MeasurePacketCost);
+//     (recorder.MeasureEstablishedCosts, MeasurePacketCost), the established
+//     ones also on flows to a per-packet load-balanced VIP, side by side;
 //   - ns per packet under a realistic mix (FLOWS concurrent flows, default
 //     10,000, half TCP and half UDP, half initiated by the pod; NEW_PER_S of
 //     them replaced every second, default 1 %), for established TCP,
@@ -59,10 +60,16 @@ type result struct {
 	NewNetNs  float64 `json:"new_flow_net_ns"`
 	MixNetNs  float64 `json:"mix_net_ns"`
 	// The same packet run repeatedly with BPF_PROG_TEST_RUN (warm caches).
-	HotTCP4     float64 `json:"hot_tcp4_ns"`
-	HotUDP4     float64 `json:"hot_udp4_ns"`
-	HotTCP6     float64 `json:"hot_tcp6_ns"`
-	HotEmpty    float64 `json:"hot_empty_ns"`
+	HotTCP4  float64 `json:"hot_tcp4_ns"`
+	HotUDP4  float64 `json:"hot_udp4_ns"`
+	HotTCP6  float64 `json:"hot_tcp6_ns"`
+	HotEmpty float64 `json:"hot_empty_ns"`
+	// The same established packets on flows to a VIP Cilium load-balances
+	// per packet (they read their SERVICE entry on every packet), in the
+	// same run.
+	HotTCP4Svc  float64 `json:"hot_tcp4_svc_ns"`
+	HotUDP4Svc  float64 `json:"hot_udp4_svc_ns"`
+	HotTCP6Svc  float64 `json:"hot_tcp6_svc_ns"`
 	HotNewNs    float64 `json:"hot_new_flow_ns"`
 	LoadAverage string  `json:"loadavg"`
 	// What the machine charged for a page fault, a syscall and a process
@@ -106,6 +113,7 @@ func run() error {
 		return err
 	}
 	res.HotTCP4, res.HotUDP4, res.HotTCP6, res.HotEmpty = hot.TCP4, hot.UDP4, hot.TCP6, hot.Empty
+	res.HotTCP4Svc, res.HotUDP4Svc, res.HotTCP6Svc = hot.TCP4Svc, hot.UDP4Svc, hot.TCP6Svc
 	if res.HotNewNs, _, err = recorder.MeasurePacketCost(20000); err != nil {
 		return err
 	}
@@ -454,6 +462,8 @@ func (res result) print() {
 		res.FloorNs, res.TCPNs, res.TCPNetNs, res.UDPNs, res.UDPNetNs, res.NewNs, res.NewNetNs, res.MixNs, res.MixNetNs)
 	fmt.Printf("  hot (one packet repeated, BPF_PROG_TEST_RUN; empty program %.1f ns): established TCP4 %.1f, UDP4 %.1f, TCP6 %.1f, new flow %.0f\n",
 		res.HotEmpty, res.HotTCP4, res.HotUDP4, res.HotTCP6, res.HotNewNs)
+	fmt.Printf("  hot, the same flows to a per-packet load-balanced VIP: TCP4 %.1f (x%.2f), UDP4 %.1f (x%.2f), TCP6 %.1f (x%.2f)\n",
+		res.HotTCP4Svc, res.HotTCP4Svc/res.HotTCP4, res.HotUDP4Svc, res.HotUDP4Svc/res.HotUDP4, res.HotTCP6Svc, res.HotTCP6Svc/res.HotTCP6)
 	fmt.Println("  this machine now:", res.MachineCosts)
 }
 

@@ -56,6 +56,14 @@ struct ct_entry {
  * claimed source). File it under saddr (the receiver) only; mark daddr
  * incomplete (Cilium may have created entries with it, or dropped them). */
 #define REC_FOREIGN 2
+/* A flow the pod sends to a VIP Cilium load-balances per packet: key is
+ * Cilium's SERVICE key (daddr = VIP, saddr = the pod, dport = the pod's
+ * port, sport = the VIP's port, flags = CT_F_SERVICE); backend is the
+ * backend_id its SERVICE entry held when the packet passed (0: no entry
+ * yet). Sent for the flow's first packet and again whenever a later packet
+ * of the pod's finds another backend_id. (REC_SERVICE is what older
+ * programs sent: the IP is then marked incomplete.) */
+#define REC_SERVICE_ENTRY 3
 
 struct record {
 	__u8 family; /* 4 or 6 */
@@ -63,6 +71,8 @@ struct record {
 	__u8 pad[2];
 	__u32 ifindex;
 	__u8 key[40]; /* ct_key4 (14 bytes) or ct_key6 (38 bytes), zero padded */
+	__u32 backend; /* REC_SERVICE_ENTRY: the SERVICE entry's backend_id */
+	__u32 pad2;
 };
 
 #endif

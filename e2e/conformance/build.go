@@ -34,10 +34,11 @@ type Objects struct {
 	Minor   int
 	Source  string // the module's directory in the Go module cache
 	// Object files: Cilium's bpf_lxc.c and bpf_host.c with the harness's
-	// configuration (see bpf/*.c), and the second node's pair with the
-	// host firewall and (bpf_host) NodePort DSR on.
-	LXC, Host, LXCHostFW, HostDSR string
-	BuildTime                     time.Duration // zero when every object came from the cache
+	// configuration (see bpf/*.c), the second node's pair with the host
+	// firewall and (bpf_host) NodePort DSR on, and the third node's
+	// bpf_lxc.c with socket LB in host-namespace-only mode.
+	LXC, Host, LXCHostFW, HostDSR, LXCHostNS string
+	BuildTime                                time.Duration // zero when every object came from the cache
 }
 
 // Clang is the compiler used (the one `make generate` pins).
@@ -128,7 +129,7 @@ func Build(version string) (*Objects, error) {
 		dst  *string
 		file string
 	}
-	jobs := []job{{&o.LXC, "lxc.c"}, {&o.Host, "host.c"}, {&o.LXCHostFW, "lxc_hostfw.c"}, {&o.HostDSR, "host_dsr.c"}}
+	jobs := []job{{&o.LXC, "lxc.c"}, {&o.Host, "host.c"}, {&o.LXCHostFW, "lxc_hostfw.c"}, {&o.HostDSR, "host_dsr.c"}, {&o.LXCHostNS, "lxc_hostns.c"}}
 	errs := make([]error, len(jobs))
 	fresh := make([]bool, len(jobs))
 	var wg sync.WaitGroup

@@ -114,6 +114,38 @@ func (e *Env) DeleteCT(k4 ctmap.CTKey4, k6 ctmap.CTKey6) {
 	}
 }
 
+// RequireServiceEntry fails the case unless Cilium's CT maps hold a
+// SERVICE entry of a flow p sent to vip: bpf_lxc load-balanced it per
+// packet (without that the case would pass on a plain flow to the VIP).
+func (e *Env) RequireServiceEntry(p *Pod, vip netip.Addr) {
+	for _, kind := range ctmap.Kinds {
+		if kind.IPv6() != e.V6 {
+			continue
+		}
+		it := e.N.CT.Map(kind).Iterate()
+		var v ctmap.Entry
+		if e.V6 {
+			var k ctmap.CTKey6
+			for it.Next(&k, &v) {
+				if k.Flags() == ctmap.FlagService && k.SAddr() == e.IP(p) && k.DAddr() == vip {
+					return
+				}
+			}
+		} else {
+			var k ctmap.CTKey4
+			for it.Next(&k, &v) {
+				if k.Flags() == ctmap.FlagService && k.SAddr() == e.IP(p) && k.DAddr() == vip {
+					return
+				}
+			}
+		}
+		if err := it.Err(); err != nil {
+			e.Fail("read CT: %v", err)
+		}
+	}
+	e.Fail("no SERVICE entry for %s -> %s: this build did not load-balance per packet", e.IP(p), vip)
+}
+
 // proxyRedirect is struct ct_entry's proxy_redirect flag bit (1.16-1.20).
 const proxyRedirect = 1 << 6
 
@@ -166,9 +198,9 @@ func (e *Env) Key(daddr, saddr netip.Addr, dport, sport uint16, proto, flags uin
 // check accepts for them.
 type Case struct {
 	Name string
-	// DSR: runs on the second node (host firewall on, bpf_host with
-	// NodePort DSR).
-	DSR bool
+	// Node: the node configuration the case runs on (NodeDefault unless
+	// it needs another datapath build).
+	Node NodeConfig
 	// NotStandin says why the stand-in (which models only the pod's veth,
 	// not bpf_host) is not compared with Cilium on this case.
 	NotStandin string
@@ -189,8 +221,10 @@ func (e *Env) icmpProto() uint8 {
 }
 
 const (
-	notHost   = "bpf_host's NodePort entries: the stand-in models the pod's veth only"
-	notHostFW = "bpf_host's host-firewall entries: the stand-in models the pod's veth only"
+	notHost    = "bpf_host's NodePort entries: the stand-in models the pod's veth only"
+	notHostFW  = "bpf_host's host-firewall entries: the stand-in models the pod's veth only"
+	notICMPVIP = "the stand-in creates an IPv6 RELATED entry for the error with the VIP, Cilium none"
+	notRepick  = "the stand-in always sends a service's flows to its first backend"
 )
 
 // Cases is the suite. Each uses fresh pods and addresses, so cases share a
@@ -231,25 +265,139 @@ var Cases = []Case{
 		e.Expect("UDP reply", e.N.Send(a, UDPFrame(AP(e.IP(a), 53), AP(e.IP(b), 40002))))
 		return []*Pod{a, b}, nil
 	}},
+	// Per-packet load balancing (bpf_lxc DNATs pod-to-VIP packets): the
+	// client's SERVICE, OUT and RELATED entries must be indexed, the
+	// client complete (Resolve learns the backend from the SERVICE entry
+	// and Cilium's backend map).
 	{Name: "service-remote-backend", Run: func(e *Env) ([]*Pod, []string) {
 		a, r, vip := e.Pod("a"), e.Remote(), e.VIP()
 		e.N.AddService(ProtoTCP, AP(vip, 80), AP(r, 8080), 0)
 		e.Expect("SYN to VIP", e.N.Send(a, TCPFrame(AP(e.IP(a), 40001), AP(vip, 80), SYN)))
 		e.Expect("SYN-ACK from backend", e.N.FromNetdev(TCPFrame(AP(r, 8080), AP(e.IP(a), 40001), SYN|ACK)))
-		return []*Pod{a}, []string{index.ReasonService}
+		e.Expect("ACK to VIP", e.N.Send(a, TCPFrame(AP(e.IP(a), 40001), AP(vip, 80), ACK)))
+		return []*Pod{a}, nil
 	}},
 	{Name: "service-local-backend", Run: func(e *Env) ([]*Pod, []string) {
 		a, b, vip := e.Pod("client"), e.Pod("backend"), e.VIP()
 		e.N.AddService(ProtoTCP, AP(vip, 80), AP(e.IP(b), 8080), 0)
 		e.Expect("SYN to VIP", e.N.Send(a, TCPFrame(AP(e.IP(a), 40001), AP(vip, 80), SYN)))
 		e.Expect("SYN-ACK from backend", e.N.Send(b, TCPFrame(AP(e.IP(b), 8080), AP(e.IP(a), 40001), SYN|ACK)))
-		return []*Pod{a, b}, []string{index.ReasonService}
+		return []*Pod{a, b}, nil
 	}},
+	{Name: "service-udp-remote-backend", Run: func(e *Env) ([]*Pod, []string) {
+		a, r, vip := e.Pod("a"), e.Remote(), e.VIP()
+		e.N.AddService(ProtoUDP, AP(vip, 9000), AP(r, 9090), 0)
+		e.Expect("UDP to VIP", e.N.Send(a, UDPFrame(AP(e.IP(a), 40002), AP(vip, 9000))))
+		e.Expect("UDP reply", e.N.FromNetdev(UDPFrame(AP(r, 9090), AP(e.IP(a), 40002))))
+		return []*Pod{a}, nil
+	}},
+	{Name: "service-udp-local-backend", Run: func(e *Env) ([]*Pod, []string) {
+		a, b, vip := e.Pod("client"), e.Pod("backend"), e.VIP()
+		e.N.AddService(ProtoUDP, AP(vip, 9000), AP(e.IP(b), 9090), 0)
+		e.Expect("UDP to VIP", e.N.Send(a, UDPFrame(AP(e.IP(a), 40002), AP(vip, 9000))))
+		e.Expect("UDP reply", e.N.Send(b, UDPFrame(AP(e.IP(b), 9090), AP(e.IP(a), 40002))))
+		return []*Pod{a, b}, nil
+	}},
+	// The cluster DNS: two queries (A, AAAA) from one socket back to
+	// back, one answered, to a resolver pod on another node.
+	{Name: "dns-over-udp", Run: func(e *Env) ([]*Pod, []string) {
+		a, dns, vip := e.Pod("a"), e.Remote(), e.VIP()
+		e.N.AddService(ProtoUDP, AP(vip, 53), AP(dns, 53), 0)
+		e.Expect("query A", e.N.Send(a, UDPFrame(AP(e.IP(a), 41053), AP(vip, 53))))
+		e.Expect("query AAAA", e.N.Send(a, UDPFrame(AP(e.IP(a), 41053), AP(vip, 53))))
+		e.Expect("answer", e.N.FromNetdev(UDPFrame(AP(dns, 53), AP(e.IP(a), 41053))))
+		e.Expect("query from another port", e.N.Send(a, UDPFrame(AP(e.IP(a), 41054), AP(vip, 53))))
+		return []*Pod{a}, nil
+	}},
+	// The backend's node answers a datagram of a VIP flow with an ICMP
+	// error about the packet as Cilium sent it (DNATed to the backend).
+	{Name: "icmp-error-on-vip-flow", NotStandin: notICMPVIP, Run: func(e *Env) ([]*Pod, []string) {
+		a, r, vip := e.Pod("a"), e.Remote(), e.VIP()
+		e.N.AddService(ProtoUDP, AP(vip, 9000), AP(r, 9090), 0)
+		out := e.N.Send(a, UDPFrame(AP(e.IP(a), 40003), AP(vip, 9000)))
+		e.Expect("UDP to VIP", out)
+		e.N.FromNetdev(ErrorFrame(r, e.IP(a), IPOf(out.Out)))
+		return []*Pod{a}, nil
+	}},
+	// Cilium source-NATs an IPv4 hairpin to the service loopback address;
+	// IPv6 is not NATed.
 	{Name: "hairpin", Run: func(e *Env) ([]*Pod, []string) {
 		a, vip := e.Pod("a"), e.VIP()
 		e.N.AddService(ProtoTCP, AP(vip, 80), AP(e.IP(a), 8080), 0)
 		e.Expect("SYN to own VIP", e.N.Send(a, TCPFrame(AP(e.IP(a), 40001), AP(vip, 80), SYN)))
-		return []*Pod{a}, []string{index.ReasonService}
+		return []*Pod{a}, nil
+	}},
+	// The backend is removed after the flow's first packets (its address
+	// read by the early resolution) and another put in its slot: the
+	// flow's next packet makes Cilium pick it (ct_update_svc_entry), and
+	// the flow now has OUT entries towards both.
+	{Name: "service-backend-removed-repicked", NotStandin: notRepick, Run: func(e *Env) ([]*Pod, []string) {
+		a, r1, r2, vip := e.Pod("a"), e.Remote(), e.Remote(), e.VIP()
+		id := e.N.AddService(ProtoUDP, AP(vip, 9000), AP(r1, 9090), 0)
+		e.Expect("UDP to VIP", e.N.Send(a, UDPFrame(AP(e.IP(a), 40004), AP(vip, 9000))))
+		e.Expect("UDP reply", e.N.FromNetdev(UDPFrame(AP(r1, 9090), AP(e.IP(a), 40004))))
+		e.N.Settle(a)
+		e.N.RemoveBackend(e.V6, id)
+		e.N.AddService(ProtoUDP, AP(vip, 9000), AP(r2, 9090), 0)
+		e.Expect("UDP to VIP, re-picked", e.N.Send(a, UDPFrame(AP(e.IP(a), 40004), AP(vip, 9000))))
+		e.Expect("UDP reply from the new backend", e.N.FromNetdev(UDPFrame(AP(r2, 9090), AP(e.IP(a), 40004))))
+		return []*Pod{a}, nil
+	}},
+	// The same twice over: the first re-pick's backend is read by the
+	// recorder at the flow's next packet (no resolution reads the entry
+	// in between), the second's by the scrub's resolution.
+	{Name: "service-backend-repicked-twice", NotStandin: notRepick, Run: func(e *Env) ([]*Pod, []string) {
+		a, r1, r2, r3, vip := e.Pod("a"), e.Remote(), e.Remote(), e.Remote(), e.VIP()
+		id1 := e.N.AddService(ProtoTCP, AP(vip, 80), AP(r1, 8080), 0)
+		e.Expect("SYN", e.N.Send(a, TCPFrame(AP(e.IP(a), 40005), AP(vip, 80), SYN)))
+		e.Expect("ACK", e.N.Send(a, TCPFrame(AP(e.IP(a), 40005), AP(vip, 80), ACK)))
+		e.N.Settle(a)
+		e.N.RemoveBackend(e.V6, id1)
+		id2 := e.N.AddService(ProtoTCP, AP(vip, 80), AP(r2, 8080), 0)
+		e.Expect("re-picked once", e.N.Send(a, TCPFrame(AP(e.IP(a), 40005), AP(vip, 80), ACK)))
+		e.Expect("read by the recorder", e.N.Send(a, TCPFrame(AP(e.IP(a), 40005), AP(vip, 80), ACK)))
+		// The early resolution reads the re-picked backend's address
+		// (without it, the removal below comes first and the client is
+		// marked: service-backend-removed-unread).
+		e.N.Settle(a)
+		e.N.RemoveBackend(e.V6, id2)
+		e.N.AddService(ProtoTCP, AP(vip, 80), AP(r3, 8080), 0)
+		e.Expect("re-picked twice", e.N.Send(a, TCPFrame(AP(e.IP(a), 40005), AP(vip, 80), ACK)))
+		return []*Pod{a}, nil
+	}},
+	// A backend removed before anything read its address, with the
+	// flow's OUT entry towards it left: that cannot be learnt, so the
+	// client must come out incomplete with the new reason.
+	{Name: "service-backend-removed-unread", Marks: index.ReasonServiceUnresolved, NotStandin: notRepick, Run: func(e *Env) ([]*Pod, []string) {
+		a, r1, r2, vip := e.Pod("a"), e.Remote(), e.Remote(), e.VIP()
+		id := e.N.AddService(ProtoUDP, AP(vip, 9000), AP(r1, 9090), 0)
+		e.Expect("UDP to VIP", e.N.Send(a, UDPFrame(AP(e.IP(a), 40006), AP(vip, 9000))))
+		e.N.RemoveBackend(e.V6, id)
+		e.N.AddService(ProtoUDP, AP(vip, 9000), AP(r2, 9090), 0)
+		e.Expect("UDP to VIP, re-picked", e.N.Send(a, UDPFrame(AP(e.IP(a), 40006), AP(vip, 9000))))
+		return []*Pod{a}, []string{index.ReasonServiceUnresolved}
+	}},
+	// Socket LB in host-namespace-only mode (service meshes): bpf_lxc
+	// load-balances the pod's packets itself, as with the default values.
+	// Each case first checks that Cilium made the SERVICE entry (the
+	// per-packet path ran on this build), then that the client is complete.
+	{Name: "hostns-service-tcp-local-backend", Node: NodeSocketLBHostNS, Run: func(e *Env) ([]*Pod, []string) {
+		a, b, vip := e.Pod("client"), e.Pod("backend"), e.VIP()
+		e.N.AddService(ProtoTCP, AP(vip, 80), AP(e.IP(b), 8080), 0)
+		e.Expect("SYN to VIP", e.N.Send(a, TCPFrame(AP(e.IP(a), 40001), AP(vip, 80), SYN)))
+		e.Expect("SYN-ACK from backend", e.N.Send(b, TCPFrame(AP(e.IP(b), 8080), AP(e.IP(a), 40001), SYN|ACK)))
+		e.Expect("ACK to VIP", e.N.Send(a, TCPFrame(AP(e.IP(a), 40001), AP(vip, 80), ACK)))
+		e.RequireServiceEntry(a, vip)
+		return []*Pod{a, b}, nil
+	}},
+	{Name: "hostns-dns-over-udp-remote-backend", Node: NodeSocketLBHostNS, Run: func(e *Env) ([]*Pod, []string) {
+		a, dns, vip := e.Pod("a"), e.Remote(), e.VIP()
+		e.N.AddService(ProtoUDP, AP(vip, 53), AP(dns, 53), 0)
+		e.Expect("query", e.N.Send(a, UDPFrame(AP(e.IP(a), 41053), AP(vip, 53))))
+		e.Expect("answer", e.N.FromNetdev(UDPFrame(AP(dns, 53), AP(e.IP(a), 41053))))
+		e.Expect("second query", e.N.Send(a, UDPFrame(AP(e.IP(a), 41053), AP(vip, 53))))
+		e.RequireServiceEntry(a, vip)
+		return []*Pod{a}, nil
 	}},
 	{Name: "icmp-echo", Run: func(e *Env) ([]*Pod, []string) {
 		a, b, w := e.Pod("a"), e.Pod("b"), e.World()
@@ -329,14 +477,14 @@ var Cases = []Case{
 		e.Expect("SYN-ACK", e.N.Send(b, TCPFrame(AP(e.IP(b), 8080), AP(w, 50001), SYN|ACK)))
 		return []*Pod{b}, nil
 	}},
-	{Name: "nodeport-dsr-backend", DSR: true, NotStandin: notHost, Run: func(e *Env) ([]*Pod, []string) {
+	{Name: "nodeport-dsr-backend", Node: NodeHostFWDSR, NotStandin: notHost, Run: func(e *Env) ([]*Pod, []string) {
 		b, w := e.Pod("backend"), e.World()
 		svc := AP(e.VIP(), 30080)
 		e.Expect("DSR SYN", e.N.FromNetdev(DSRFrame(AP(w, 50001), AP(e.IP(b), 8080), svc, SYN)))
 		e.Expect("SYN-ACK", e.N.Send(b, TCPFrame(AP(e.IP(b), 8080), AP(w, 50001), SYN|ACK)))
 		return []*Pod{b}, nil
 	}},
-	{Name: "host-firewall-pod-node", DSR: true, NotStandin: notHostFW, Run: func(e *Env) ([]*Pod, []string) {
+	{Name: "host-firewall-pod-node", Node: NodeHostFWDSR, NotStandin: notHostFW, Run: func(e *Env) ([]*Pod, []string) {
 		a, node := e.Pod("a"), e.NodeIP()
 		e.N.AddRemote(node, HostID)
 		// The pod connects to the node: bpf_lxc, then the host firewall's

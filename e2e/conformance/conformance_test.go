@@ -44,13 +44,16 @@ func TestConformance(t *testing.T) {
 				t.Fatal(err)
 			}
 			built := time.Since(start)
-			nodes := map[bool]*Node{false: NewNode(t, o, false), true: NewNode(t, o, true)}
+			var nodes [numNodeConfigs]*Node
+			for nc := range nodes {
+				nodes[nc] = NewNode(t, o, NodeConfig(nc))
+			}
 			seq := 0
 			ran := 0
 			for _, fam := range []string{"IPv4", "IPv6"} {
 				for _, c := range Cases {
 					t.Run(fam+"/"+c.Name, func(t *testing.T) {
-						n := nodes[c.DSR]
+						n := nodes[c.Node]
 						n.t = t
 						e := &Env{N: n, V6: fam == "IPv6", seq: &seq, Fail: t.Errorf}
 						pods, reasons := c.Run(e)

@@ -89,9 +89,24 @@ func (p *Pod) IP(v6 bool) netip.Addr {
 // PodCIDRs of the harness's node.
 var PodCIDRs = []netip.Prefix{netip.MustParsePrefix("10.244.0.0/16"), netip.MustParsePrefix("fd00:244::/48")}
 
-// NewNode loads a node: dsr selects the second configuration, bpf_lxc and
-// bpf_host with the host firewall and bpf_host with NodePort DSR.
-func NewNode(t testing.TB, o *Objects, dsr bool) *Node {
+// NodeConfig is a node's datapath configuration.
+type NodeConfig int
+
+const (
+	// NodeDefault: Cilium's default values (no socket LB: bpf_lxc
+	// load-balances per packet), legacy host routing.
+	NodeDefault NodeConfig = iota
+	// NodeHostFWDSR: bpf_lxc and bpf_host with the host firewall, bpf_host
+	// with NodePort DSR.
+	NodeHostFWDSR
+	// NodeSocketLBHostNS: socket LB in host-namespace-only mode
+	// (bpf_lxc built with ENABLE_SOCKET_LB_HOST_ONLY), bpf_host as default.
+	NodeSocketLBHostNS
+	numNodeConfigs
+)
+
+// NewNode loads a node of configuration cfg.
+func NewNode(t testing.TB, o *Objects, nc NodeConfig) *Node {
 	t.Helper()
 	dir, err := os.MkdirTemp("/sys/fs/bpf", "ctscrub-conformance-")
 	if err != nil {
@@ -102,14 +117,17 @@ func NewNode(t testing.TB, o *Objects, dsr bool) *Node {
 	lb := loopback4(o).As4()
 	cfg := configs{"interface_ifindex": nativeIf, "service_loopback_ipv4": uint64(binary.NativeEndian.Uint32(lb[:]))}
 	lxc := o.LXC
-	if dsr {
+	switch nc {
+	case NodeHostFWDSR:
 		lxc = o.LXCHostFW
+	case NodeSocketLBHostNS:
+		lxc = o.LXCHostNS
 	}
 	if n.LXC, err = loadObject(lxc, dir, o.Minor, cfg); err != nil {
 		t.Fatal(err)
 	}
 	host := o.Host
-	if dsr {
+	if nc == NodeHostFWDSR {
 		host = o.HostDSR
 	}
 	if n.Host, err = loadObject(host, dir, o.Minor, cfg); err != nil {
@@ -130,8 +148,9 @@ func NewNode(t testing.TB, o *Objects, dsr bool) *Node {
 		}
 	}
 	for name, m := range n.LXC.Maps {
-		for _, want := range []string{recorder.ServiceMap4, recorder.ServiceMap6} {
-			// 1.17+: the production name; 1.16's test config: test_cilium_lb4_services.
+		for _, want := range []string{recorder.ServiceMap4, recorder.ServiceMap6, ctmap.BackendMap4, ctmap.BackendMap6} {
+			// 1.17+: the production name; 1.16's test config:
+			// test_cilium_lb4_services, test_cilium_lb4_backends.
 			if name == want || name == "test_"+want[:len(want)-3] {
 				if err := pinAlso(m, filepath.Join(n.Globals, want)); err != nil {
 					t.Fatal(err)
@@ -160,6 +179,7 @@ func NewNode(t testing.TB, o *Objects, dsr bool) *Node {
 	if err != nil {
 		t.Fatal(err)
 	}
+	n.Rec.SetCT(n.CT) // Resolve reads SERVICE and OUT entries there
 	if v4, v6 := n.Rec.VIPDetection(); !v4 || !v6 {
 		t.Fatalf("recorder did not find Cilium %s's service maps (v4 %v, v6 %v)", o.Version, v4, v6)
 	}
@@ -310,8 +330,10 @@ const (
 	SvcRoutable   = 1 << 6
 )
 
-// AddService registers a service frontend with one backend.
-func (n *Node) AddService(proto uint8, vip, backend netip.AddrPort, flags uint8) {
+// AddService registers a service frontend with one backend (slot 1) and
+// returns the backend's ID. Again for the same frontend, it replaces the
+// backend in slot 1, as the agent does when a backend changes.
+func (n *Node) AddService(proto uint8, vip, backend netip.AddrPort, flags uint8) uint32 {
 	n.t.Helper()
 	n.mu.Lock()
 	rev := n.revNAT
@@ -328,6 +350,57 @@ func (n *Node) AddService(proto uint8, vip, backend netip.AddrPort, flags uint8)
 	n.setup(a, "conf_setup")
 	if err := n.SI.AddService(proto, vip, backend); err != nil {
 		n.t.Fatal(err)
+	}
+	n.checkBackend(vip.Addr().Is6(), a.BackendID, backend)
+	return a.BackendID
+}
+
+// checkBackend reads backend id back through ctmap.Backends (what
+// recorder.Resolve uses) from the map Cilium's own helpers wrote: the
+// layout ctscrub decodes is this version's.
+func (n *Node) checkBackend(v6 bool, id uint32, want netip.AddrPort) {
+	n.t.Helper()
+	be, err := ctmap.OpenBackends(n.Globals)
+	if err != nil {
+		n.t.Fatalf("cilium %s: %v", n.O.Version, err)
+	}
+	defer be.Close()
+	got, ok, err := be.Lookup(v6, id)
+	if err != nil || !ok || got.Addr != want.Addr() || got.Port != want.Port() {
+		n.t.Fatalf("cilium %s: backend %d read through ctmap.Backends as %+v (found %v, err %v), Cilium wrote %s", n.O.Version, id, got, ok, err, want)
+	}
+}
+
+// RemoveBackend deletes backend id from Cilium's backend map of the
+// family of v6, as the agent does when the backend's pod goes: a flow's
+// next packet then makes Cilium pick another (ct_update_svc_entry).
+func (n *Node) RemoveBackend(v6 bool, id uint32) {
+	n.t.Helper()
+	want := ctmap.BackendMap4
+	if v6 {
+		want = ctmap.BackendMap6
+	}
+	for name, m := range n.LXC.Maps {
+		if name == want || name == "test_"+want[:len(want)-3] {
+			if err := m.Delete(id); err != nil {
+				n.t.Fatalf("remove backend %d from %s: %v", id, name, err)
+			}
+			return
+		}
+	}
+	n.t.Fatalf("no backend map %s in bpf_lxc of %s", want, n.O.Version)
+}
+
+// Settle does what the daemon does soon after records arrive: applies
+// them and runs the early resolution of the pods' service flows.
+func (n *Node) Settle(pods ...*Pod) {
+	n.t.Helper()
+	if _, err := n.Rec.Drain(n.Ix); err != nil {
+		n.t.Fatal(err)
+	}
+	for _, p := range pods {
+		n.Rec.Resolve(n.Ix, p.IP4, false)
+		n.Rec.Resolve(n.Ix, p.IP6, false)
 	}
 }
 
@@ -583,6 +656,13 @@ func (n *Node) Check(pods []*Pod, reasons ...string) (misses []Miss, wrong []str
 	n.t.Helper()
 	if _, err := n.Rec.Drain(n.Ix); err != nil {
 		n.t.Fatal(err)
+	}
+	// What a scrub does first (index.Hooks.Resolve, installed by the
+	// recorder's Run): learn the backends of the IPs' service flows.
+	for _, p := range pods {
+		for _, ip := range []netip.Addr{p.IP4, p.IP6} {
+			n.Rec.Resolve(n.Ix, ip, true)
+		}
 	}
 	// What a scrub does first (cilium.Backend.Scrub): a Cilium feature that
 	// puts the IP's entries out of the index's reach marks it incomplete.

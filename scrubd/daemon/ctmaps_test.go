@@ -127,6 +127,15 @@ func TestCTMapsRecreatedUnderDaemon(t *testing.T) {
 	if n := counterValue(t, td, "ctscrub_index_marked_incomplete_total", map[string]string{"reason": ReasonLabelCTMaps}); n < 2 {
 		t.Errorf("ctscrub_index_marked_incomplete_total{reason=%s} %v, want >= 2", ReasonLabelCTMaps, n)
 	}
+	// The recorder's programs read SERVICE entries in the CT maps: they
+	// follow the new maps once the CT watch handed them over, and the
+	// IPs keep the CT maps' reason.
+	waitFor(t, "the recorder to reload its programs over the new CT maps", func() bool {
+		return counterValue(t, td, "ctscrub_service_maps_reloaded_total", nil) >= 1
+	})
+	if st := td.Index().State(pod.Addr4); st.Incomplete != index.ReasonCTMaps {
+		t.Errorf("%s after the recorder's reload: %+v, want the CT maps' reason kept", pod.Addr4, st)
+	}
 
 	// New flows in the new maps, and the flow seen before the restart going
 	// on in them (Cilium re-creates its entry; the recorder does not record

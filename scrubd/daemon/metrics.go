@@ -126,6 +126,24 @@ func newMetrics(d *Daemon, reg *prometheus.Registry) *metrics {
 			}
 			return 0
 		}),
+		prometheus.NewCounterFunc(prometheus.CounterOpts{
+			Name: "ctscrub_service_unresolved_total",
+			Help: "Times a pod IP was marked incomplete because a flow of its through a per-packet load-balanced VIP went to a backend the index could not learn for certain (index.ReasonServiceUnresolved).",
+		}, func() float64 {
+			if su, ok := d.rec.(interface{ ServiceUnresolved() uint64 }); ok {
+				return float64(su.ServiceUnresolved())
+			}
+			return 0
+		}),
+		prometheus.NewCounterFunc(prometheus.CounterOpts{
+			Name: "ctscrub_service_early_resolve_dropped_total",
+			Help: "Service records whose pod IP the early resolution's full queue did not take; the IP's next scrub or audit resolves it (or marks it incomplete).",
+		}, func() float64 {
+			if q, ok := d.rec.(interface{ EarlyResolveDropped() uint64 }); ok {
+				return float64(q.EarlyResolveDropped())
+			}
+			return 0
+		}),
 		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 			Name: "ctscrub_index_ips",
 			Help: "IP slots in the Cilium index: this node's pods' IPs and released IPs kept complete.",

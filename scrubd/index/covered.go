@@ -15,6 +15,7 @@ import (
 // Cilium backend deletes exactly these, and the audit counts a kernel key of
 // a complete IP as missing when it is not among them.
 func (ix *Index) ScrubKeys(ip netip.Addr) (k4 []ctmap.CTKey4, k6 []ctmap.CTKey6, st State) {
+	ix.resolve(ip)
 	k4, k6, st = ix.KeysOf(ip)
 	k4, k6 = Covered(k4, k6)
 	return k4, k6, st

@@ -106,6 +106,18 @@ type Hooks struct {
 	// Sync returns once every record the kernel produced before the call
 	// has been applied (the reader may lag behind the ring buffer).
 	Sync func(ctx context.Context) error
+	// Resolve learns the backends of ip's service flows (Services) and
+	// indexes their OUT keys, or marks ip incomplete
+	// (ReasonServiceUnresolved) where it cannot. Take and ScrubKeys call
+	// it first, so a scrub and the audit see the flows' current backends.
+	Resolve func(ip netip.Addr)
+}
+
+// resolve runs the Resolve hook for ip.
+func (ix *Index) resolve(ip netip.Addr) {
+	if h := ix.hooks.Load(); h != nil && h.Resolve != nil {
+		h.Resolve(ip)
+	}
 }
 
 // SetHooks installs h (nil removes them). scrubd/recorder.Run installs its
@@ -194,6 +206,10 @@ type IPEntry struct {
 	// stale, since its entry may have been re-created and recorded since.
 	pruning        int
 	added4, added6 keySet
+
+	// svc: the IP's flows through VIPs Cilium load-balances per packet,
+	// by SERVICE key (service.go). Emptied with the keys (Take, a sweep).
+	svc map[svcID]*SvcState
 }
 
 func (e *IPEntry) size() int { return e.keys4.n + e.keys6.n }
@@ -592,17 +608,29 @@ func (e *IPEntry) stateLocked() State {
 // deletes them from the CT maps and gives back (Return) those it could not
 // delete, so a cancelled scrub leaves the index consistent.
 func (ix *Index) Take(ip netip.Addr) (k4 []ctmap.CTKey4, k6 []ctmap.CTKey6, st State) {
+	ix.resolve(ip)
 	e := ix.entry(ip, false)
 	if e == nil {
 		return nil, nil, State{IP: ip, Incomplete: ReasonUnknown}
 	}
 	e.mu.Lock()
+	// A service flow with a pick not resolved to an OUT key (a read, or a
+	// pending pick, left after the Resolve above or without one): its
+	// state goes with the keys, so the scrub cannot know that OUT entry.
+	drop := false
+	if e.svcUnsettledLocked() {
+		drop = ix.markLocked(e, ReasonServiceUnresolved)
+	}
 	st = e.stateLocked()
 	k4, k6 = e.list(nil, nil)
 	ix.keys.Add(-int64(len(k4) + len(k6)))
 	e.keys4, e.keys6 = keySet{}, keySet{}
+	e.svc = nil
 	e.gen = ix.gens.Add(1)
 	e.mu.Unlock()
+	if drop {
+		ix.dropSlot(ip, e)
+	}
 	if h := ix.hooks.Load(); h != nil && h.Taken != nil && len(k4)+len(k6) > 0 {
 		h.Taken(ip, k4, k6)
 	}
@@ -644,6 +672,7 @@ func (ix *Index) Return(ip netip.Addr, k4 []ctmap.CTKey4, k6 []ctmap.CTKey6) {
 			ix.keys.Add(1)
 		}
 	}
+	e.noteServiceKeysLocked(k4, k6)
 }
 
 // Forget drops ip's slot entirely (its keys and its tracked state), e.g. when
@@ -748,6 +777,9 @@ func (ix *Index) Prune(ip netip.Addr, gone4 func(ctmap.CTKey4) bool, gone6 func(
 		if pack(rec[:], e.a4[:], d4[i][:], 4) {
 			if _, again := e.added4.find0(rec[:]); !again && e.keys4.del(rec[:]) {
 				dropped++
+				if d4[i].Flags()&ctmap.FlagService != 0 {
+					e.dropSettledSvcLocked(svcID4(&d4[i]))
+				}
 			}
 		}
 		yield()
@@ -757,6 +789,9 @@ func (ix *Index) Prune(ip netip.Addr, gone4 func(ctmap.CTKey4) bool, gone6 func(
 		if pack(rec[:], e.a16[:], d6[i][:], 16) {
 			if _, again := e.added6.find0(rec[:]); !again && e.keys6.del(rec[:]) {
 				dropped++
+				if d6[i].Flags()&ctmap.FlagService != 0 {
+					e.dropSettledSvcLocked(svcID6(&d6[i]))
+				}
 			}
 		}
 		yield()

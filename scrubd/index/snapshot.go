@@ -37,6 +37,12 @@ func (ix *Index) Snapshot() Snapshot {
 		for _, e := range sh.ips {
 			e.mu.Lock()
 			si := SnapshotIP{IP: e.ip, Tracked: e.tracked, Incomplete: e.incomplete}
+			if si.Incomplete == "" && e.svcReadLocked() {
+				// Backends read but not resolved are not kept: restored,
+				// the SERVICE key is only pending, and the OUT entry of
+				// such a read could be missed.
+				si.Incomplete = ReasonServiceUnresolved
+			}
 			if e.keys4.n > 0 {
 				si.Recs4 = e.keys4.records(make([]byte, 0, e.keys4.n*RecSize4), RecSize4)
 			}
@@ -117,5 +123,7 @@ func (ix *Index) restoreIP(si SnapshotIP) error {
 		return err
 	}
 	e.pruneAt = max(1024, 2*e.size())
+	k4, k6 := e.list(nil, nil)
+	e.noteServiceKeysLocked(k4, k6)
 	return nil
 }

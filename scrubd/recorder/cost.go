@@ -5,11 +5,14 @@ import (
 	"fmt"
 	"math/bits"
 	"net/netip"
+	"time"
 
 	"github.com/cilium/ebpf"
 	"github.com/cilium/ebpf/asm"
+	"github.com/cilium/ebpf/ringbuf"
 
 	"github.com/ctscrub/ctscrub/bpf"
+	"github.com/ctscrub/ctscrub/scrubd/ctmap"
 )
 
 // MeasurePacketCost runs the recorder's egress program with BPF_PROG_TEST_RUN
@@ -116,6 +119,11 @@ func tcp4Frame(src, dst netip.Addr, sport, dport uint16) []byte {
 // BPF_PROG_TEST_RUN itself), in nanoseconds.
 type EstablishedCost struct {
 	TCP4, UDP4, TCP6, Empty float64
+	// The same packets on flows the pod sends to a VIP Cilium
+	// load-balances per packet: never in the front cache, each reads its
+	// SERVICE entry's backend_id in Cilium's CT map (the backend
+	// unchanged, so no record).
+	TCP4Svc, UDP4Svc, TCP6Svc float64
 }
 
 // MeasureEstablishedCosts measures an established flow's packet for IPv4
@@ -134,6 +142,9 @@ func MeasureEstablishedCosts(repeat int) (EstablishedCost, error) {
 	if err := setSourceCheck(spec); err != nil {
 		return c, fmt.Errorf("measure recorder cost: %w", err)
 	}
+	for _, n := range []string{"cilium_ct4_global", "cilium_ct_any4_global", "cilium_ct6_global", "cilium_lb4_services_v2", "cilium_lb6_services_v2"} {
+		spec.Maps[n].MaxEntries = 16 // the placeholders hold 1
+	}
 	var objs bpf.RecorderObjects
 	if err := spec.LoadAndAssign(&objs, nil); err != nil {
 		return c, fmt.Errorf("measure recorder cost: load: %w", err)
@@ -151,23 +162,65 @@ func MeasureEstablishedCosts(repeat int) (EstablishedCost, error) {
 
 	src4, dst4 := netip.MustParseAddr("10.0.0.2"), netip.MustParseAddr("10.1.0.1")
 	src6, dst6 := netip.MustParseAddr("fd00::2"), netip.MustParseAddr("2001:db8::1")
+	vip4, vip6 := netip.MustParseAddr("10.96.0.10"), netip.MustParseAddr("fd00:96::10")
 	udp := tcp4Frame(src4, dst4, 40001, 53)
 	udp[14+9] = 17 // the L4 header's first 8 bytes read as UDP
+	udpSvc := tcp4Frame(src4, vip4, 40003, 53)
+	udpSvc[14+9] = 17
+	for _, v := range []struct {
+		vip   netip.Addr
+		port  uint16
+		proto uint8
+		key   []byte
+	}{
+		{vip4, 80, ctmap.ProtoTCP, svcCTKey4(vip4, src4, 40002, 80, ctmap.ProtoTCP)},
+		{vip4, 53, ctmap.ProtoUDP, svcCTKey4(vip4, src4, 40003, 53, ctmap.ProtoUDP)},
+		{vip6, 80, ctmap.ProtoTCP, svcCTKey6(vip6, src6, 40002, 80, ctmap.ProtoTCP)},
+	} {
+		if err := addMeasureService(&objs, v.vip, v.port, v.proto, v.key); err != nil {
+			return c, fmt.Errorf("measure recorder cost: %w", err)
+		}
+	}
+	rd, err := ringbuf.NewReader(objs.RecEvents)
+	if err != nil {
+		return c, fmt.Errorf("measure recorder cost: %w", err)
+	}
+	defer rd.Close()
 	for _, m := range []struct {
 		prog  *ebpf.Program
 		frame []byte
 		out   *float64
+		svc   bool
 	}{
-		{objs.RecorderEgress, tcp4Frame(src4, dst4, 40000, 443), &c.TCP4},
-		{objs.RecorderEgress, udp, &c.UDP4},
-		{objs.RecorderEgress, tcp6Frame(src6, dst6, 40000, 443), &c.TCP6},
-		{empty, tcp4Frame(src4, dst4, 40000, 443), &c.Empty},
+		{objs.RecorderEgress, tcp4Frame(src4, dst4, 40000, 443), &c.TCP4, false},
+		{objs.RecorderEgress, tcp4Frame(src4, vip4, 40002, 80), &c.TCP4Svc, true},
+		{objs.RecorderEgress, udp, &c.UDP4, false},
+		{objs.RecorderEgress, udpSvc, &c.UDP4Svc, true},
+		{objs.RecorderEgress, tcp6Frame(src6, dst6, 40000, 443), &c.TCP6, false},
+		{objs.RecorderEgress, tcp6Frame(src6, vip6, 40002, 80), &c.TCP6Svc, true},
+		{empty, tcp4Frame(src4, dst4, 40000, 443), &c.Empty, false},
 	} {
 		if err := ownTestRunSource(objs.RecOwner, m.frame); err != nil {
 			return c, fmt.Errorf("measure recorder cost: %w", err)
 		}
 		if _, _, err := m.prog.Benchmark(m.frame, 1, nil); err != nil { // records the flow
 			return c, fmt.Errorf("measure recorder cost: test run: %w", err)
+		}
+		if m.prog != empty {
+			// The flow's record: a service flow must have been taken for
+			// one (its SERVICE entry read), or the figure is a plain flow's.
+			rd.SetDeadline(time.Now().Add(time.Second))
+			var rec ringbuf.Record
+			if err := rd.ReadInto(&rec); err != nil {
+				return c, fmt.Errorf("measure recorder cost: read the flow's record: %w", err)
+			}
+			r, err := ParseRecord(rec.RawSample)
+			if err != nil {
+				return c, fmt.Errorf("measure recorder cost: %w", err)
+			}
+			if got := r.Kind == RecServiceEntry && r.Backend == measureBackend; got != m.svc {
+				return c, fmt.Errorf("measure recorder cost: record kind %d backend %d; service flow: %v", r.Kind, r.Backend, m.svc)
+			}
 		}
 		_, d, err := m.prog.Benchmark(m.frame, repeat, nil)
 		if err != nil {
@@ -176,6 +229,43 @@ func MeasureEstablishedCosts(repeat int) (EstablishedCost, error) {
 		*m.out = float64(d.Nanoseconds())
 	}
 	return c, nil
+}
+
+// measureBackend is the backend_id of the SERVICE entries the measurement
+// puts in the program's own CT maps (Cilium's are not involved).
+const measureBackend = 7
+
+func svcCTKey4(vip, pod netip.Addr, podPort, vipPort uint16, proto uint8) []byte {
+	k := ctmap.NewKey4(vip, pod, podPort, vipPort, proto, ctmap.FlagService)
+	return k[:]
+}
+
+func svcCTKey6(vip, pod netip.Addr, podPort, vipPort uint16, proto uint8) []byte {
+	k := ctmap.NewKey6(vip, pod, podPort, vipPort, proto, ctmap.FlagService)
+	return k[:]
+}
+
+// addMeasureService puts a frontend (struct lb4_key / lb6_key: slot 0,
+// protocol 0, scope external) in the program's own service map and the
+// flow's SERVICE entry, naming measureBackend, in its own CT map.
+func addMeasureService(objs *bpf.RecorderObjects, vip netip.Addr, port uint16, proto uint8, ctKey []byte) error {
+	svc, ct := objs.CiliumLb4ServicesV2, objs.CiliumCt4Global
+	if proto != ctmap.ProtoTCP {
+		ct = objs.CiliumCtAny4Global
+	}
+	if vip.Is6() {
+		svc, ct = objs.CiliumLb6ServicesV2, objs.CiliumCt6Global
+	}
+	key := append(vip.AsSlice(), 0, 0, 0, 0, 0, 0, 0, 0)
+	binary.BigEndian.PutUint16(key[len(key)-8:], port)
+	if err := svc.Put(key, make([]byte, svc.ValueSize())); err != nil {
+		return fmt.Errorf("service %s:%d: %w", vip, port, err)
+	}
+	e := ctmap.EncodeEntry(ctmap.EntryFields{BackendID: measureBackend})
+	if err := ct.Put(ctKey, e[:]); err != nil {
+		return fmt.Errorf("SERVICE entry of %s:%d: %w", vip, port, err)
+	}
+	return nil
 }
 
 // tcp6Frame is tcp4Frame for IPv6.

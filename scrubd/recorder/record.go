@@ -17,10 +17,19 @@ const (
 	// not own. The key is the one Cilium would create if it let the
 	// packet through; its daddr is the claimed source.
 	RecForeign uint8 = 2
+	// RecServiceEntry: a flow the pod sends to a VIP Cilium load-balances
+	// per packet. The key is Cilium's SERVICE key (daddr = the VIP, saddr =
+	// the pod); Backend the backend_id its entry held when the packet
+	// passed (0: no entry yet). RecService is what older programs sent.
+	RecServiceEntry uint8 = 3
 )
 
-// RecordSize is sizeof(struct record).
-const RecordSize = 48
+// RecordSize is sizeof(struct record); records of older programs (still in
+// a pinned ring after an upgrade) are RecordSizeV1 long, without Backend.
+const (
+	RecordSize   = 56
+	RecordSizeV1 = 48
+)
 
 // Record is struct record from bpf/include/ctscrub.h: one new flow as the
 // recorder saw it on a pod interface.
@@ -29,15 +38,21 @@ type Record struct {
 	Kind    uint8
 	Ifindex uint32
 	Key     [40]byte
+	Backend uint32
 }
 
 // ParseRecord decodes one ring-buffer sample.
 func ParseRecord(b []byte) (Record, error) {
-	if len(b) < RecordSize {
-		return Record{}, fmt.Errorf("recorder record: %d bytes, want %d", len(b), RecordSize)
+	if len(b) < RecordSizeV1 {
+		return Record{}, fmt.Errorf("recorder record: %d bytes, want %d (or an older program's %d)", len(b), RecordSize, RecordSizeV1)
 	}
 	r := Record{Family: b[0], Kind: b[1], Ifindex: binary.NativeEndian.Uint32(b[4:8])}
 	copy(r.Key[:], b[8:48])
+	// Shorter than RecordSize (an older program's record): backend 0,
+	// which Apply reads as a pick nobody has read.
+	if len(b) >= RecordSize {
+		r.Backend = binary.NativeEndian.Uint32(b[48:52])
+	}
 	if r.Family != 4 && r.Family != 6 {
 		return Record{}, fmt.Errorf("recorder record: family %d", r.Family)
 	}
@@ -73,12 +88,19 @@ func Apply(ix *index.Index, r *Record) {
 			ix.AddTo4(k.SAddr(), k.Related())
 			return
 		}
+		if r.Kind == RecServiceEntry {
+			// The pod is saddr. Its OUT key names the backend Cilium
+			// picked, which the pod never sees: Resolve learns it from
+			// the SERVICE entry and Cilium's backends map.
+			ix.ServiceRecord4(k.SAddr(), k, r.Backend)
+			return
+		}
 		if r.Kind == RecService {
-			// The pod is the initiator (daddr); what Cilium stores depends on
-			// the backend it picks per packet, which the pod never sees. An
-			// address outside the pod CIDRs (a pod sending from a spoofed
-			// source) is never scrubbed: marking it would only grow the
-			// index, one slot per address (found by FuzzParseRecord).
+			// An older program's record (pod in daddr, no SERVICE key):
+			// nothing to resolve from. An address outside the pod CIDRs
+			// (a pod sending from a spoofed source) is never scrubbed:
+			// marking it would only grow the index, one slot per address
+			// (found by FuzzParseRecord).
 			if ix.Owns(k.DAddr()) {
 				ix.MarkIncomplete(k.DAddr(), index.ReasonService)
 			}
@@ -99,6 +121,10 @@ func Apply(ix *index.Index, r *Record) {
 			}
 			ix.AddTo6(k.SAddr(), k)
 			ix.AddTo6(k.SAddr(), k.Related())
+			return
+		}
+		if r.Kind == RecServiceEntry {
+			ix.ServiceRecord6(k.SAddr(), k, r.Backend)
 			return
 		}
 		if r.Kind == RecService {
@@ -123,7 +149,8 @@ func (r *Record) Encode() []byte {
 	b := make([]byte, RecordSize)
 	b[0], b[1] = r.Family, r.Kind
 	binary.NativeEndian.PutUint32(b[4:8], r.Ifindex)
-	copy(b[8:], r.Key[:])
+	copy(b[8:48], r.Key[:])
+	binary.NativeEndian.PutUint32(b[48:52], r.Backend)
 	return b
 }
 

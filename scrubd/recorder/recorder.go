@@ -109,9 +109,9 @@ type Recorder struct {
 	// progMu guards what ReloadPrograms swaps: the programs Attach puts on
 	// interfaces, and the service maps they read.
 	progMu sync.RWMutex
-	prog   [2]*ebpf.Program // ingress, egress
-	vip    [2]bool          // VIP detection on for IPv4, IPv6
-	svc    [2]ebpf.MapID
+	prog   [2]*ebpf.Program       // ingress, egress
+	vip    [2]bool                // VIP detection on for IPv4, IPv6
+	svc    [numWatched]ebpf.MapID // the Cilium maps the programs read (watchedMaps)
 	// reloaded: programs of a ReloadPrograms (r.objs holds the first ones).
 	reloaded []*ebpf.Program
 
@@ -134,6 +134,10 @@ type Recorder struct {
 	netnsCheck bool
 
 	bar atomic.Pointer[barrier] // Run's, while it runs
+
+	unresolved atomic.Uint64 // IPs Resolve marked incomplete
+	// svcq: Run's early-resolution queue (its drops are a metric).
+	svcq atomic.Pointer[resolveQueue]
 }
 
 // FastSyncs returns how many Index.Sync calls of the running Run found the
@@ -268,11 +272,20 @@ func recorderSpec(opts Options) (*ebpf.CollectionSpec, error) {
 	return spec, nil
 }
 
-// openServiceMaps opens Cilium's service maps pinned under opts.CTRoot, as
-// replacements for the programs' own, and sets vip (detection on per family)
-// and ids (the maps opened). A family whose map is not pinned has VIP
-// detection off.
-func openServiceMaps(spec *ebpf.CollectionSpec, opts Options, vip *[2]bool, ids *[2]ebpf.MapID) (map[string]*ebpf.Map, error) {
+// watchedMaps are the maps of Cilium's the programs read, pinned under
+// CTRoot: the service maps (VIP detection) and the four global CT maps (a
+// service flow's SERVICE entry, for its backend_id).
+var watchedMaps = []string{ServiceMap4, ServiceMap6,
+	ctmap.TCP4.Name(), ctmap.Any4.Name(), ctmap.TCP6.Name(), ctmap.Any6.Name()}
+
+const numWatched = 6
+
+// openServiceMaps opens Cilium's maps the programs read (watchedMaps),
+// pinned under opts.CTRoot, as replacements for the programs' own, and
+// sets vip (detection on per family) and ids (the maps opened). A family
+// whose service map is not pinned has VIP detection off; a CT map not
+// pinned leaves its service flows' backends to user space (Resolve).
+func openServiceMaps(spec *ebpf.CollectionSpec, opts Options, vip *[2]bool, ids *[numWatched]ebpf.MapID) (map[string]*ebpf.Map, error) {
 	repl := make(map[string]*ebpf.Map)
 	fail := func(err error) (map[string]*ebpf.Map, error) {
 		for _, m := range repl {
@@ -280,13 +293,18 @@ func openServiceMaps(spec *ebpf.CollectionSpec, opts Options, vip *[2]bool, ids 
 		}
 		return nil, err
 	}
-	for i, name := range []string{ServiceMap4, ServiceMap6} {
-		vip[i], ids[i] = false, 0
+	for i, name := range watchedMaps {
+		if i < 2 {
+			vip[i] = false
+		}
+		ids[i] = 0
 		path := filepath.Join(opts.CTRoot, name)
 		m, err := ebpf.LoadPinnedMap(path, nil)
 		if errors.Is(err, os.ErrNotExist) {
-			opts.Log.Info("recorder: Cilium service map not pinned, VIP detection off for this family (fine without Cilium; with Cilium check --ct-root)",
-				"map", path)
+			if i < 2 {
+				opts.Log.Info("recorder: Cilium service map not pinned, VIP detection off for this family (fine without Cilium; with Cilium check --ct-root)",
+					"map", path)
+			}
 			continue
 		}
 		if err != nil {
@@ -303,7 +321,9 @@ func openServiceMaps(spec *ebpf.CollectionSpec, opts Options, vip *[2]bool, ids 
 		ms.MaxEntries = m.MaxEntries()
 		ms.Flags = m.Flags()
 		repl[name] = m
-		vip[i] = true
+		if i < 2 {
+			vip[i] = true
+		}
 		if info, err := m.Info(); err == nil {
 			ids[i], _ = info.ID()
 		}
@@ -629,6 +649,7 @@ func (r *Recorder) Run(ctx context.Context, ix *index.Index) error {
 	r.bar.Store(bar)
 	defer r.bar.Store(nil)
 	hooks := r.hooks(ix)
+	hooks.Resolve = func(ip netip.Addr) { r.Resolve(ix, ip, true) }
 	hooks.Sync = func(ctx context.Context) error {
 		if err := bar.wait(ctx); err != nil {
 			return err
@@ -688,6 +709,16 @@ func (r *Recorder) Run(ctx context.Context, ix *index.Index) error {
 		}()
 	}
 
+	// Early resolution: a service flow's OUT key in the index soon after
+	// its record, so the audit and the prune see it.
+	svcq := newResolveQueue(resolveQueueLen)
+	r.svcq.Store(svcq)
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		r.resolveEarly(ctx, ix, svcq)
+	}()
+
 	var rec ringbuf.Record
 	for {
 		upTo := bar.noted()
@@ -713,6 +744,9 @@ func (r *Recorder) Run(ctx context.Context, ix *index.Index) error {
 		}
 		Apply(ix, &rc)
 		bar.appliedUpTo()
+		if rc.Kind == RecServiceEntry {
+			svcq.offer(rc.addrs()[1], time.Now()) // the pod: saddr of the SERVICE key
+		}
 		if q != nil {
 			for _, ip := range rc.addrs() {
 				if ix.Owns(ip) && ix.NeedsPrune(ip) {
@@ -729,12 +763,14 @@ func (r *Recorder) Run(ctx context.Context, ix *index.Index) error {
 // programs were loaded (Cilium started after scrubd). Until ReloadPrograms
 // runs, VIP detection looks at maps Cilium no longer fills, so a flow to a
 // new service is recorded as a flow to its VIP, a key Cilium never makes:
-// the pod's IP would pass as complete with its real entries missing.
+// the pod's IP would pass as complete with its real entries missing. The
+// same for the CT maps the programs read SERVICE entries from (a
+// re-created one is reported once the CT watch handed it over).
 func (r *Recorder) ServiceMapsChanged() bool {
 	r.progMu.RLock()
-	vip, svc := r.vip, r.svc
+	svc := r.svc
 	r.progMu.RUnlock()
-	for i, name := range []string{ServiceMap4, ServiceMap6} {
+	for i, name := range watchedMaps {
 		var id ebpf.MapID
 		if m, err := ebpf.LoadPinnedMap(filepath.Join(r.opts.CTRoot, name), nil); err == nil {
 			if info, ierr := m.Info(); ierr == nil {
@@ -743,11 +779,30 @@ func (r *Recorder) ServiceMapsChanged() bool {
 			m.Close()
 		}
 		// A pin gone (Cilium between unpin and re-create) is no change yet.
-		if id != 0 && (!vip[i] || id != svc[i]) {
-			return true
+		if id == 0 || id == svc[i] {
+			continue
 		}
+		if i >= 2 && !r.ctHandedOver(watchedCT[i-2], id) {
+			continue
+		}
+		return true
 	}
 	return false
+}
+
+// watchedCT are the CT maps of watchedMaps[2:], in that order.
+var watchedCT = []ctmap.Kind{ctmap.TCP4, ctmap.Any4, ctmap.TCP6, ctmap.Any6}
+
+// ctHandedOver: a re-created CT map (pinned as id) is followed once the
+// daemon's CT watch has re-opened the CT maps and handed them over
+// (SetCT): that watch marks every IP first, with the reason that names the
+// CT maps, and Resolve reads the new maps from then on. Without maps handed
+// over (no CT watch) the pins are followed at once.
+func (r *Recorder) ctHandedOver(k ctmap.Kind, id ebpf.MapID) bool {
+	r.ctMu.RLock()
+	ct := r.opts.CT
+	r.ctMu.RUnlock()
+	return ct == nil || ct.ID(k) == id
 }
 
 // ReloadPrograms loads the recorder's programs again over the service maps
@@ -762,7 +817,7 @@ func (r *Recorder) ReloadPrograms() error {
 		return err
 	}
 	var vip [2]bool
-	var ids [2]ebpf.MapID
+	var ids [numWatched]ebpf.MapID
 	repl, err := openServiceMaps(spec, r.opts, &vip, &ids)
 	if err != nil {
 		return err

@@ -1,0 +1,220 @@
+package index
+
+import (
+	"net/netip"
+
+	"github.com/ctscrub/ctscrub/scrubd/ctmap"
+)
+
+// ReasonServiceUnresolved: a flow of the IP's through a VIP Cilium
+// load-balances per packet went to a backend the index could not learn
+// for certain (its SERVICE entry gone before it was read, its backend
+// removed before its address was read, an OUT entry missing where the
+// backend's says it must be): the flow's OUT entry may be anywhere.
+const ReasonServiceUnresolved = "a load-balanced flow's backend could not be learnt for certain"
+
+// Service is one flow the IP sends through a VIP, as the index knows it:
+// Cilium's SERVICE key (in the IP's family) and what is learnt of the
+// backends its entry named. The recorder resolves it (scrubd/recorder:
+// Resolve) into the flow's OUT key, which it indexes like any key.
+type Service struct {
+	V6 bool
+	K4 ctmap.CTKey4
+	K6 ctmap.CTKey6
+	SvcState
+}
+
+// SvcState is what is learnt of a service flow's backends.
+type SvcState struct {
+	// Pending: Cilium may have picked a backend nobody has read yet (the
+	// entry was absent when a packet passed the recorder, so that packet
+	// made one; a backend was found removed, so the next packet re-picks;
+	// or the key came from a snapshot, with what was learnt lost).
+	Pending bool
+	// ID is the backend whose OUT key the index holds (0: none yet).
+	ID uint32
+	// Read are backend IDs the recorder read from the SERVICE entry, not
+	// yet resolved to an address.
+	Read []uint32
+}
+
+type svcID struct {
+	b  [ctmap.KeySize6]byte
+	v6 bool
+}
+
+func svcID4(k *ctmap.CTKey4) (id svcID) { copy(id.b[:], k[:]); return id }
+func svcID6(k *ctmap.CTKey6) svcID      { return svcID{b: *k, v6: true} }
+
+func (id svcID) service(st *SvcState) Service {
+	s := Service{V6: id.v6, SvcState: *st}
+	s.Read = append([]uint32(nil), st.Read...)
+	if id.v6 {
+		s.K6 = ctmap.CTKey6(id.b)
+	} else {
+		copy(s.K4[:], id.b[:ctmap.KeySize4])
+	}
+	return s
+}
+
+// notePendingLocked gives a SERVICE key that entered the set without a
+// record (a snapshot) a pending state: nothing of its backends is known.
+func (e *IPEntry) notePendingLocked(id svcID) {
+	if e.svc == nil {
+		e.svc = map[svcID]*SvcState{}
+	}
+	if e.svc[id] == nil {
+		e.svc[id] = &SvcState{Pending: true}
+	}
+}
+
+// ServiceRecord4 notes a recorder's record of a service flow of ip's: its
+// SERVICE key is indexed like any key (a scrub deletes it) and backend is
+// the backend_id its entry held when the packet passed (0: none, so that
+// packet makes the entry and picks a backend nobody has read).
+func (ix *Index) ServiceRecord4(ip netip.Addr, k ctmap.CTKey4, backend uint32) {
+	ix.AddTo4(ip, k)
+	ix.serviceRecord(ip, svcID4(&k), backend)
+}
+
+// ServiceRecord6 is ServiceRecord4 for IPv6.
+func (ix *Index) ServiceRecord6(ip netip.Addr, k ctmap.CTKey6, backend uint32) {
+	ix.AddTo6(ip, k)
+	ix.serviceRecord(ip, svcID6(&k), backend)
+}
+
+func (ix *Index) serviceRecord(ip netip.Addr, id svcID, backend uint32) {
+	e := ix.slot(ip)
+	if e == nil {
+		return
+	}
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if e.svc == nil {
+		e.svc = map[svcID]*SvcState{}
+	}
+	st := e.svc[id]
+	if st == nil {
+		st = &SvcState{}
+		e.svc[id] = st
+	}
+	switch {
+	case backend == 0:
+		st.Pending = true
+	case backend != st.ID && len(st.Read) < 16:
+		st.Read = append(st.Read, backend)
+	case backend != st.ID:
+		st.Pending = true // more re-picks than worth keeping: read the entry
+	}
+}
+
+// Services lists ip's service flows (nil for most IPs: one lock).
+func (ix *Index) Services(ip netip.Addr) []Service {
+	e := ix.entry(ip, false)
+	if e == nil {
+		return nil
+	}
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if len(e.svc) == 0 {
+		return nil
+	}
+	out := make([]Service, 0, len(e.svc))
+	for id, st := range e.svc {
+		out = append(out, id.service(st))
+	}
+	return out
+}
+
+// ServiceResolved stores what a resolution learnt of s (read from the
+// list Services returned): the backend whose OUT key it indexed, whether a
+// pick is still unread, and the reads it consumed. done: the flow's
+// SERVICE entry is gone with every pick learnt; its state and its SERVICE
+// key leave the set. A record that arrived since the list was taken is
+// kept (its reads, and pending).
+func (ix *Index) ServiceResolved(ip netip.Addr, s Service, id uint32, pending, done bool) {
+	e := ix.entry(ip, false)
+	if e == nil {
+		return
+	}
+	key := svcID4(&s.K4)
+	if s.V6 {
+		key = svcID6(&s.K6)
+	}
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	st := e.svc[key]
+	if st == nil {
+		return // taken meanwhile
+	}
+	// Reads since the list was taken stay for the next resolution.
+	later := st.Read[min(len(s.Read), len(st.Read)):]
+	laterPending := st.Pending && !s.Pending
+	if done && len(later) == 0 && !laterPending {
+		delete(e.svc, key)
+		if e.del(s) {
+			ix.keys.Add(-1)
+		}
+		return
+	}
+	st.ID = id
+	st.Pending = pending || laterPending
+	st.Read = append([]uint32(nil), later...)
+}
+
+// del removes s's SERVICE key from e's set under e's lock.
+func (e *IPEntry) del(s Service) bool {
+	if s.V6 {
+		var rec [RecSize6]byte
+		return e.ip.Is6() && pack(rec[:], e.a16[:], s.K6[:], 16) && e.keys6.del(rec[:])
+	}
+	var rec [RecSize4]byte
+	return e.ip.Is4() && pack(rec[:], e.a4[:], s.K4[:], 4) && e.keys4.del(rec[:])
+}
+
+// noteServiceKeysLocked gives every SERVICE key of e's set without a
+// state a pending one (keys restored from a snapshot or given back by a
+// scrub: what was learnt of them is gone).
+func (e *IPEntry) noteServiceKeysLocked(k4 []ctmap.CTKey4, k6 []ctmap.CTKey6) {
+	for i := range k4 {
+		if k4[i].Flags()&ctmap.FlagService != 0 {
+			e.notePendingLocked(svcID4(&k4[i]))
+		}
+	}
+	for i := range k6 {
+		if k6[i].Flags()&ctmap.FlagService != 0 {
+			e.notePendingLocked(svcID6(&k6[i]))
+		}
+	}
+}
+
+// svcUnsettledLocked: one of e's service flows has a pick not resolved to
+// an OUT key in the set (pending, or backends read and not resolved).
+func (e *IPEntry) svcUnsettledLocked() bool {
+	for _, st := range e.svc {
+		if st.Pending || len(st.Read) > 0 {
+			return true
+		}
+	}
+	return false
+}
+
+// svcReadLocked: one of e's service flows has backends read and not yet
+// resolved (lost by a snapshot, which keeps only the keys).
+func (e *IPEntry) svcReadLocked() bool {
+	for _, st := range e.svc {
+		if len(st.Read) > 0 {
+			return true
+		}
+	}
+	return false
+}
+
+// dropSettledSvcLocked forgets the state of a service flow whose SERVICE
+// key a prune removed (its entry gone), when every pick of it was learnt;
+// an unsettled one stays, for the next final resolution to mark.
+func (e *IPEntry) dropSettledSvcLocked(id svcID) {
+	if st := e.svc[id]; st != nil && !st.Pending && len(st.Read) == 0 {
+		delete(e.svc, id)
+	}
+}
