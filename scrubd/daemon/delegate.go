@@ -44,8 +44,9 @@ func delegateCallerLabel(c string) string {
 	return "other"
 }
 
-// delegateReason maps the caller's event to the scrub reason of the metrics
-// and logs. An event this scrubd does not know is scrubbed like "unknown".
+// delegateEvent maps the caller's event to its metrics label and to the
+// scrub reason of the scrub metrics and logs. An event this scrubd does not
+// know is counted as "unknown"; the scrub is the same for every event.
 func delegateEvent(e string) (label string, reason scrub.Reason) {
 	switch e {
 	case api.DelegateEventCreate:
