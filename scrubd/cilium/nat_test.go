@@ -4,11 +4,13 @@ import (
 	"context"
 	"encoding/binary"
 	"net/netip"
+	"slices"
 	"testing"
 
 	"github.com/cilium/ebpf"
 
 	"github.com/ctscrub/ctscrub/scrubd/ctmap"
+	"github.com/ctscrub/ctscrub/scrubd/index"
 	"github.com/ctscrub/ctscrub/scrubd/scrub"
 )
 
@@ -87,6 +89,74 @@ func TestScrubDeletesSNATMappings(t *testing.T) {
 			}
 			if nat.Lookup(inLike, &v) != nil {
 				t.Errorf("SNAT key %s of no OUT entry deleted", inLike)
+			}
+		})
+	}
+}
+
+// BenchmarkDeleteKeysWithSNAT is BenchmarkDeleteKeys/program (1,000 OUT
+// flows, 4,000 keys of which 2,000 present) with Cilium's SNAT map present,
+// each flow holding its forward and reverse mapping: the cost of deleting
+// the mappings with the entries. "none" is the same with no SNAT map.
+func BenchmarkDeleteKeysWithSNAT(b *testing.B) {
+	needRoot(b)
+	node := netip.MustParseAddr("172.18.0.2")
+	pod := netip.MustParseAddr("10.244.0.7")
+	for _, withNAT := range []bool{false, true} {
+		name := map[bool]string{false: "none", true: "snat"}[withNAT]
+		b.Run(name, func(b *testing.B) {
+			maps := pinnedMaps(b, 1<<16, false)
+			var nat *ebpf.Map
+			if withNAT {
+				var err error
+				if nat, err = ebpf.NewMap(ctmap.NATSpec(false, 1<<16)); err != nil {
+					b.Fatal(err)
+				}
+				defer nat.Close()
+				if err := maps.SetNAT(nat, nil); err != nil {
+					b.Fatal(err)
+				}
+			}
+			c := newCilium(b, maps, newIndex())
+			var keys, present, mappings []ctmap.CTKey4
+			var values [][]byte
+			for port := uint16(1); port <= 1000; port++ {
+				peer := netip.AddrFrom4([4]byte{198, 18, byte(port >> 8), byte(port)})
+				k := ctmap.NewKey4(pod, peer, 80, port, 6, ctmap.FlagOut)
+				x4, _ := index.Covered([]ctmap.CTKey4{k, k.Related()}, nil)
+				keys = append(keys, x4...)
+				present = append(present, k, k.Related())
+				mappings = append(mappings, ctmap.NewKey4(peer, pod, 80, port, 6, ctmap.FlagOut), ctmap.NewKey4(node, peer, 20000+port, 80, 6, ctmap.FlagIn))
+				values = append(values, natValue(node, 20000+port), natValue(pod, port))
+			}
+			tcp, other := splitTCP(slices.Clone(keys), ctmap.TCP4)
+			var val ctmap.Entry
+			for b.Loop() {
+				b.StopTimer()
+				for _, k := range present {
+					if err := maps.Map(k.Kind()).Put(k, val); err != nil {
+						b.Fatal(err)
+					}
+				}
+				if nat != nil {
+					for i, k := range mappings {
+						if err := nat.Put(k, values[i]); err != nil {
+							b.Fatal(err)
+						}
+					}
+				}
+				b.StartTimer()
+				deleted := map[string]int{}
+				var left []ctmap.CTKey4
+				if err := deleteFrom(context.Background(), maps.Map(ctmap.TCP4), c.del, ctmap.TCP4, tcp, 1024, deleted, &left); err != nil {
+					b.Fatal(err)
+				}
+				if err := deleteFrom(context.Background(), maps.Map(ctmap.Any4), c.del, ctmap.Any4, other, 1024, deleted, &left); err != nil {
+					b.Fatal(err)
+				}
+				if withNAT && deleted[ctmap.NATName4] != len(mappings) {
+					b.Fatalf("deleted %v, want %d SNAT mappings", deleted, len(mappings))
+				}
 			}
 		})
 	}
