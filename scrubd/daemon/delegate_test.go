@@ -273,3 +273,37 @@ func TestDelegateRefusesNonRoot(t *testing.T) {
 		t.Errorf("nobody on the delegate socket: want 403 forbidden, got:\n%s", out)
 	}
 }
+
+// An SNAT map scrubd cannot use (here: a value layout it does not know)
+// means the mappings of the deleted OUT entries may be left: the CT entries
+// are scrubbed, but no IP is complete, and the reason names the map.
+func TestDelegateIncompleteWhenSNATUnusable(t *testing.T) {
+	root := newCTRoot(t, 1<<16)
+	bad := ctmap.NATSpec(false, 4096)
+	bad.ValueSize = 48
+	m, err := ebpf.NewMap(bad)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer m.Close()
+	if err := m.Pin(filepath.Join(root.dir, ctmap.NATName4)); err != nil {
+		t.Fatal(err)
+	}
+	td, sock := startDelegate(t, root)
+	pod := mustAddr("10.244.3.9")
+	flows := podFlows(pod, 10)
+	root.put4(t, flows)
+	indexFlows(td.Daemon, pod, flows)
+	status, body, err := delegatePost(sock, delegateBody(1, 5000, pod.String()))
+	if err != nil || status != http.StatusOK {
+		t.Fatalf("%d %s %v", status, body, err)
+	}
+	var resp api.DelegateResponse
+	if err := json.Unmarshal(body, &resp); err != nil || len(resp.IPs) != 1 {
+		t.Fatalf("answer %s: %v", body, err)
+	}
+	got := resp.IPs[0]
+	if got.Complete || !strings.Contains(got.Reason, ctmap.NATName4) || got.CTDeleted != len(flows) {
+		t.Errorf("%+v: want complete:false naming %s, with the %d CT entries deleted", got, ctmap.NATName4, len(flows))
+	}
+}
