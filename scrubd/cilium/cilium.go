@@ -788,3 +788,10 @@ func (c *Backend) NATGap(ipv6 bool) string {
 	}
 	return ""
 }
+
+// OutsideGlobalMaps says why entries of the node's IPs may be in CT maps
+// other than the four global ones this backend scrubs (per-endpoint or
+// per-cluster CT maps), "" when none are pinned. Cilium's own endpoint scrub
+// may reach those maps; the delegate API does not answer complete for an IP
+// while they exist.
+func (c *Backend) OutsideGlobalMaps() string { return c.features.NodeReason() }

@@ -200,10 +200,18 @@ func (d *Daemon) delegateIP(ctx context.Context, ip netip.Addr, reason scrub.Rea
 	case res.PerIP[ip.String()] == "":
 		a.Reason = "the backend did not scrub the IP"
 	default:
-		if g, ok := d.backends[j].(natGapper); ok {
+		if o, ok := d.backends[j].(outsideGlobal); ok {
+			if r := o.OutsideGlobalMaps(); r != "" {
+				a.Reason = r + "; scrubd scrubs the global CT maps only"
+			}
+		}
+		if g, ok := d.backends[j].(natGapper); ok && a.Reason == "" {
 			a.Reason = g.NATGap(ip.Is6())
 		}
 		a.Complete = a.Reason == ""
 	}
 	return a
 }
+
+// outsideGlobal is the Cilium backend's OutsideGlobalMaps (scrubd/cilium).
+type outsideGlobal interface{ OutsideGlobalMaps() string }

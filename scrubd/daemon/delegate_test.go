@@ -307,3 +307,34 @@ func TestDelegateIncompleteWhenSNATUnusable(t *testing.T) {
 		t.Errorf("%+v: want complete:false naming %s, with the %d CT entries deleted", got, ctmap.NATName4, len(flows))
 	}
 }
+
+// CT maps other than the global ones (here a per-endpoint map,
+// cilium_ct4_<endpoint ID, 5 digits>) may hold entries scrubd does not scrub: no IP is
+// complete while one is pinned, and Cilium keeps walking.
+func TestDelegateIncompleteWithMapsOutsideGlobal(t *testing.T) {
+	root := newCTRoot(t, 1<<16)
+	local, err := ebpf.NewMap(ctmap.TCP4.Spec(1024))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer local.Close()
+	if err := local.Pin(filepath.Join(root.dir, "cilium_ct4_01234")); err != nil {
+		t.Fatal(err)
+	}
+	td, sock := startDelegate(t, root)
+	pod := mustAddr("10.244.3.10")
+	flows := podFlows(pod, 10)
+	root.put4(t, flows)
+	indexFlows(td.Daemon, pod, flows)
+	status, body, err := delegatePost(sock, delegateBody(1, 5000, pod.String()))
+	if err != nil || status != http.StatusOK {
+		t.Fatalf("%d %s %v", status, body, err)
+	}
+	var resp api.DelegateResponse
+	if err := json.Unmarshal(body, &resp); err != nil || len(resp.IPs) != 1 {
+		t.Fatalf("answer %s: %v", body, err)
+	}
+	if got := resp.IPs[0]; got.Complete || !strings.Contains(got.Reason, "per-endpoint CT maps") || got.CTDeleted != len(flows) {
+		t.Errorf("%+v: want complete:false for the per-endpoint CT maps, with the %d global entries deleted", got, len(flows))
+	}
+}
