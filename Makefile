@@ -67,6 +67,10 @@ check-skips: ## Fail if a test .ci/must-run.txt says must run here skipped in th
 	@CGO_ENABLED=0 $(GO) build -o $(BIN)/testreport ./internal/cmd/testreport
 	$(BIN)/testreport -must-run .ci/must-run.txt $(TEST_JSON)
 
+.PHONY: ciliumgc
+ciliumgc: ## ctscrub's scrubs and expiry pass against Cilium's own scrub (ctmap GC + SNAT deletes) on the same maps, v1.18.8, v1.19.4, v1.20.2; root
+	for d in e2e/ciliumgc/cilium-*/; do (cd $$d && $(GO) vet ./... && $(GO) test -count=1 -v ./...) || exit 1; done
+
 .PHONY: conformance
 conformance: ## Cilium's real datapath (every version in e2e/conformance Versions) against the recorder and index; root, clang-19
 	cd e2e/conformance && $(GO) vet ./... && CONFORMANCE_VERSIONS=all $(GO) test -count=1 -v -run TestConformance -timeout 30m ./...

@@ -14,6 +14,7 @@
 #include <linux/bpf.h>
 #include <bpf/bpf_helpers.h>
 #include "ctscrub.h"
+#include "ctscrub_nat.h"
 
 char LICENSE[] SEC("license") = "Dual BSD/GPL";
 
@@ -123,6 +124,8 @@ struct expiry_args {
 	/* the audit: out */
 	__u64 audit_found;    /* keys of audited IPs seen (copied or not) */
 	__u64 audit_overflow; /* of those, not copied: audit_keys4/6 full */
+	/* out */
+	__u64 nat_deleted;    /* SNAT mappings deleted with expired entries */
 };
 
 /* The walk's state, on the stack (the context pointer cannot be offset, so the
@@ -136,11 +139,16 @@ struct state {
 	__u32 sel_now;   /* now in the clock to delete by */
 	__u32 sel_floor; /* floor of that clock */
 	__u32 have_pending;
-	__u32 pad;
+	__u16 pending_flags; /* the pending entry's flag bits, as visited */
+	__u16 pad;
 	union {
 		struct ct_key4 k4;
 		struct ct_key6 k6;
 	} pending;
+	union { /* nat_purge4/6's keys (ctscrub_nat.h says why here) */
+		struct nat_keys4 k4;
+		struct nat_keys6 k6;
+	} nat;
 };
 
 static __always_inline void judge(struct clock_stats *s, __u32 now, __u32 max_future, __u32 floor, __u32 lt)
@@ -202,7 +210,7 @@ static __always_inline void refresh_hook(struct state *st, void *map, void *key)
 /* Delete the pending entry only if it is still expired now: re-read it through
  * a fresh lookup (the datapath may have refreshed it in place, or replaced it
  * with a new element for the same key) right before the delete. */
-static __always_inline void flush(struct state *st, void *map)
+static __always_inline void flush(struct state *st, void *map, const int v6)
 {
 	struct ct_entry *e;
 
@@ -215,9 +223,18 @@ static __always_inline void flush(struct state *st, void *map)
 		st->a.refreshed++;
 		return;
 	}
-	/* A failed delete means the entry went meanwhile (Cilium's GC, LRU). */
-	if (bpf_map_delete_elem(map, &st->pending) == 0)
-		st->a.deleted++;
+	/* A failed delete means the entry went meanwhile (Cilium's GC, LRU).
+	 * One that went deletes its SNAT mappings (keyed by the flag bits read
+	 * when it was visited, as Cilium's GC reads them in its walk), as Cilium's GC would: left,
+	 * only Cilium's orphan purge would take them, and it runs only when the
+	 * datapath ran out of mappings. */
+	if (bpf_map_delete_elem(map, &st->pending) != 0)
+		return;
+	st->a.deleted++;
+	if (v6)
+		st->a.nat_deleted += nat_purge6(&st->pending.k6, st->pending_flags, &st->nat.k6);
+	else
+		st->a.nat_deleted += nat_purge4(&st->pending.k4, st->pending_flags, &st->nat.k4);
 }
 
 /* Counts the entry under both clocks; returns 1 when it is to be deleted. */
@@ -297,9 +314,10 @@ static long expiry4_cb(void *map, struct ct_key4 *key, struct ct_entry *val, str
 		st->a.stopped = 1;
 		return 1;
 	}
-	flush(st, map);
+	flush(st, map, 0);
 	if (visit(st, val)) {
 		__builtin_memcpy(&st->pending.k4, key, sizeof(st->pending.k4));
+		st->pending_flags = val->flag_bits;
 		st->have_pending = 1;
 	} else if (st->a.audit) {
 		audit4(st, key);
@@ -313,9 +331,10 @@ static long expiry6_cb(void *map, struct ct_key6 *key, struct ct_entry *val, str
 		st->a.stopped = 1;
 		return 1;
 	}
-	flush(st, map);
+	flush(st, map, 1);
 	if (visit(st, val)) {
 		__builtin_memcpy(&st->pending.k6, key, sizeof(st->pending.k6));
+		st->pending_flags = val->flag_bits;
 		st->have_pending = 1;
 	} else if (st->a.audit) {
 		audit6(st, key);
@@ -343,6 +362,7 @@ static __always_inline void begin(struct state *st, struct expiry_args *args)
 	a->stopped = 0;
 	a->visited = a->deleted = a->refreshed = a->guarded = 0;
 	a->audit_found = a->audit_overflow = 0;
+	a->nat_deleted = 0;
 	a->c[CLOCK_KTIME] = (struct clock_stats){.min_expired = ~0U};
 	a->c[CLOCK_JIFFIES] = (struct clock_stats){.min_expired = ~0U};
 }
@@ -354,7 +374,7 @@ int expiry4(struct expiry_args *args)
 
 	begin(&st, args);
 	bpf_for_each_map_elem(&ct4, expiry4_cb, &st, 0);
-	flush(&st, &ct4);
+	flush(&st, &ct4, 0);
 	__builtin_memcpy(args, &st.a, sizeof(st.a));
 	return 0;
 }
@@ -366,7 +386,7 @@ int expiry6(struct expiry_args *args)
 
 	begin(&st, args);
 	bpf_for_each_map_elem(&ct6, expiry6_cb, &st, 0);
-	flush(&st, &ct6);
+	flush(&st, &ct6, 1);
 	__builtin_memcpy(args, &st.a, sizeof(st.a));
 	return 0;
 }

@@ -55,6 +55,28 @@ type ExpiryCtKey6 struct {
 	Flags   uint8
 }
 
+type ExpiryNatEntry4 struct {
+	_       structs.HostLayout
+	Created uint64
+	NeedsCt uint64
+	Pad1    uint64
+	Pad2    uint64
+	ToSaddr uint32
+	ToSport uint16
+	Pad3    uint16
+}
+
+type ExpiryNatEntry6 struct {
+	_       structs.HostLayout
+	Created uint64
+	NeedsCt uint64
+	Pad1    uint64
+	Pad2    uint64
+	ToSaddr [16]uint8
+	ToSport uint16
+	Pad3    [6]uint8
+}
+
 // Names of all BPF objects in the ELF.
 //
 // Used for safe lookups in a Collection or CollectionSpec.
@@ -65,6 +87,8 @@ const (
 	ExpiryMapAuditKeys6   = "audit_keys6"
 	ExpiryMapCt4          = "ct4"
 	ExpiryMapCt6          = "ct6"
+	ExpiryMapNat4         = "nat4"
+	ExpiryMapNat6         = "nat6"
 	ExpiryProgExpiry4     = "expiry4"
 	ExpiryProgExpiry6     = "expiry6"
 	ExpiryVarAuditFilter4 = "audit_filter4"
@@ -128,6 +152,8 @@ type ExpiryMapSpecs struct {
 	AuditKeys6 *ebpf.MapSpec `ebpf:"audit_keys6"`
 	Ct4        *ebpf.MapSpec `ebpf:"ct4"`
 	Ct6        *ebpf.MapSpec `ebpf:"ct6"`
+	Nat4       *ebpf.MapSpec `ebpf:"nat4"`
+	Nat6       *ebpf.MapSpec `ebpf:"nat6"`
 }
 
 // ExpiryVariableSpecs contains global variables before they are loaded into the kernel.
@@ -165,6 +191,8 @@ type ExpiryMaps struct {
 	AuditKeys6 *ebpf.Map `ebpf:"audit_keys6"`
 	Ct4        *ebpf.Map `ebpf:"ct4"`
 	Ct6        *ebpf.Map `ebpf:"ct6"`
+	Nat4       *ebpf.Map `ebpf:"nat4"`
+	Nat6       *ebpf.Map `ebpf:"nat6"`
 }
 
 func (m *ExpiryMaps) Close() error {
@@ -175,6 +203,8 @@ func (m *ExpiryMaps) Close() error {
 		m.AuditKeys6,
 		m.Ct4,
 		m.Ct6,
+		m.Nat4,
+		m.Nat6,
 	)
 }
 

@@ -8,6 +8,7 @@
 #include <linux/bpf.h>
 #include <bpf/bpf_helpers.h>
 #include "ctscrub.h"
+#include "ctscrub_nat.h"
 
 char LICENSE[] SEC("license") = "Dual BSD/GPL";
 
@@ -32,24 +33,31 @@ struct ip6 {
 };
 
 /* The IP set of one pass. The value counts the entries of that IP the pass
- * deleted (or, in a dry run, matched), so every caller sharing a pass gets its
- * own count. An entry holding two IPs of the set counts for both. Shared by
+ * deleted (or, in a dry run, matched), and the SNAT mappings deleted with
+ * them, so every caller sharing a pass gets its own counts. An entry holding
+ * two IPs of the set counts for both. Shared by
  * every pass: user space takes a pass's IPs out however it ends, and runs no
  * pass while one is left (scrubd/cilium Sweeper.left). */
 #define SWEEP_MAX_IPS 65536
+
+/* Mirrors scrubd/cilium.ipCount. */
+struct ip_count {
+	__u64 ct;
+	__u64 nat;
+};
 
 struct {
 	__uint(type, BPF_MAP_TYPE_HASH);
 	__uint(max_entries, SWEEP_MAX_IPS);
 	__type(key, __be32);
-	__type(value, __u64);
+	__type(value, struct ip_count);
 } ips4 SEC(".maps");
 
 struct {
 	__uint(type, BPF_MAP_TYPE_HASH);
 	__uint(max_entries, SWEEP_MAX_IPS);
 	__type(key, struct ip6);
-	__type(value, __u64);
+	__type(value, struct ip_count);
 } ips6 SEC(".maps");
 
 /* Set from user space (mmapped .bss) when no caller of the running pass is
@@ -88,6 +96,7 @@ struct sweep_args {
 	__u64 visited;
 	__u64 matched;
 	__u64 deleted;
+	__u64 nat_deleted; /* SNAT mappings deleted with the entries */
 };
 
 /* The kernel walks a bucket with hlist_nulls_for_each_entry_rcu and reads the
@@ -100,10 +109,12 @@ struct state4 {
 	__u32 flags;
 	__u32 stopped;
 	__u32 have_pending;
-	__u32 pad;
+	__u16 pending_flags; /* the pending entry's ct_entry flag bits */
+	__u16 pad;
 	__u64 visited;
 	__u64 matched;
 	__u64 deleted;
+	__u64 nat_deleted;
 	struct ct_key4 pending;
 };
 
@@ -111,33 +122,43 @@ struct state6 {
 	__u32 flags;
 	__u32 stopped;
 	__u32 have_pending;
-	__u32 pad;
+	__u16 pending_flags; /* the pending entry's ct_entry flag bits */
+	__u16 pad;
 	__u64 visited;
 	__u64 matched;
 	__u64 deleted;
+	__u64 nat_deleted;
 	struct ct_key6 pending;
 };
 
-static __always_inline void bump4(struct ct_key4 *k)
+static __always_inline void bump4(struct ct_key4 *k, __u32 nat)
 {
-	__u64 *d = bpf_map_lookup_elem(&ips4, &k->daddr);
-	__u64 *s = bpf_map_lookup_elem(&ips4, &k->saddr);
+	struct ip_count *d = bpf_map_lookup_elem(&ips4, &k->daddr);
+	struct ip_count *s = bpf_map_lookup_elem(&ips4, &k->saddr);
 
-	if (d)
-		__sync_fetch_and_add(d, 1);
-	if (s && s != d)
-		__sync_fetch_and_add(s, 1);
+	if (d) {
+		__sync_fetch_and_add(&d->ct, 1);
+		__sync_fetch_and_add(&d->nat, nat);
+	}
+	if (s && s != d) {
+		__sync_fetch_and_add(&s->ct, 1);
+		__sync_fetch_and_add(&s->nat, nat);
+	}
 }
 
-static __always_inline void bump6(struct ct_key6 *k)
+static __always_inline void bump6(struct ct_key6 *k, __u32 nat)
 {
-	__u64 *d = bpf_map_lookup_elem(&ips6, &k->daddr);
-	__u64 *s = bpf_map_lookup_elem(&ips6, &k->saddr);
+	struct ip_count *d = bpf_map_lookup_elem(&ips6, &k->daddr);
+	struct ip_count *s = bpf_map_lookup_elem(&ips6, &k->saddr);
 
-	if (d)
-		__sync_fetch_and_add(d, 1);
-	if (s && s != d)
-		__sync_fetch_and_add(s, 1);
+	if (d) {
+		__sync_fetch_and_add(&d->ct, 1);
+		__sync_fetch_and_add(&d->nat, nat);
+	}
+	if (s && s != d) {
+		__sync_fetch_and_add(&s->ct, 1);
+		__sync_fetch_and_add(&s->nat, nat);
+	}
 }
 
 static __always_inline void flush4(void *map, struct state4 *st)
@@ -145,10 +166,15 @@ static __always_inline void flush4(void *map, struct state4 *st)
 	if (!st->have_pending)
 		return;
 	st->have_pending = 0;
-	/* A failed delete means the entry went meanwhile (GC, LRU): not ours. */
+	/* A failed delete means the entry went meanwhile (GC, LRU): not ours,
+	 * and neither are its SNAT mappings (Cilium's scrub skips them too). */
 	if (bpf_map_delete_elem(map, &st->pending) == 0) {
+		struct nat_keys4 nk;
+		__u32 nat = nat_purge4(&st->pending, st->pending_flags, &nk);
+
 		st->deleted++;
-		bump4(&st->pending);
+		st->nat_deleted += nat;
+		bump4(&st->pending, nat);
 	}
 }
 
@@ -158,8 +184,12 @@ static __always_inline void flush6(void *map, struct state6 *st)
 		return;
 	st->have_pending = 0;
 	if (bpf_map_delete_elem(map, &st->pending) == 0) {
+		struct nat_keys6 nk;
+		__u32 nat = nat_purge6(&st->pending, st->pending_flags, &nk);
+
 		st->deleted++;
-		bump6(&st->pending);
+		st->nat_deleted += nat;
+		bump6(&st->pending, nat);
 	}
 }
 
@@ -179,10 +209,11 @@ static long sweep4_cb(void *map, struct ct_key4 *key, struct ct_entry *val, stru
 		return 0;
 	st->matched++;
 	if (st->flags & SWEEP_F_DRY_RUN) {
-		bump4(key);
+		bump4(key, 0);
 		return 0;
 	}
 	__builtin_memcpy(&st->pending, key, sizeof(st->pending));
+	st->pending_flags = val->flag_bits;
 	st->have_pending = 1;
 	return 0;
 }
@@ -203,10 +234,11 @@ static long sweep6_cb(void *map, struct ct_key6 *key, struct ct_entry *val, stru
 		return 0;
 	st->matched++;
 	if (st->flags & SWEEP_F_DRY_RUN) {
-		bump6(key);
+		bump6(key, 0);
 		return 0;
 	}
 	__builtin_memcpy(&st->pending, key, sizeof(st->pending));
+	st->pending_flags = val->flag_bits;
 	st->have_pending = 1;
 	return 0;
 }
@@ -223,6 +255,7 @@ int sweep4(struct sweep_args *args)
 	args->visited = st.visited;
 	args->matched = st.matched;
 	args->deleted = st.deleted;
+	args->nat_deleted = st.nat_deleted;
 	return 0;
 }
 
@@ -238,6 +271,7 @@ int sweep6(struct sweep_args *args)
 	args->visited = st.visited;
 	args->matched = st.matched;
 	args->deleted = st.deleted;
+	args->nat_deleted = st.nat_deleted;
 	return 0;
 }
 
@@ -293,10 +327,10 @@ struct {
 
 /* BPF_PROG_TEST_RUN context; mirrors scrubd/cilium.delArgs. */
 struct del_args {
-	__u32 base;    /* first index of the caller's slot */
-	__u32 n;       /* keys in the slot */
-	__u32 deleted; /* out: keys that were present and deleted */
-	__u32 pad;
+	__u32 base;        /* first index of the caller's slot */
+	__u32 n;           /* keys in the slot */
+	__u32 deleted;     /* out: keys that were present and deleted */
+	__u32 nat_deleted; /* out: SNAT mappings deleted with them */
 };
 
 /* Two passes over the chunk. The first only looks each key up: a lookup
@@ -312,7 +346,9 @@ struct del_args {
  * entries the delete step went from 2.67 to 2.06 times the kernel's floor
  * (docs/bench.md).
  *
- * del_found[i] of the caller's slot is the first pass's answer for key i.
+ * del_found[i] of the caller's slot is the first pass's answer for key i:
+ * 0 when absent, else DEL_FOUND with the entry's flag bits, which say how
+ * its SNAT mappings are keyed (ctscrub_nat.h).
  * In a map, not on the stack: the verifier follows a loop's iterations
  * until their states repeat, and a bitmap on the stack never repeats. */
 struct {
@@ -322,48 +358,97 @@ struct {
 	__type(value, __u32);
 } del_found SEC(".maps");
 
-static __always_inline void delete_keys(struct del_args *args, void *ct, void *keys)
+#define DEL_FOUND 0x10000
+
+/* The second pass runs under bpf_loop: its body (the CT delete and the SNAT
+ * deletes, ctscrub_nat.h) is verified once, not once per unrolled state of a
+ * bounded loop, which the verifier of some kernels refused with EFAULT. */
+struct del_ctx {
+	__u32 base;
+	__u32 deleted;
+	__u32 nat;
+};
+
+static __always_inline void find_keys(struct del_args *args, void *ct, void *keys)
 {
-	__u32 base = args->base, n = args->n, deleted = 0, i;
+	__u32 base = args->base, n = args->n, i;
 
 	for (i = 0; i < DEL_CHUNK && i < n; i++) {
 		__u32 idx = base + i, *found;
+		struct ct_entry *e;
 		void *k;
 
 		k = bpf_map_lookup_elem(keys, &idx);
 		found = bpf_map_lookup_elem(&del_found, &idx);
 		if (!k || !found)
 			break;
-		*found = bpf_map_lookup_elem(ct, k) != NULL;
+		e = bpf_map_lookup_elem(ct, k);
+		*found = e ? DEL_FOUND | e->flag_bits : 0;
 	}
-	for (i = 0; i < DEL_CHUNK && i < n; i++) {
-		__u32 idx = base + i, *found;
-		void *k;
+}
 
-		found = bpf_map_lookup_elem(&del_found, &idx);
-		if (!found)
-			break;
-		if (!*found)
-			continue;
-		k = bpf_map_lookup_elem(keys, &idx);
-		if (!k)
-			break;
-		if (bpf_map_delete_elem(ct, k) == 0)
-			deleted++;
-	}
-	args->deleted = deleted;
+static long del_one4(__u32 i, struct del_ctx *c)
+{
+	__u32 idx = c->base + i, *found;
+	struct nat_keys4 nk;
+	struct ct_key4 *k;
+
+	found = bpf_map_lookup_elem(&del_found, &idx);
+	if (!found)
+		return 1;
+	if (!*found)
+		return 0;
+	k = bpf_map_lookup_elem(&del_keys4, &idx);
+	if (!k)
+		return 1;
+	if (bpf_map_delete_elem(&ct4, k) != 0)
+		return 0;
+	c->deleted++;
+	c->nat += nat_purge4(k, *found & 0xffff, &nk);
+	return 0;
+}
+
+static long del_one6(__u32 i, struct del_ctx *c)
+{
+	__u32 idx = c->base + i, *found;
+	struct nat_keys6 nk;
+	struct ct_key6 *k;
+
+	found = bpf_map_lookup_elem(&del_found, &idx);
+	if (!found)
+		return 1;
+	if (!*found)
+		return 0;
+	k = bpf_map_lookup_elem(&del_keys6, &idx);
+	if (!k)
+		return 1;
+	if (bpf_map_delete_elem(&ct6, k) != 0)
+		return 0;
+	c->deleted++;
+	c->nat += nat_purge6(k, *found & 0xffff, &nk);
+	return 0;
 }
 
 SEC("syscall")
 int delete4(struct del_args *args)
 {
-	delete_keys(args, &ct4, &del_keys4);
+	struct del_ctx c = {.base = args->base};
+
+	find_keys(args, &ct4, &del_keys4);
+	bpf_loop(args->n < DEL_CHUNK ? args->n : DEL_CHUNK, del_one4, &c, 0);
+	args->deleted = c.deleted;
+	args->nat_deleted = c.nat;
 	return 0;
 }
 
 SEC("syscall")
 int delete6(struct del_args *args)
 {
-	delete_keys(args, &ct6, &del_keys6);
+	struct del_ctx c = {.base = args->base};
+
+	find_keys(args, &ct6, &del_keys6);
+	bpf_loop(args->n < DEL_CHUNK ? args->n : DEL_CHUNK, del_one6, &c, 0);
+	args->deleted = c.deleted;
+	args->nat_deleted = c.nat;
 	return 0;
 }

@@ -55,6 +55,34 @@ type SweepIp6 struct {
 	Addr [16]uint8
 }
 
+type SweepIpCount struct {
+	_   structs.HostLayout
+	Ct  uint64
+	Nat uint64
+}
+
+type SweepNatEntry4 struct {
+	_       structs.HostLayout
+	Created uint64
+	NeedsCt uint64
+	Pad1    uint64
+	Pad2    uint64
+	ToSaddr uint32
+	ToSport uint16
+	Pad3    uint16
+}
+
+type SweepNatEntry6 struct {
+	_       structs.HostLayout
+	Created uint64
+	NeedsCt uint64
+	Pad1    uint64
+	Pad2    uint64
+	ToSaddr [16]uint8
+	ToSport uint16
+	Pad3    [6]uint8
+}
+
 // Names of all BPF objects in the ELF.
 //
 // Used for safe lookups in a Collection or CollectionSpec.
@@ -66,6 +94,8 @@ const (
 	SweepMapDelKeys6  = "del_keys6"
 	SweepMapIps4      = "ips4"
 	SweepMapIps6      = "ips6"
+	SweepMapNat4      = "nat4"
+	SweepMapNat6      = "nat6"
 	SweepProgCountCt4 = "count_ct4"
 	SweepProgCountCt6 = "count_ct6"
 	SweepProgDelete4  = "delete4"
@@ -138,6 +168,8 @@ type SweepMapSpecs struct {
 	DelKeys6 *ebpf.MapSpec `ebpf:"del_keys6"`
 	Ips4     *ebpf.MapSpec `ebpf:"ips4"`
 	Ips6     *ebpf.MapSpec `ebpf:"ips6"`
+	Nat4     *ebpf.MapSpec `ebpf:"nat4"`
+	Nat6     *ebpf.MapSpec `ebpf:"nat6"`
 }
 
 // SweepVariableSpecs contains global variables before they are loaded into the kernel.
@@ -176,6 +208,8 @@ type SweepMaps struct {
 	DelKeys6 *ebpf.Map `ebpf:"del_keys6"`
 	Ips4     *ebpf.Map `ebpf:"ips4"`
 	Ips6     *ebpf.Map `ebpf:"ips6"`
+	Nat4     *ebpf.Map `ebpf:"nat4"`
+	Nat6     *ebpf.Map `ebpf:"nat6"`
 }
 
 func (m *SweepMaps) Close() error {
@@ -187,6 +221,8 @@ func (m *SweepMaps) Close() error {
 		m.DelKeys6,
 		m.Ips4,
 		m.Ips6,
+		m.Nat4,
+		m.Nat6,
 	)
 }
 

@@ -184,6 +184,7 @@ func runConfig(args []string) (daemon.Config, error) {
 		cidrs      multiFlag
 	)
 	fs.StringVar(&flagCfg.Socket, "socket", flagCfg.Socket, "API unix socket (created 0600, directory 0700)")
+	fs.StringVar(&flagCfg.DelegateSocket, "delegate-socket", flagCfg.DelegateSocket, "serve the delegate API for Cilium's agent (docs/delegate-api.md) on this unix socket, in a directory of its own (e.g. "+api.DefaultDelegateSocket+"; empty: off)")
 	fs.StringVar(&flagCfg.CTRoot, "ct-root", flagCfg.CTRoot, "bpffs directory with Cilium's global CT maps")
 	fs.StringVar(&flagCfg.PinDir, "pin-dir", flagCfg.PinDir, "ctscrub's own bpffs directory (recorder maps and links)")
 	fs.StringVar(&flagCfg.StateFile, "state-file", flagCfg.StateFile, "attachments state file, for restarts")
@@ -223,6 +224,8 @@ func runConfig(args []string) (daemon.Config, error) {
 		switch f.Name {
 		case "socket":
 			cfg.Socket = flagCfg.Socket
+		case "delegate-socket":
+			cfg.DelegateSocket = flagCfg.DelegateSocket
 		case "ct-root":
 			cfg.CTRoot = flagCfg.CTRoot
 		case "pin-dir":

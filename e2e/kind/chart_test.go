@@ -415,6 +415,18 @@ tests:
           - {labels: 'ALERTS{alertname="CtscrubScrubsFailing", alertstate="firing", severity="warning", instance="n1:9967", backend="cilium", reason="add", result="error"}', value: 1}
   - interval: 1m
     input_series:
+      - {series: 'ctscrub_delegate_requests_total{job="ctscrub",instance="n1:9967",caller="cilium-agent",event="endpoint-create",outcome="incomplete"}', values: '0+10x30'}
+      - {series: 'ctscrub_delegate_requests_total{job="ctscrub",instance="n1:9967",caller="cilium-agent",event="endpoint-create",outcome="complete"}', values: '0+1x30'}
+      - {series: 'ctscrub_delegate_requests_total{job="ctscrub",instance="n2:9967",caller="cilium-agent",event="endpoint-create",outcome="complete"}', values: '0+10x30'}
+      - {series: 'up{job="ctscrub",instance="n1:9967"}', values: '1x30'}
+      - {series: 'up{job="ctscrub",instance="n2:9967"}', values: '1x30'}
+    promql_expr_test:
+      - eval_time: 28m
+        expr: ALERTS{alertstate="firing", alertname="CtscrubDelegateFallingBack"}
+        exp_samples:
+          - {labels: 'ALERTS{alertname="CtscrubDelegateFallingBack", alertstate="firing", severity="info", instance="n1:9967"}', value: 1}
+  - interval: 1m
+    input_series:
       - {series: 'up{job="other"}', values: '1x30'}
     promql_expr_test:
       - eval_time: 20m

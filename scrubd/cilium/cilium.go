@@ -409,6 +409,11 @@ func (s *scrubRun) sweep() error {
 			s.res.Deleted[ctmap.Kind(k).Name()] += n
 		}
 	}
+	for v6, n := range sr.NATDeleted {
+		if n > 0 {
+			s.res.Deleted[ctmap.NATName(v6 == 1)] += n
+		}
+	}
 	if err == nil && !sr.Complete {
 		err = errors.New("sweep ended before every map was swept")
 	}
@@ -437,6 +442,15 @@ func cancelled(err error) bool {
 func (s *scrubRun) finish(start time.Time, err error) (scrub.Result, error) {
 	res := s.res
 	res.Duration = time.Since(start)
+	for _, name := range []string{ctmap.NATName4, ctmap.NATName6} {
+		if n, ok := res.Deleted[name]; ok {
+			delete(res.Deleted, name)
+			if res.NATDeleted == nil {
+				res.NATDeleted = map[string]int{}
+			}
+			res.NATDeleted[name] += n
+		}
+	}
 	for _, n := range res.Deleted {
 		res.Total += n
 	}
@@ -596,6 +610,10 @@ func deleteFrom[K ctmap.CTKey4 | ctmap.CTKey6](ctx context.Context, m *ebpf.Map,
 		n, err = deleteBatch(ctx, m, keys, chunk)
 	}
 	deleted[k.Name()] += n.deleted
+	if n.natDeleted > 0 {
+		// Under the SNAT map's name; finish moves it to Result.NATDeleted.
+		deleted[ctmap.NATName(k.IPv6())] += n.natDeleted
+	}
 	if err != nil {
 		*left = append(*left, keys[n.attempted:]...)
 		if ctx.Err() != nil {
@@ -607,9 +625,10 @@ func deleteFrom[K ctmap.CTKey4 | ctmap.CTKey6](ctx context.Context, m *ebpf.Map,
 }
 
 type batchCount struct {
-	deleted   int // entries deleted
-	stale     int // keys whose entry was already gone
-	attempted int // keys tried (deleted or stale)
+	deleted    int // entries deleted
+	stale      int // keys whose entry was already gone
+	attempted  int // keys tried (deleted or stale)
+	natDeleted int // SNAT mappings deleted with the entries (delete program only)
 }
 
 // deleteBatch deletes keys from m in chunks, skipping keys already gone.
@@ -753,3 +772,26 @@ func (c *Backend) CountIsCheap() bool {
 	}
 	return true
 }
+
+// NATGap says why the SNAT mappings of the deleted entries of a family's IPs
+// may be left behind ("" when they are not: no SNAT map is pinned, or every
+// program that deletes the family's entries deletes their mappings too). The
+// delegate API answers an IP complete only when it is "".
+func (c *Backend) NATGap(ipv6 bool) string {
+	c.mu.RLock()
+	defer c.mu.RUnlock()
+	if err := c.maps.NATError(ipv6); err != nil {
+		return err.Error()
+	}
+	if c.maps.NAT(ipv6) != nil && c.del == nil {
+		return fmt.Sprintf("SNAT map %s present but the kernel refused the delete program (%v): index deletes use BPF_MAP_DELETE_BATCH, which leaves SNAT mappings", ctmap.NATName(ipv6), c.delErr)
+	}
+	return ""
+}
+
+// OutsideGlobalMaps says why entries of the node's IPs may be in CT maps
+// other than the four global ones this backend scrubs (per-endpoint or
+// per-cluster CT maps), "" when none are pinned. Cilium's own endpoint scrub
+// may reach those maps; the delegate API does not answer complete for an IP
+// while they exist.
+func (c *Backend) OutsideGlobalMaps() string { return c.features.NodeReason() }

@@ -19,7 +19,7 @@ const (
 
 // delArgs is struct del_args in bpf/sweep.c.
 type delArgs struct {
-	Base, N, Deleted, Pad uint32
+	Base, N, Deleted, NATDeleted uint32
 }
 
 // deleter deletes lists of keys with bpf/sweep.c's delete4/delete6 programs:
@@ -66,13 +66,14 @@ func loadDeleter(maps *ctmap.Maps) (*deleter, error) {
 		}
 		s := placeholderSpec(spec, m, fam)
 		s.Programs = map[string]*ebpf.ProgramSpec{"del": s.Programs["delete"+fam]}
-		s.Maps = map[string]*ebpf.MapSpec{"ct" + fam: s.Maps["ct"+fam], "del_keys" + fam: s.Maps["del_keys"+fam], "del_found": s.Maps["del_found"]}
+		keep := map[string]*ebpf.MapSpec{"ct" + fam: s.Maps["ct"+fam], "del_keys" + fam: s.Maps["del_keys"+fam], "del_found": s.Maps["del_found"]}
+		repl := map[string]*ebpf.Map{"ct" + fam: m, "del_keys" + fam: keys, "del_found": d.found}
+		withNAT(s, keep, repl, maps, fam)
+		s.Maps = keep
 		var objs struct {
 			Del *ebpf.Program `ebpf:"del"`
 		}
-		if err := s.LoadAndAssign(&objs, &ebpf.CollectionOptions{
-			MapReplacements: map[string]*ebpf.Map{"ct" + fam: m, "del_keys" + fam: keys, "del_found": d.found},
-		}); err != nil {
+		if err := s.LoadAndAssign(&objs, &ebpf.CollectionOptions{MapReplacements: repl}); err != nil {
 			d.close()
 			return nil, fmt.Errorf("load delete program for %s: %w", k.Name(), err)
 		}
@@ -128,6 +129,7 @@ func deleteProg[K ctmap.CTKey4 | ctmap.CTKey6](ctx context.Context, d *deleter, 
 			return c, fmt.Errorf("run delete program on %s: %w", k.Name(), err)
 		}
 		c.deleted += int(args.Deleted)
+		c.natDeleted += int(args.NATDeleted)
 		c.stale += len(part) - int(args.Deleted)
 		c.attempted += len(part)
 	}

@@ -30,11 +30,17 @@ const MaxSweepIPs = 65536
 
 // sweepArgs mirrors struct sweep_args, the BPF_PROG_TEST_RUN context.
 type sweepArgs struct {
-	Flags   uint32
-	Stopped uint32
-	Visited uint64
-	Matched uint64
-	Deleted uint64
+	Flags      uint32
+	Stopped    uint32
+	Visited    uint64
+	Matched    uint64
+	Deleted    uint64
+	NATDeleted uint64
+}
+
+// ipCount mirrors struct ip_count, an IP's counts in the sweep's IP set.
+type ipCount struct {
+	CT, NAT uint64
 }
 
 // countArgs mirrors struct count_args.
@@ -55,7 +61,8 @@ type mapProg struct {
 // PassStats is what one run of the sweep program over one map reports.
 type PassStats struct {
 	Visited, Matched, Deleted uint64
-	Stopped                   bool // ended early on the stop flag
+	NATDeleted                uint64 // SNAT mappings deleted with the entries
+	Stopped                   bool   // ended early on the stop flag
 	Duration                  time.Duration
 }
 
@@ -67,11 +74,12 @@ func (p *mapProg) run(flags uint32) (PassStats, error) {
 		return PassStats{}, fmt.Errorf("run sweep program over %s: %w", p.kind.Name(), err)
 	}
 	return PassStats{
-		Visited:  args.Visited,
-		Matched:  args.Matched,
-		Deleted:  args.Deleted,
-		Stopped:  args.Stopped != 0,
-		Duration: time.Since(start),
+		Visited:    args.Visited,
+		Matched:    args.Matched,
+		Deleted:    args.Deleted,
+		NATDeleted: args.NATDeleted,
+		Stopped:    args.Stopped != 0,
+		Duration:   time.Since(start),
 	}, nil
 }
 
@@ -129,10 +137,11 @@ func loadProgs(maps *ctmap.Maps) (progs [ctmap.NumKinds]*mapProg, ips4, ips6 *eb
 		s := placeholderSpec(spec, m, fam)
 		// Keep only this family's sweep program (and the maps it needs).
 		s.Programs = map[string]*ebpf.ProgramSpec{"sweep": s.Programs["sweep"+fam]}
-		s.Maps = map[string]*ebpf.MapSpec{"ct" + fam: s.Maps["ct"+fam], "ips" + fam: s.Maps["ips"+fam], ".bss": s.Maps[".bss"]}
-		err := s.LoadAndAssign(&objs, &ebpf.CollectionOptions{
-			MapReplacements: map[string]*ebpf.Map{"ct" + fam: m, "ips" + fam: ips},
-		})
+		keep := map[string]*ebpf.MapSpec{"ct" + fam: s.Maps["ct"+fam], "ips" + fam: s.Maps["ips"+fam], ".bss": s.Maps[".bss"]}
+		repl := map[string]*ebpf.Map{"ct" + fam: m, "ips" + fam: ips}
+		withNAT(s, keep, repl, maps, fam)
+		s.Maps = keep
+		err := s.LoadAndAssign(&objs, &ebpf.CollectionOptions{MapReplacements: repl})
 		if err != nil {
 			closeAll()
 			return progs, nil, nil, nil, fmt.Errorf("load sweep program for %s: %w", k.Name(), err)
@@ -166,11 +175,28 @@ func loadProgs(maps *ctmap.Maps) (progs [ctmap.NumKinds]*mapProg, ips4, ips6 *eb
 // map's type, size and flags, which a map replacement must match.
 func placeholderSpec(spec *ebpf.CollectionSpec, m *ebpf.Map, fam string) *ebpf.CollectionSpec {
 	s := spec.Copy()
-	ph := s.Maps["ct"+fam]
+	fitPlaceholder(s.Maps["ct"+fam], m)
+	return s
+}
+
+func fitPlaceholder(ph *ebpf.MapSpec, m *ebpf.Map) {
 	ph.Type = m.Type()
 	ph.MaxEntries = m.MaxEntries()
 	ph.Flags = m.Flags()
-	return s
+}
+
+// withNAT adds the family's SNAT map placeholder (nat4/nat6,
+// bpf/include/ctscrub_nat.h) to the maps a program of s keeps, and Cilium's
+// SNAT map to its replacements when maps has one: the program's CT deletes
+// then delete the entries' SNAT mappings too. Without one the placeholder
+// stays, empty, and the program deletes none.
+func withNAT(s *ebpf.CollectionSpec, keep map[string]*ebpf.MapSpec, repl map[string]*ebpf.Map, maps *ctmap.Maps, fam string) {
+	name := "nat" + fam
+	keep[name] = s.Maps[name]
+	if nat := maps.NAT(fam == "6"); nat != nil {
+		fitPlaceholder(s.Maps[name], nat)
+		repl[name] = nat
+	}
 }
 
 // Sweeper runs the sweep for sets of IPs. Callers that need the sweep at the
@@ -217,6 +243,7 @@ type pass struct {
 	// Written by the runner under Sweeper.mu.
 	started bool
 	perIP   map[netip.Addr]*[ctmap.NumKinds]int
+	natIP   map[netip.Addr]int   // SNAT mappings deleted with each IP's entries
 	swept   [ctmap.NumKinds]bool // maps fully swept
 	stopped bool
 	err     error
@@ -231,6 +258,9 @@ type SweepResult struct {
 	Deleted [ctmap.NumKinds]int
 	// PerIP counts per IP and map.
 	PerIP map[netip.Addr][ctmap.NumKinds]int
+	// NATDeleted counts the SNAT mappings deleted with the caller's IPs'
+	// entries, IPv4's then IPv6's (an entry of two of them counts twice).
+	NATDeleted [2]int
 	// Complete: every map the caller's IPs need was swept to the end.
 	Complete bool
 	// Pass is the number of the pass that served the caller (Passes() after it).
@@ -369,6 +399,11 @@ func (s *Sweeper) resultFor(p *pass, ips []netip.Addr) (SweepResult, error) {
 		for k, n := range c {
 			r.Deleted[k] += n
 		}
+		if ip.Is6() {
+			r.NATDeleted[1] += p.natIP[ip]
+		} else {
+			r.NATDeleted[0] += p.natIP[ip]
+		}
 		for _, k := range kindsOf(ip) {
 			if s.progs[k] != nil && !p.swept[k] {
 				r.Complete = false
@@ -481,6 +516,7 @@ func (s *Sweeper) runPass(p *pass, hooks passHooks) error {
 	}
 	s.mu.Lock()
 	p.perIP = perIP
+	p.natIP = make(map[netip.Addr]int, len(p.ips))
 	s.mu.Unlock()
 	s.passes.Add(1)
 
@@ -538,14 +574,19 @@ func (s *Sweeper) runPass(p *pass, hooks passHooks) error {
 			ipsOfKind, set = v6, s.ips6
 		}
 		counts := make(map[netip.Addr]int, len(ipsOfKind))
+		nat := make(map[netip.Addr]int, len(ipsOfKind))
 		for _, ip := range ipsOfKind {
-			var c uint64
+			var c ipCount
 			if err := set.Lookup(setKey(ip), &c); err != nil {
 				return fmt.Errorf("sweep: read count of %s: %w", ip, err)
 			}
-			counts[ip] = int(c)
+			counts[ip] = int(c.CT)
+			nat[ip] = int(c.NAT) // cumulative over the pass too
 		}
 		s.mu.Lock()
+		for ip, n := range nat {
+			p.natIP[ip] = n
+		}
 		for ip, c := range counts {
 			pc := perIP[ip]
 			prev := 0
@@ -596,7 +637,7 @@ func setKey(ip netip.Addr) any {
 }
 
 func fillSet(ips4, ips6 *ebpf.Map, v4, v6 []netip.Addr) error {
-	var zero uint64
+	var zero ipCount
 	for _, ip := range v4 {
 		if err := ips4.Put(setKey(ip), zero); err != nil {
 			return fmt.Errorf("sweep: add %s to the IP set: %w", ip, err)

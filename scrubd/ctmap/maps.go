@@ -74,10 +74,27 @@ type Maps struct {
 	Root string
 	maps [NumKinds]*ebpf.Map
 	max  [NumKinds]uint32
-	ids  [NumKinds]ebpf.MapID // kernel IDs of the maps held (0: absent or unknown)
+	// The SNAT maps (nat.go), v4 and v6: nil when not pinned or not usable
+	// (natErr says why).
+	nat    [2]*ebpf.Map
+	natErr [2]error
+	// ids are the kernel IDs of the maps held, the CT maps' then the SNAT
+	// maps' (natSlot) (0: absent or unknown).
+	ids [numSlots]ebpf.MapID
 	// pins are the inodes of the pins last found to hold the maps held (0:
 	// unknown, or no pin): Replaced's cheap check.
-	pins [NumKinds]atomic.Uint64
+	pins [numSlots]atomic.Uint64
+}
+
+// numSlots counts the maps Replaced watches: the CT maps and the SNAT maps.
+const numSlots = int(NumKinds) + 2
+
+// slotName is the pin name of slot i of Maps.ids and Maps.pins.
+func slotName(i int) string {
+	if i < int(NumKinds) {
+		return Kind(i).Name()
+	}
+	return NATName(i == natSlot(true))
 }
 
 // Open opens the global CT maps under root (DefaultRoot when empty) and checks
@@ -105,6 +122,10 @@ func Open(root string) (*Maps, error) {
 		m.Close()
 		return nil, fmt.Errorf("open CT maps under %s: only one of %s and %s is pinned (is Cilium mid-upgrade? both or neither must exist)",
 			root, TCP6.Name(), Any6.Name())
+	}
+	m.openNAT(false)
+	if m.HasIPv6() {
+		m.openNAT(true)
 	}
 	return m, nil
 }
@@ -190,6 +211,12 @@ func (m *Maps) Close() error {
 			m.maps[i] = nil
 		}
 	}
+	for i, mp := range m.nat {
+		if mp != nil {
+			errs = append(errs, mp.Close())
+			m.nat[i] = nil
+		}
+	}
 	return errors.Join(errs...)
 }
 
@@ -221,11 +248,14 @@ func (m *Maps) Replaced() (bool, error) {
 	if m.Root == "" {
 		return false, nil
 	}
-	var inos [NumKinds]uint64
+	var inos [numSlots]uint64
 	same := true
-	for _, k := range Kinds {
+	for k := range numSlots {
+		if k == natSlot(true) && !m.HasIPv6() {
+			continue // not opened without the IPv6 CT maps
+		}
 		var st syscall.Stat_t
-		if syscall.Stat(filepath.Join(m.Root, k.Name()), &st) == nil {
+		if syscall.Stat(filepath.Join(m.Root, slotName(k)), &st) == nil {
 			inos[k] = st.Ino
 		}
 		if inos[k] != m.pins[k].Load() || (inos[k] == 0 && m.ids[k] != 0) {
@@ -236,11 +266,19 @@ func (m *Maps) Replaced() (bool, error) {
 		return false, nil
 	}
 	var errs []error
-	for _, k := range Kinds {
+	for k := range numSlots {
+		if k == natSlot(true) && !m.HasIPv6() {
+			continue // not opened without the IPv6 CT maps
+		}
 		m.pins[k].Store(0)
-		path := filepath.Join(m.Root, k.Name())
+		path := filepath.Join(m.Root, slotName(k))
 		mp, err := ebpf.LoadPinnedMap(path, &ebpf.LoadPinOptions{ReadOnly: true})
 		if errors.Is(err, os.ErrNotExist) {
+			if k >= int(NumKinds) && m.ids[k] != 0 {
+				// An SNAT map gone (NodePort and BPF masquerade turned
+				// off): the scrubs' programs still hold it.
+				return true, nil
+			}
 			continue
 		}
 		if err != nil {

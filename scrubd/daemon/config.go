@@ -8,6 +8,7 @@ import (
 	"net"
 	"net/netip"
 	"os"
+	"path/filepath"
 	"strings"
 	"time"
 
@@ -29,6 +30,10 @@ const (
 type Config struct {
 	// Socket is the API's unix socket, created 0600 in a 0700 directory.
 	Socket string `yaml:"socket"`
+	// DelegateSocket, when set, serves the delegate API
+	// (docs/delegate-api.md) for Cilium's agent on this unix socket of its
+	// own, created 0600 (its directory 0700). "": off.
+	DelegateSocket string `yaml:"delegate_socket"`
 	// CTRoot is the bpffs directory holding Cilium's global CT maps.
 	CTRoot string `yaml:"ct_root"`
 	// PinDir is ctscrub's own bpffs directory (recorder maps and links).
@@ -204,6 +209,9 @@ func (c *Config) Validate() ([]netip.Prefix, error) {
 	}
 	if c.Socket == "" {
 		return nil, errors.New("socket path is empty")
+	}
+	if c.DelegateSocket != "" && filepath.Clean(filepath.Dir(c.DelegateSocket)) == filepath.Clean(filepath.Dir(c.Socket)) {
+		return nil, fmt.Errorf("delegate_socket %s is in the API socket's directory %s: give it a directory of its own (the agent's pod mounts that directory, and must not reach the main API)", c.DelegateSocket, filepath.Dir(c.Socket))
 	}
 	if c.MaxInFlight < 1 {
 		return nil, fmt.Errorf("max_in_flight %d: must be at least 1", c.MaxInFlight)

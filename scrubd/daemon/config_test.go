@@ -32,3 +32,18 @@ func TestExpandMetricsAddr(t *testing.T) {
 		}
 	}
 }
+
+// The delegate socket needs a directory of its own: Cilium's pod mounts it,
+// and must not reach the main API through it.
+func TestDelegateSocketOwnDirectory(t *testing.T) {
+	cfg := DefaultConfig()
+	cfg.PodCIDRs = []string{"10.244.0.0/16"}
+	cfg.DelegateSocket = "/run/ctscrub/delegate.sock"
+	if _, err := cfg.Validate(); err == nil || !strings.Contains(err.Error(), "directory of its own") {
+		t.Errorf("delegate socket beside the API socket: %v, want refused", err)
+	}
+	cfg.DelegateSocket = "/run/ctscrub-delegate/delegate.sock"
+	if _, err := cfg.Validate(); err != nil {
+		t.Errorf("delegate socket in its own directory: %v", err)
+	}
+}

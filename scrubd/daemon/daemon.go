@@ -255,8 +255,18 @@ func (d *Daemon) Run(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
+	var delegateLn net.Listener
+	if d.cfg.DelegateSocket != "" {
+		if delegateLn, err = listenUnix(d.cfg.DelegateSocket); err != nil {
+			apiLn.Close()
+			return fmt.Errorf("delegate socket: %w", err)
+		}
+	}
 	if err := d.restore(); err != nil {
 		apiLn.Close()
+		if delegateLn != nil {
+			delegateLn.Close()
+		}
 		return err
 	}
 	apiSrv := &http.Server{
@@ -266,11 +276,25 @@ func (d *Daemon) Run(ctx context.Context) error {
 		ReadHeaderTimeout: 10 * time.Second,
 	}
 
+	// The delegate socket: its one path, for root only, as the API.
+	var delegateSrv *http.Server
+	if delegateLn != nil {
+		delegateSrv = &http.Server{
+			Handler:           d.rootOnly(d.delegateHandler()),
+			BaseContext:       func(net.Listener) context.Context { return d.workCtx },
+			ConnContext:       func(ctx context.Context, c net.Conn) context.Context { return peerCredContext(acceptContext(ctx), c) },
+			ReadHeaderTimeout: 10 * time.Second,
+		}
+	}
+
 	var metricsSrv *http.Server
 	if d.cfg.MetricsAddr != "" && d.cfg.MetricsAddr != "off" {
 		mln, err := net.Listen("tcp", d.cfg.MetricsAddr)
 		if err != nil {
 			apiLn.Close()
+			if delegateLn != nil {
+				delegateLn.Close()
+			}
 			return fmt.Errorf("metrics address %s: %w (set --metrics-addr, or off)", d.cfg.MetricsAddr, err)
 		}
 		addr := mln.Addr()
@@ -299,9 +323,20 @@ func (d *Daemon) Run(ctx context.Context) error {
 	// Stopped before the API's shutdown, which removes the socket.
 	watchCtx, stopWatch := context.WithCancel(context.Background())
 	watchDone := make(chan struct{})
-	go func() { d.watchSocket(watchCtx, apiSrv); close(watchDone) }()
+	go func() { d.watchSocket(watchCtx, apiSrv, d.cfg.Socket); close(watchDone) }()
+	delegateDone := make(chan struct{})
+	if delegateSrv != nil {
+		go func() {
+			if err := delegateSrv.Serve(delegateLn); err != nil && !errors.Is(err, http.ErrServerClosed) {
+				d.log.Error("serve delegate API", "socket", d.cfg.DelegateSocket, "err", err)
+			}
+		}()
+		go func() { d.watchSocket(watchCtx, delegateSrv, d.cfg.DelegateSocket); close(delegateDone) }()
+	} else {
+		close(delegateDone)
+	}
 	d.ready.Store(true)
-	d.log.Info("scrubd serving", "socket", d.cfg.Socket, "metrics", d.cfg.MetricsAddr, "backends", d.backendNames(),
+	d.log.Info("scrubd serving", "socket", d.cfg.Socket, "delegate_socket", d.cfg.DelegateSocket, "metrics", d.cfg.MetricsAddr, "backends", d.backendNames(),
 		"pod_cidrs", d.cidrs, "recorder", d.rec != nil, "indexed_pods", d.pods.activeCount(), "version", d.version)
 
 	var runErr error
@@ -313,6 +348,12 @@ func (d *Daemon) Run(ctx context.Context) error {
 	d.ready.Store(false)
 	stopWatch()
 	<-watchDone
+	<-delegateDone
+	if delegateSrv != nil {
+		// The agent falls back to its own walk at once: a delegate request
+		// is not worth the shutdown grace.
+		delegateSrv.Close()
+	}
 
 	// Stop accepting; in-flight scrubs get ShutdownGrace, then are cancelled
 	// (they stop within the backend's bound and answer "cancelled").

@@ -438,6 +438,12 @@ func mergeResult(dst *scrub.Result, r scrub.Result) {
 		dst.Deleted[m] += n
 	}
 	dst.Total += r.Total
+	for mp, n := range r.NATDeleted {
+		if dst.NATDeleted == nil {
+			dst.NATDeleted = map[string]int{}
+		}
+		dst.NATDeleted[mp] += n
+	}
 	for ip, m := range r.PerIP {
 		dst.PerIP[ip] = m
 	}

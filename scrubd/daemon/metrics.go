@@ -35,6 +35,9 @@ type metrics struct {
 	statsError       *prometheus.CounterVec
 	late             *prometheus.CounterVec
 	recorderRestarts prometheus.Counter
+	natDeleted       *prometheus.CounterVec
+	delegateRequests *prometheus.CounterVec
+	delegateDuration *prometheus.HistogramVec
 }
 
 func newMetrics(d *Daemon, reg *prometheus.Registry) *metrics {
@@ -89,7 +92,21 @@ func newMetrics(d *Daemon, reg *prometheus.Registry) *metrics {
 		Name: "ctscrub_recorder_restarts_total",
 		Help: "Times the recorder's reader stopped with an error and was restarted (every scrub sweeps while it is down).",
 	})
-	reg.MustRegister(m.duration, m.steps, m.deleted, m.refused, m.shared, m.ctMax, m.statsError, m.late, m.recorderRestarts)
+	m.natDeleted = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "ctscrub_scrub_nat_deleted_total",
+		Help: "Cilium SNAT mappings deleted by scrubs with the CT entries that owned them (what Cilium's own scrub deletes with each TUPLE_F_OUT entry), per SNAT map.",
+	}, []string{"backend", "map", "method"})
+	m.delegateRequests = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "ctscrub_delegate_requests_total",
+		Help: "Delegate API requests (docs/delegate-api.md) per caller, event and outcome: complete (every IP complete: the caller skips its walk), incomplete (some IP not: it walks), late (finished past the caller's deadline: not answered), bad_request, busy.",
+	}, []string{"caller", "event", "outcome"})
+	m.delegateDuration = prometheus.NewHistogramVec(prometheus.HistogramOpts{
+		Name:    "ctscrub_delegate_request_duration_seconds",
+		Help:    "Time from a delegate request's arrival to its answer (or to giving up on it), per caller and event.",
+		Buckets: durationBuckets,
+	}, []string{"caller", "event"})
+	reg.MustRegister(m.duration, m.steps, m.deleted, m.refused, m.shared, m.ctMax, m.statsError, m.late, m.recorderRestarts,
+		m.natDeleted, m.delegateRequests, m.delegateDuration)
 	// The entries gauge may be shared with (and registered by) the expiry pass.
 	if err := reg.Register(m.ctEntries); err != nil {
 		if _, ok := err.(prometheus.AlreadyRegisteredError); !ok {
@@ -197,5 +214,8 @@ func (m *metrics) count(r scrub.Result) {
 	}
 	for mp, n := range r.Deleted {
 		m.deleted.WithLabelValues(r.Backend, mp, method).Add(float64(n))
+	}
+	for mp, n := range r.NATDeleted {
+		m.natDeleted.WithLabelValues(r.Backend, mp, method).Add(float64(n))
 	}
 }

@@ -72,12 +72,13 @@ func (d *Daemon) rootOnly(next http.Handler) http.Handler {
 // still there.
 const socketCheckEvery = time.Second
 
-// watchSocket listens again when the socket's file disappears (removed by
-// hand, by a cleanup script, by a tmpfs remount): the old listener still
-// serves the clients that connected before, but no new client can reach it,
-// and every CNI ADD on the node would fail. A new listener on the same path
+// watchSocket listens again when the socket's file (path) disappears
+// (removed by hand, by a cleanup script, by a tmpfs remount): the old
+// listener still serves the clients that connected before, but no new client
+// can reach it, and every CNI ADD on the node would fail (or, for the
+// delegate socket, Cilium would walk again). A new listener on the same path
 // is served by the same server (Shutdown stops both).
-func (d *Daemon) watchSocket(ctx context.Context, srv *http.Server) {
+func (d *Daemon) watchSocket(ctx context.Context, srv *http.Server, path string) {
 	t := time.NewTicker(socketCheckEvery)
 	defer t.Stop()
 	for {
@@ -86,15 +87,15 @@ func (d *Daemon) watchSocket(ctx context.Context, srv *http.Server) {
 			return
 		case <-t.C:
 		}
-		if _, err := os.Lstat(d.cfg.Socket); !errors.Is(err, os.ErrNotExist) {
+		if _, err := os.Lstat(path); !errors.Is(err, os.ErrNotExist) {
 			continue
 		}
-		ln, err := listenUnix(d.cfg.Socket)
+		ln, err := listenUnix(path)
 		if err != nil {
-			d.log.Error("API socket removed; listening again failed (retrying)", "socket", d.cfg.Socket, "err", err)
+			d.log.Error("API socket removed; listening again failed (retrying)", "socket", path, "err", err)
 			continue
 		}
-		d.log.Warn("API socket removed under the daemon: listening again", "socket", d.cfg.Socket)
+		d.log.Warn("API socket removed under the daemon: listening again", "socket", path)
 		go func() {
 			if err := srv.Serve(ln); err != nil && !errors.Is(err, http.ErrServerClosed) {
 				d.log.Error("serve API on the re-created socket", "err", err)

@@ -70,7 +70,7 @@ func key(k ctmap.Kind, i int) []byte {
 func nows(t *testing.T) (ktime, jiffies uint32) {
 	t.Helper()
 	m := newMap(t, ctmap.TCP4, 16)
-	p, err := loadPass(ctmap.TCP4, m)
+	p, err := loadPass(ctmap.TCP4, m, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -452,7 +452,7 @@ func TestWrongClockGuardInKernel(t *testing.T) {
 	kt, _ := nows(t)
 	m := newMap(t, ctmap.TCP4, 4096)
 	_, expired, _ := fill(t, m, ctmap.TCP4, kt, population{live: 100, justExpired: 100, longExpired: 100})
-	p, err := loadPass(ctmap.TCP4, m)
+	p, err := loadPass(ctmap.TCP4, m, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -563,7 +563,7 @@ func TestKernelHZMatchesConfig(t *testing.T) {
 	}
 	want, _ := strconv.Atoi(string(m[1]))
 	mp := newMap(t, ctmap.TCP4, 16)
-	p, err := loadPass(ctmap.TCP4, mp)
+	p, err := loadPass(ctmap.TCP4, mp, nil)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -16,6 +16,7 @@ type metrics struct {
 	oldest    *prometheus.GaugeVec
 	duration  *prometheus.HistogramVec
 	deleted   *prometheus.CounterVec
+	natDel    *prometheus.CounterVec
 	refreshed *prometheus.CounterVec
 	passes    *prometheus.CounterVec
 	clock     *prometheus.GaugeVec
@@ -51,6 +52,10 @@ func newMetrics(reg prometheus.Registerer, entries *prometheus.GaugeVec, cfg Con
 			Name: "ctscrub_expiry_deleted_total",
 			Help: "Expired CT entries the expiry pass deleted.",
 		}, []string{"map"}),
+		natDel: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "ctscrub_expiry_nat_deleted_total",
+			Help: "Cilium SNAT mappings the expiry pass deleted with the expired CT entries of map (TUPLE_F_OUT entries' forward and reverse mappings, as Cilium's GC deletes them).",
+		}, []string{"map"}),
 		refreshed: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "ctscrub_expiry_refreshed_total",
 			Help: "Entries expired when counted but live again (or gone) when re-read right before the delete; kept.",
@@ -78,7 +83,7 @@ func newMetrics(reg prometheus.Registerer, entries *prometheus.GaugeVec, cfg Con
 		}
 		return m, nil
 	}
-	cs := []prometheus.Collector{m.oldest, m.duration, m.deleted, m.refreshed, m.passes, m.clock, m.withheld, m.last,
+	cs := []prometheus.Collector{m.oldest, m.duration, m.deleted, m.natDel, m.refreshed, m.passes, m.clock, m.withheld, m.last,
 		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 			Name: "ctscrub_expiry_interval_seconds",
 			Help: "Configured interval between expiry passes (fixed).",
@@ -117,6 +122,7 @@ func (m *metrics) observe(r MapReport, sweep bool) {
 	}
 	m.duration.WithLabelValues(r.Map, mode).Observe(r.Duration.Seconds())
 	m.deleted.WithLabelValues(r.Map).Add(float64(r.Deleted))
+	m.natDel.WithLabelValues(r.Map).Add(float64(r.NATDeleted))
 	m.refreshed.WithLabelValues(r.Map).Add(float64(r.Refreshed))
 	if r.Stopped {
 		m.pass(r.Map, "stopped")

@@ -36,7 +36,7 @@ type clockStats struct {
 	_                                     uint32
 }
 
-// passArgs mirrors struct expiry_args in bpf/expiry.c (192 bytes): the
+// passArgs mirrors struct expiry_args in bpf/expiry.c (200 bytes): the
 // BPF_PROG_TEST_RUN context, parameters in, counters out.
 type passArgs struct {
 	Flags     uint32
@@ -59,6 +59,7 @@ type passArgs struct {
 	_             uint32
 	AuditFound    uint64
 	AuditOverflow uint64
+	NATDeleted    uint64 // SNAT mappings deleted with the expired entries
 }
 
 // mapPass is bpf/expiry.c loaded for one CT map.
@@ -83,8 +84,10 @@ type mapPass struct {
 var loadExpirySpec = bpf.LoadExpiry
 
 // loadPass loads the expiry program for map m of kind k, with m in place of
-// the program's placeholder map.
-func loadPass(k ctmap.Kind, m *ebpf.Map) (*mapPass, error) {
+// the program's placeholder map, and nat (nil: none) in place of its SNAT
+// map's: the pass deletes the SNAT mappings of the expired entries it
+// deletes, as Cilium's GC does (bpf/include/ctscrub_nat.h).
+func loadPass(k ctmap.Kind, m, nat *ebpf.Map) (*mapPass, error) {
 	spec, err := loadExpirySpec()
 	if err != nil {
 		return nil, fmt.Errorf("load expiry program spec: %w", err)
@@ -103,9 +106,13 @@ func loadPass(k ctmap.Kind, m *ebpf.Map) (*mapPass, error) {
 	ms.Type = m.Type()
 	ms.MaxEntries = m.MaxEntries()
 	ms.Flags = m.Flags()
-	coll, err := ebpf.NewCollectionWithOptions(spec, ebpf.CollectionOptions{
-		MapReplacements: map[string]*ebpf.Map{mapName: m},
-	})
+	repl := map[string]*ebpf.Map{mapName: m}
+	if nat != nil {
+		ns := spec.Maps["nat"+fam]
+		ns.Type, ns.MaxEntries, ns.Flags = nat.Type(), nat.MaxEntries(), nat.Flags()
+		repl["nat"+fam] = nat
+	}
+	coll, err := ebpf.NewCollectionWithOptions(spec, ebpf.CollectionOptions{MapReplacements: repl})
 	if err != nil {
 		return nil, fmt.Errorf("load expiry program for %s: %w (needs root and a kernel with BPF_PROG_TYPE_SYSCALL, 5.14+)", k.Name(), err)
 	}

@@ -51,6 +51,7 @@ type MapReport struct {
 	Entries       uint64 // entries the pass visited
 	Live, Expired uint64 // as found, before deletes
 	Deleted       uint64
+	NATDeleted    uint64 // SNAT mappings deleted with them
 	Refreshed     uint64 // expired when counted, live again (or gone) when re-read before the delete
 	Guarded       uint64 // expired in the clock but impossible in it: kept
 	OldestExpired time.Duration
@@ -88,6 +89,7 @@ func (r Report) Total() MapReport {
 		t.Live += m.Live
 		t.Expired += m.Expired
 		t.Deleted += m.Deleted
+		t.NATDeleted += m.NATDeleted
 		t.Refreshed += m.Refreshed
 		t.Guarded += m.Guarded
 		t.Duration += m.Duration
@@ -121,7 +123,7 @@ func New(maps *ctmap.Maps, cfg Config, opts Options) (*Runner, error) {
 		if m == nil {
 			continue
 		}
-		p, err := loadPass(k, m)
+		p, err := loadPass(k, m, maps.NAT(k.IPv6()))
 		if err != nil {
 			r.Close()
 			return nil, err
@@ -160,7 +162,7 @@ func (r *Runner) Reopen(maps *ctmap.Maps) error {
 		if m == nil {
 			continue
 		}
-		p, err := loadPass(k, m)
+		p, err := loadPass(k, m, maps.NAT(k.IPv6()))
 		if err != nil {
 			for _, p := range passes {
 				if p != nil {
@@ -217,7 +219,7 @@ func (r *Runner) Run(ctx context.Context) error {
 		} else if err == nil {
 			tot := rep.Total()
 			r.log.Debug("expiry pass", "clock", rep.Decision.Clock, "confirmed", rep.Decision.Confirmed, "swept", rep.Swept,
-				"entries", tot.Entries, "live", tot.Live, "expired", tot.Expired, "deleted", tot.Deleted,
+				"entries", tot.Entries, "live", tot.Live, "expired", tot.Expired, "deleted", tot.Deleted, "nat_deleted", tot.NATDeleted,
 				"refreshed", tot.Refreshed, "oldest_expired", tot.OldestExpired, "duration", tot.Duration, "stopped", tot.Stopped)
 		}
 		select {
@@ -366,6 +368,7 @@ func (r *Runner) judge(rep *Report, clock Clock) {
 		mr.Live = out.C[c].Live
 		mr.Expired = out.C[c].Expired
 		mr.Deleted = out.Deleted
+		mr.NATDeleted = out.NATDeleted
 		mr.Refreshed = out.Refreshed
 		mr.Guarded = out.Guarded
 		mr.Stopped = out.Stopped != 0

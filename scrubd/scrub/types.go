@@ -60,13 +60,18 @@ type Request struct {
 // Result reports one scrub. A scrub is Complete only when no entry with any of
 // the IPs is left; Cancelled carries what was deleted before it stopped.
 type Result struct {
-	Backend  string            `json:"backend"`
-	Method   Method            `json:"method"`
-	Outcome  Outcome           `json:"result"`
-	Deleted  map[string]int    `json:"deleted"` // per map (Cilium map name, or "nf_conntrack")
-	Total    int               `json:"total"`
-	Duration time.Duration     `json:"duration_ns"`
-	PerIP    map[string]Method `json:"per_ip,omitempty"` // method used for each IP
+	Backend string         `json:"backend"`
+	Method  Method         `json:"method"`
+	Outcome Outcome        `json:"result"`
+	Deleted map[string]int `json:"deleted"` // per map (Cilium map name, or "nf_conntrack")
+	Total   int            `json:"total"`
+	// NATDeleted counts, per SNAT map (Cilium's cilium_snat_v4_external,
+	// cilium_snat_v6_external), the mappings deleted with the CT entries:
+	// those Cilium's own scrub deletes with each TUPLE_F_OUT entry. Not in
+	// Total, which counts CT entries.
+	NATDeleted map[string]int    `json:"nat_deleted,omitempty"`
+	Duration   time.Duration     `json:"duration_ns"`
+	PerIP      map[string]Method `json:"per_ip,omitempty"` // method used for each IP
 	// SweptWhy says, for each IP that swept, why the index could not be
 	// trusted for it (an index reason: not tracked, recorder not running,
 	// records lost, ...).

@@ -55,6 +55,28 @@ type expiryRefreshCtKey6 struct {
 	Flags   uint8
 }
 
+type expiryRefreshNatEntry4 struct {
+	_       structs.HostLayout
+	Created uint64
+	NeedsCt uint64
+	Pad1    uint64
+	Pad2    uint64
+	ToSaddr uint32
+	ToSport uint16
+	Pad3    uint16
+}
+
+type expiryRefreshNatEntry6 struct {
+	_       structs.HostLayout
+	Created uint64
+	NeedsCt uint64
+	Pad1    uint64
+	Pad2    uint64
+	ToSaddr [16]uint8
+	ToSport uint16
+	Pad3    [6]uint8
+}
+
 // Names of all BPF objects in the ELF.
 //
 // Used for safe lookups in a Collection or CollectionSpec.
@@ -65,6 +87,8 @@ const (
 	expiryRefreshMapAuditKeys6        = "audit_keys6"
 	expiryRefreshMapCt4               = "ct4"
 	expiryRefreshMapCt6               = "ct6"
+	expiryRefreshMapNat4              = "nat4"
+	expiryRefreshMapNat6              = "nat6"
 	expiryRefreshProgExpiry4          = "expiry4"
 	expiryRefreshProgExpiry6          = "expiry6"
 	expiryRefreshVarAuditFilter4      = "audit_filter4"
@@ -129,6 +153,8 @@ type expiryRefreshMapSpecs struct {
 	AuditKeys6 *ebpf.MapSpec `ebpf:"audit_keys6"`
 	Ct4        *ebpf.MapSpec `ebpf:"ct4"`
 	Ct6        *ebpf.MapSpec `ebpf:"ct6"`
+	Nat4       *ebpf.MapSpec `ebpf:"nat4"`
+	Nat6       *ebpf.MapSpec `ebpf:"nat6"`
 }
 
 // expiryRefreshVariableSpecs contains global variables before they are loaded into the kernel.
@@ -167,6 +193,8 @@ type expiryRefreshMaps struct {
 	AuditKeys6 *ebpf.Map `ebpf:"audit_keys6"`
 	Ct4        *ebpf.Map `ebpf:"ct4"`
 	Ct6        *ebpf.Map `ebpf:"ct6"`
+	Nat4       *ebpf.Map `ebpf:"nat4"`
+	Nat6       *ebpf.Map `ebpf:"nat6"`
 }
 
 func (m *expiryRefreshMaps) Close() error {
@@ -177,6 +205,8 @@ func (m *expiryRefreshMaps) Close() error {
 		m.AuditKeys6,
 		m.Ct4,
 		m.Ct6,
+		m.Nat4,
+		m.Nat6,
 	)
 }
 

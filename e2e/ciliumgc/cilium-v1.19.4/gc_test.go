@@ -1,0 +1,82 @@
+// Package ciliumgc holds ctscrub's scrubs and expiry pass against Cilium
+// v1.19.4's own scrub code on the same maps: Cilium's ctmap GC, with the
+// SNAT deletes its ct-nat-map-gc cell subscribes to every GC event
+// (pkg/maps/ctmap/gc/gc.go: ctmap.NatMapNext4/6), over maps its own code
+// created. (1.19's filter holds bare addresses; 1.20's adds a network ID.)
+// See internal/testsupport/natcompare and docs/delegate-api.md.
+package ciliumgc
+
+import (
+	"net/netip"
+	"os"
+	"path/filepath"
+	"testing"
+
+	"github.com/cilium/cilium/pkg/maps/ctmap"
+	"github.com/cilium/cilium/pkg/maps/nat"
+	"github.com/cilium/cilium/pkg/option"
+	"github.com/cilium/ebpf/rlimit"
+
+	"github.com/ctscrub/ctscrub/internal/testsupport/natcompare"
+)
+
+type cilium struct {
+	dir string
+	ct  []*ctmap.Map
+}
+
+func (c *cilium) Dir() string { return c.dir }
+
+func (c *cilium) gc(f ctmap.GCFilter) error {
+	for _, m := range c.ct {
+		if _, err := m.GC(f, ctmap.NatMapNext4, ctmap.NatMapNext6); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// Scrub is what (*Endpoint).scrubIPsInConntrackTable runs through
+// GCRunner.Run: one GCFilter with the endpoint's IPs over every global map.
+func (c *cilium) Scrub(ips []netip.Addr) error {
+	f := ctmap.GCFilter{MatchIPs: map[netip.Addr]struct{}{}}
+	for _, ip := range ips {
+		f.MatchIPs[ip] = struct{}{}
+	}
+	return c.gc(f)
+}
+
+func (c *cilium) Expire() error { return c.gc(ctmap.GCFilter{RemoveExpired: true}) }
+
+func TestMain(m *testing.M) { os.Exit(natcompare.Main(m)) }
+
+func TestCiliumScrubMatchesCtscrub(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("needs root: creates BPF maps, loads BPF programs and mounts a bpffs")
+	}
+	if err := rlimit.RemoveMemlock(); err != nil {
+		t.Fatal(err)
+	}
+	option.Config.CTMapEntriesGlobalTCP = 1 << 16
+	option.Config.CTMapEntriesGlobalAny = 1 << 16
+	option.Config.NATMapEntriesGlobal = 1 << 16
+
+	// /sys/fs/bpf is a private bpffs here (TestMain).
+	c := &cilium{dir: "/sys/fs/bpf/tc/globals", ct: ctmap.Maps(true, true)}
+	for _, m := range c.ct {
+		if err := m.OpenOrCreate(); err != nil {
+			t.Fatalf("Cilium's %s: %v", m.Name(), err)
+		}
+	}
+	nat4, nat6 := nat.GlobalMaps(nil, true, true)
+	for _, m := range []*nat.Map{nat4, nat6} {
+		if err := m.OpenOrCreate(); err != nil {
+			t.Fatalf("Cilium's %s: %v", m.Name(), err)
+		}
+	}
+	if p, err := c.ct[0].Path(); err != nil || filepath.Dir(p) != c.dir {
+		t.Fatalf("Cilium pinned %s (%v), not under %s", p, err, c.dir)
+	}
+	ctmap.InitMapInfo(nat4, nat6)
+	natcompare.Compare(t, c)
+}
