@@ -103,6 +103,9 @@ func loadDeleter(maps *ctmap.Maps) (*deleter, error) {
 	return d, nil
 }
 
+// close closes the programs and maps. A key slot's mapping goes with the
+// last reference to it (cilium/ebpf unmaps it in a cleanup), and keeps its
+// map's memory until then.
 func (d *deleter) close() {
 	for _, p := range d.progs {
 		if p != nil {
