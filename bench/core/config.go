@@ -70,9 +70,10 @@ func parseConfig() (config, error) {
 }
 
 // Walk runs at most: sweep, batch walk, NextKey walk.
-const sweepReps, batchReps, nextKeyReps, floorReps = 5, 5, 3, 10
+// The floor: floorReps targets each way (deleteFloor).
+const sweepReps, batchReps, nextKeyReps, floorReps = 5, 5, 3, 20
 
 // targets is the size of the target pool: every scrub takes a fresh one.
 func (c config) targets() int {
-	return 2*c.indexReps + sweepReps + batchReps + nextKeyReps + floorReps
+	return 2*c.indexReps + sweepReps + batchReps + nextKeyReps + 2*floorReps
 }

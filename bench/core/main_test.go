@@ -24,6 +24,12 @@ func TestSmallBench(t *testing.T) {
 	if res.Entries != 1<<16 || res.IndexReps != 20 || res.IndexMedianS <= 0 || res.SweepS <= 0 || res.BatchWalkS <= 0 || res.NextKeyWalkS <= 0 {
 		t.Errorf("incomplete result: %+v", res)
 	}
+	if res.DeleteFloorNsKey <= 0 || res.DeleteFloorParNsKey <= 0 || res.SocketOverFloor <= 0 {
+		t.Errorf("no delete floor: %+v", res)
+	}
+	if _, ok := res.Targets["socket_median_le_2x_floor"]; !ok {
+		t.Errorf("no floor target in %v", res.Targets)
+	}
 	if res.IndexKeys != 1<<16 {
 		t.Errorf("index holds %d keys, want one per entry (%d)", res.IndexKeys, 1<<16)
 	}

@@ -2,10 +2,12 @@ package main
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"net/netip"
 	"runtime"
 	"slices"
+	"sync"
 	"time"
 
 	"github.com/ctscrub/ctscrub/scrubd/cilium"
@@ -118,32 +120,66 @@ func series(name string, maxReps int, budget time.Duration, nd *node, fn func(ta
 	return d, nil
 }
 
-// deleteFloor times BPF_MAP_DELETE_BATCH of floorReps fresh targets' keys
-// (each map's share in one call), untouched since the fill, and returns the
-// median. The index still holds them: the target is marked incomplete so
-// nothing scrubs it later by index.
-func deleteFloor(nd *node) (time.Duration, error) {
-	var took []time.Duration
-	for range floorReps {
+// deleteFloor times BPF_MAP_DELETE_BATCH of fresh targets' keys, untouched
+// since the fill, two ways, alternating, floorReps targets each: each map's
+// share in one call, the maps one after the other (seq, the floor the
+// targets are stated against), and both maps' calls at once from two
+// threads (par: a scrub deletes from its CT maps at once, so the kernel's
+// cheapest way of deleting the same keys on this machine's two CPUs is
+// reported too). It returns each way's median. The index still holds the
+// keys: the target is marked incomplete so nothing scrubs it later by
+// index.
+func deleteFloor(nd *node) (seq, par time.Duration, err error) {
+	var seqs, pars []time.Duration
+	for i := range 2 * floorReps {
 		target, t, err := nd.take()
 		if err != nil {
-			return 0, err
+			return 0, 0, err
 		}
 		nd.ix.MarkIncomplete(target, index.ReasonLost)
 		byKind := map[ctmap.Kind][]ctmap.CTKey4{}
 		for _, k := range nd.target4[t] {
 			byKind[k.Kind()] = append(byKind[k.Kind()], k)
 		}
-		start := time.Now()
-		for kind, keys := range byKind {
+		del := func(kind ctmap.Kind) error {
+			keys := byKind[kind]
 			if n, err := nd.maps.Map(kind).BatchDelete(keys, nil); err != nil || n != len(keys) {
-				return 0, fmt.Errorf("delete floor: %d of %d keys of %s deleted: %v", n, len(keys), kind.Name(), err)
+				return fmt.Errorf("delete floor: %d of %d keys of %s deleted: %v", n, len(keys), kind.Name(), err)
+			}
+			return nil
+		}
+		var took time.Duration
+		if i%2 == 0 {
+			start := time.Now()
+			for kind := range byKind {
+				if err := del(kind); err != nil {
+					return 0, 0, err
+				}
+			}
+			took = time.Since(start)
+			seqs = append(seqs, took)
+		} else {
+			var kinds []ctmap.Kind
+			for kind := range byKind {
+				kinds = append(kinds, kind)
+			}
+			errs := make([]error, len(kinds))
+			var wg sync.WaitGroup
+			start := time.Now()
+			for j, kind := range kinds[1:] {
+				wg.Go(func() { errs[j+1] = del(kind) })
+			}
+			errs[0] = del(kinds[0])
+			wg.Wait()
+			took = time.Since(start)
+			pars = append(pars, took)
+			if err := errors.Join(errs...); err != nil {
+				return 0, 0, err
 			}
 		}
-		took = append(took, time.Since(start))
 		if err := nd.scrubbed("delete floor", t, false); err != nil {
-			return 0, err
+			return 0, 0, err
 		}
 	}
-	return median(took), nil
+	return median(seqs), median(pars), nil
 }
