@@ -29,6 +29,7 @@ func exported(t *testing.T) []string {
 	m.oldest.WithLabelValues("m")
 	m.duration.WithLabelValues("m", "sweep")
 	m.deleted.WithLabelValues("m")
+	m.natDel.WithLabelValues("m")
 	m.refreshed.WithLabelValues("m")
 	m.passes.WithLabelValues("m", "swept")
 	m.clock.WithLabelValues("ktime", "true")
