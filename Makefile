@@ -120,6 +120,10 @@ bench-nfct: ## nf_conntrack: conntrack -D, DeleteFilters, filtered flush, index 
 bench-expiry: ## Expiry pass vs Cilium's NextKey and batch GC
 	$(GO) run ./bench/expiry
 
+.PHONY: cilium-patch-test
+cilium-patch-test: ## Apply cilium/patches/v* to Cilium's module source, build the agent, go test what they touch (CILIUM_PATCH_VERSIONS; slow)
+	./scripts/cilium-patch-test.sh
+
 .PHONY: e2e-kind
 e2e-kind: ## Kind cluster, real Cilium (CILIUM_VERSION, default 1.18.8), ctscrub by its chart; 30 min cold, 6 cached (docs/kind.md); root
 	./e2e/kind/run.sh

@@ -36,6 +36,9 @@ export K8S_VERSION CILIUM_VERSION
 out=$WORK/images.env
 mkdir -p "$WORK/logs"
 
+if [[ ${CTSCRUB_KIND_UPSTREAM:-0} == 1 && ${CILIUM_DELEGATE:-0} == 1 ]]; then
+	die "CILIUM_DELEGATE=1 needs Cilium built here with cilium/patches (cilium.sh): not with CTSCRUB_KIND_UPSTREAM=1"
+fi
 if [[ ${CTSCRUB_KIND_UPSTREAM:-0} == 1 ]]; then
 	KIND_NODE_IMAGE=kindest/node:$K8S_VERSION
 	CILIUM_IMAGE=quay.io/cilium/cilium:v$CILIUM_VERSION

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Cilium's agent and operator images, version $CILIUM_VERSION, built from the
-# github.com/cilium/cilium Go module with no change to Cilium's source.
+# github.com/cilium/cilium Go module, with no change to Cilium's source unless
+# CILIUM_PATCH or CILIUM_DELEGATE (below) asks for one.
 # Prints two lines, the agent image and the operator image
 # (ctscrub-kind/cilium:<version>-<hash>,
 # ctscrub-kind/cilium-operator-generic:<version>-<hash>), built or reused.
@@ -15,68 +16,53 @@
 # CILIUM_PATCH (optional): a script run in the module's source copy before
 # the build, for versions that need a change to build or run on this kernel
 # (see docs/kind.md); the image is then tagged <version>-patched-<hash>.
+#
+# CILIUM_DELEGATE=1 (optional): apply cilium/patches/v$CILIUM_VERSION/*.patch
+# (the conntrack scrub delegate, docs/upstream-delegate.md) to the source
+# copy, after CILIUM_PATCH; the image is tagged <version>[-patched]-delegate-<hash>
+# and its hash covers the patch files.
 source "$(dirname "$0")/lib.sh"
+source "$IMAGES_DIR/cilium-module.sh"
 CILIUM_VERSION=${CILIUM_VERSION:-1.18.8}
 CILIUM_VERSION=${CILIUM_VERSION#v}
 CILIUM_PATCH=${CILIUM_PATCH:-}
+CILIUM_DELEGATE=${CILIUM_DELEGATE:-0}
 patched=; [[ -n $CILIUM_PATCH ]] && patched=-patched
-hash=$(inputs_hash "$IMAGES_DIR/lib.sh" "$IMAGES_DIR/cilium.sh" "$CILIUM_VERSION" ${CILIUM_PATCH:+"$CILIUM_PATCH"})
+delegate_patches=()
+if [[ $CILIUM_DELEGATE == 1 ]]; then
+	delegate_patches=("$ROOT/cilium/patches/v$CILIUM_VERSION"/*.patch)
+	[[ -f ${delegate_patches[0]} ]] ||
+		die "CILIUM_DELEGATE=1: no patch for Cilium $CILIUM_VERSION in cilium/patches/v$CILIUM_VERSION (see cilium/patches/README.md)"
+	patched+=-delegate
+elif [[ $CILIUM_DELEGATE != 0 ]]; then
+	die "CILIUM_DELEGATE=$CILIUM_DELEGATE: must be 0 or 1"
+fi
+hash=$(inputs_hash "$IMAGES_DIR/lib.sh" "$IMAGES_DIR/cilium.sh" "$IMAGES_DIR/cilium-module.sh" "$CILIUM_VERSION" \
+	${CILIUM_PATCH:+"$CILIUM_PATCH"} "${delegate_patches[@]}")
 agent=ctscrub-kind/cilium:$CILIUM_VERSION$patched-$hash
 operator=ctscrub-kind/cilium-operator-generic:$CILIUM_VERSION$patched-$hash
 if have_image "$agent" && have_image "$operator"; then printf '%s\n%s\n' "$agent" "$operator"; exit 0; fi
 
 log "building Cilium $CILIUM_VERSION from its Go module (about 6-9 min on 2 cores) -> $agent, $operator"
 dir=$WORK/cilium-$CILIUM_VERSION
-go_module "$dir" ctscrub-kind/cilium
-cd "$dir"
-"$GO" mod download -json "github.com/cilium/cilium@v$CILIUM_VERSION" >dl.json
-src=$(jq -r .Dir dl.json)
+rm -rf "$dir"; mkdir -p "$dir"
 mod=github.com/cilium/cilium
-if [[ -n $CILIUM_PATCH ]]; then
+src=$("$GO" mod download -json "$mod@v$CILIUM_VERSION" | jq -r .Dir)
+if [[ -n $CILIUM_PATCH || ${#delegate_patches[@]} -gt 0 ]]; then
 	# A writable copy of the module, built in place of the proxy's.
 	cp -a "$src" "$dir/src"; chmod -R u+w "$dir/src"; src=$dir/src
-	(cd "$src" && "$CILIUM_PATCH")
-	echo "replace $mod => ./src" >>go.mod
-fi
-echo "require $mod v$CILIUM_VERSION" >>go.mod
-# Cilium's own replace directives (its forks of controller-tools, gobgp,
-# apimachinery) apply only in its own module: repeat them here, with its
-# go.sum (the sum database does not know some of the forks' versions). A fork
-# the module proxy does not serve is left out, with a warning: 1.18's
-# github.com/cilium/apimachinery v0.33.3-1 (403 from proxy.golang.org; it
-# adds `omitzero` support to apimachinery's converters), so the build uses the
-# k8s.io/apimachinery version Cilium requires. See docs/kind.md.
-cp "$src/go.sum" go.sum
-awk '/^replace \(/{b=1; next} b && /^\)/{b=0; next}
-	b && /=>/ {print "replace " $0; next}
-	/^replace .*=>/ {sub(/^replace /, ""); print "replace " $0}' "$src/go.mod" | grep -v '=> \.' |
-	while read -r _ from _ to ver; do
-		if "$GO" mod download "$to@$ver" 2>/dev/null; then
-			echo "replace $from => $to $ver" >>go.mod
-		else
-			log "warning: $to@$ver (Cilium's replacement of $from) is not on the module proxy: building with $from as Cilium's go.mod requires it"
-		fi
+	if [[ -n $CILIUM_PATCH ]]; then (cd "$src" && "$CILIUM_PATCH"); fi
+	for p in "${delegate_patches[@]}"; do
+		(cd "$src" && git apply --whitespace=nowarn "$p") || die "$p does not apply to Cilium $CILIUM_VERSION's source"
 	done
-# A version Cilium's go.mod requires may be refused by the module proxy (403:
-# 1.18.8's k8s.io/endpointslice v0.33.9, among others). Each one found is
-# replaced by the nearest version of the same module the proxy serves (the
-# highest below it, else the lowest above it), with a warning.
+fi
 pkgs=($mod/daemon $mod/cilium-dbg $mod/cilium-health $mod/cilium-health/responder
 	$mod/plugins/cilium-cni $mod/tools/mount $mod/tools/sysctlfix $mod/operator)
-for _ in $(seq 10); do
-	err=$(CGO_ENABLED=0 GOFLAGS=-mod=mod "$GO" list -deps -tags osusergo,ipam_provider_operator "${pkgs[@]}" 2>&1 >/dev/null) && break
-	refused=$(grep -oE '[A-Za-z0-9._~/-]+@v[^:[:space:]]+: reading https?://[^ ]+: 403' <<<"$err" | head -1 | cut -d: -f1)
-	[[ -n $refused ]] || { echo "$err" >&2; die "resolving Cilium $CILIUM_VERSION's packages failed"; }
-	m=${refused%@*} v=${refused#*@}
-	alt=$( { "$GO" -C / list -m -versions "$m" | tr ' ' '\n' | tail -n +2; echo "$v"; } | sort -V | awk -v v="$v" '
-		$0 == v {hit = 1; next} !hit {below = $0} hit && above == "" {above = $0}
-		END {print below; print above}' | while read -r c; do
-			[[ -n $c ]] && "$GO" -C / mod download "$m@$c" >/dev/null 2>&1 && { echo "$c"; break; }
-		done || true)
-	[[ -n $alt ]] || die "$m@$v is refused by the module proxy and no other version of it is served"
-	log "warning: $m@$v (required by Cilium $CILIUM_VERSION) is refused by the module proxy: building with $alt"
-	echo "replace $m => $m $alt" >>go.mod
-done
+# The module the binaries are built in (cilium-module.sh): Cilium's replace
+# directives repeated, versions the module proxy refuses swapped.
+CILIUM_MODULE_PKGS=("${pkgs[@]}")
+cilium_module "$dir/mod" "$CILIUM_VERSION" "$src"
+cd "$dir/mod"
 # The version string holds a space: quoted, or the linker takes its second
 # word for an argument of its own ("usage: link").
 ld="-s -w -X '$mod/pkg/version.ciliumVersion=$CILIUM_VERSION ctscrub-kind'"

@@ -1,0 +1,92 @@
+#!/usr/bin/env bash
+# make cilium-patch-test: for each Cilium version with patches in
+# cilium/patches/v<version>/ (CILIUM_PATCH_VERSIONS to pick some, e.g.
+# "1.20.2"), on a copy of the github.com/cilium/cilium module's source:
+# apply the patches (git am), build the agent (./daemon, as cilium.sh builds
+# cilium-agent for the kind images), and run go test of every package the
+# patches touch. One summary line per version; exits 1 if any version failed.
+#
+# Slow cold: about an hour per version on this shared 2-core machine, 90 s for
+# both with the Go cache warm (docs/upstream-delegate.md); it runs at lib.sh's
+# niceness (NICE, default 10). Scratch space:
+# CILIUM_PATCH_WORK (default /var/tmp/ctscrub-cilium-patch), kept for
+# inspection, replaced on the next run; each step's output is in its
+# <version>/<step>.log.
+source "$(dirname "$0")/../e2e/kind/images/lib.sh"
+source "$IMAGES_DIR/cilium-module.sh"
+set +e # each version's failure is reported, not fatal to the others
+
+PATCHES=$ROOT/cilium/patches
+PWORK=${CILIUM_PATCH_WORK:-/var/tmp/ctscrub-cilium-patch}
+mod=github.com/cilium/cilium
+versions=(${CILIUM_PATCH_VERSIONS:-$(cd "$PATCHES" && ls -d v*/ | tr -d /v | sort -V)})
+[[ ${#versions[@]} -gt 0 ]] || die "no patches in $PATCHES"
+
+# step NAME DIR CMD...: run CMD with its output in DIR/NAME.log; on failure
+# show the log's tail.
+step() {
+	local name=$1 dir=$2; shift 2
+	if ! "$@" >"$dir/$name.log" 2>&1; then
+		tail -n 40 "$dir/$name.log" >&2
+		return 1
+	fi
+}
+
+apply() (
+	local src=$1 version=$2
+	cd "$src" && git init -q && git add -A &&
+		git -c user.name=ctscrub -c user.email=ctscrub@localhost commit -qm "github.com/cilium/cilium v$version (module source)" &&
+		git tag base &&
+		git -c user.name=ctscrub -c user.email=ctscrub@localhost am -q "$PATCHES/v$version"/*.patch
+)
+
+test_version() {
+	local version=$1 dir=$PWORK/v$1 src pkgs=() added=()
+	rm -rf "$dir"; mkdir -p "$dir"
+	ls "$PATCHES/v$version"/*.patch >/dev/null 2>&1 || { echo "no *.patch in $PATCHES/v$version" >&2; fail=patches; return 1; }
+	src=$("$GO" mod download -json "$mod@v$version" | jq -r .Dir) && [[ -d $src ]] ||
+		{ echo "go mod download $mod@v$version failed" >&2; fail=download; return 1; }
+	# The module cache is read-only: a writable copy, a git repository so
+	# that git am applies the patches whole or not at all.
+	cp -a "$src" "$dir/src" && chmod -R u+w "$dir/src" || { fail=copy; return 1; }
+	step apply "$dir" apply "$dir/src" "$version" || { fail="git am (the patches do not apply)"; return 1; }
+	# The packages the patches touch: every directory holding a changed .go file.
+	mapfile -t pkgs < <(git -C "$dir/src" diff --name-only base HEAD -- '*.go' | xargs -r -n1 dirname | sort -u | sed "s|^|$mod/|")
+	npatches=$(git -C "$dir/src" rev-list --count base..HEAD)
+	[[ ${#pkgs[@]} -gt 0 ]] || { fail="the patches change no .go file"; return 1; }
+	# In a subshell: cilium_module dies on failure.
+	(CILIUM_MODULE_PKGS=("$mod/daemon" "${pkgs[@]}") CILIUM_MODULE_TEST=1
+		step resolve "$dir" cilium_module "$dir/mod" "$version" "$dir/src") || { fail="resolving the module"; return 1; }
+	(cd "$dir/mod" && step build "$dir" go_build -tags osusergo -o "$dir/cilium-agent" "$mod/daemon") ||
+		{ fail="go build $mod/daemon"; return 1; }
+	# go test's own vet pass is off: Go 1.26's printf check fails stock
+	# 1.18.8's pkg/endpoint (bpf.go:598, code no patch touches). go vet runs
+	# whole on the packages the patches add, where every line is ours.
+	mapfile -t added < <(git -C "$dir/src" diff --name-only --diff-filter=A base HEAD -- '*.go' | xargs -r -n1 dirname | sort -u |
+		while read -r d; do [[ -z $(git -C "$dir/src" ls-tree base -- "$d") ]] && echo "$mod/$d"; done)
+	if [[ ${#added[@]} -gt 0 ]]; then
+		(cd "$dir/mod" && step vet "$dir" env CGO_ENABLED=0 GOFLAGS=-mod=mod "$GO" vet "${added[@]}") ||
+			{ fail="go vet ${added[*]}"; return 1; }
+	fi
+	(cd "$dir/mod" && step test "$dir" env CGO_ENABLED=0 GOFLAGS=-mod=mod "$GO" test -vet=off -count=1 -p 1 -timeout 30m "${pkgs[@]}") ||
+		{ fail="go test"; return 1; }
+	tested=${#pkgs[@]}
+}
+
+summary=() failed=0
+for v in "${versions[@]}"; do
+	v=${v#v}
+	start=$(date +%s) fail= npatches=0 tested=0
+	log "Cilium $v: applying $PATCHES/v$v, building the agent, testing the packages the patches touch"
+	if test_version "$v"; then
+		line="cilium-patch-test v$v: PASS ($npatches patches applied, cilium-agent built, go vet of the new packages and go test of $tested packages passed) in $(($(date +%s) - start))s"
+		[[ -f $PWORK/v$v/test.log ]] && grep -E '^(ok|FAIL|---)' "$PWORK/v$v/test.log" | sed 's/^/  /' >&2
+	else
+		failed=1
+		line="cilium-patch-test v$v: FAIL at: $fail, after $(($(date +%s) - start))s (logs: $PWORK/v$v/*.log)"
+	fi
+	echo "$line" >&2
+	summary+=("$line")
+done
+printf '%s\n' "${summary[@]}"
+exit "$failed"
