@@ -25,6 +25,18 @@ import (
 // (wave 4): with failurePolicy fail the pods that start during the gap get a
 // CNI error and the kubelet retries until scrubd is back (docs/plugin.md),
 // so every pod must still become Ready.
+//
+// With CNI=kindnet (bridge + host-local, kube-proxy, ctscrub's nfct backend)
+// the same churn is checked in the node's nf_conntrack table (`conntrack -L`
+// in the node), kube-proxy is restarted in place of Cilium's agent, and
+// scrubd is also killed (SIGKILL, no shutdown) while wave 2's pods start.
+//
+// Outside the default install (CNI=kindnet, CILIUM_LB=default|hostns) each
+// churn pod also resolves the Service's name through the cluster DNS and
+// talks to it (agnhost's /dial from the pod itself), as real pods do: these
+// are the flows per-packet load balancing translates (issue 23). With
+// CILIUM_LB=default|hostns at least 95 % of the del scrubs must take the
+// index (scrubs_index_share).
 func TestKindChurn(t *testing.T) {
 	e := getKindEnv(t)
 	c := e.newCluster(t, 25*time.Minute)
@@ -61,6 +73,7 @@ spec:
 `, ns, node, e.clientImage, e.serverImage)))
 	c.must(5*time.Minute, "kubectl", "-n", ns, "wait", "--for=condition=Ready", "pod/client", "--timeout=5m")
 
+	podFlows := e.nfct() || e.ciliumLB != "kpr"
 	var (
 		churned, stale, inherited, reused, before int
 		seen                                      = map[string]string{} // IP -> first pod that held it
@@ -76,7 +89,7 @@ spec:
 			lines := strings.Split(out, "\n")
 			for _, l := range lines[min(logSeen[pod], len(lines)):] {
 				var s scrubLine
-				if json.Unmarshal([]byte(l), &s) == nil && s.Msg == "scrub" && s.Reason == "del" && !s.DryRun && s.Backend == "cilium" {
+				if json.Unmarshal([]byte(l), &s) == nil && s.Msg == "scrub" && s.Reason == "del" && !s.DryRun && s.Backend == e.backend() {
 					methods[s.Method]++
 					if s.Result != "complete" {
 						t.Errorf("del scrub of %v on %s: result %s (%s), want complete", s.IPs, node, s.Result, s.Error)
@@ -88,12 +101,20 @@ spec:
 	}
 
 	for w := range waves {
-		if w == 2 {
+		if w == 2 && !e.nfct() {
 			// The node's Cilium agent restarts: its CT maps may be re-created.
 			old := c.podOn("kube-system", "k8s-app=cilium", node)
 			t.Logf("wave %d: restarting Cilium's agent %s", w, old)
 			c.kubectl("-n", "kube-system", "delete", "pod", old, "--wait=true")
 			c.must(5*time.Minute, "kubectl", "-n", "kube-system", "rollout", "status", "ds/cilium", "--timeout=5m")
+		}
+		if w == 2 && e.nfct() {
+			// kube-proxy restarts: it rewrites its rules and reconciles
+			// conntrack (its own full-table cleanup of UDP Services).
+			old := c.podOn("kube-system", "k8s-app=kube-proxy", node)
+			t.Logf("wave %d: restarting kube-proxy %s", w, old)
+			c.kubectl("-n", "kube-system", "delete", "pod", old, "--wait=true")
+			c.must(5*time.Minute, "kubectl", "-n", "kube-system", "rollout", "status", "ds/kube-proxy", "--timeout=5m")
 		}
 		if w == 3 {
 			t.Logf("wave %d: rolling ctscrub's DaemonSet while the wave's pods start", w)
@@ -116,6 +137,12 @@ spec:
 `, name, ns, node, e.serverImage, w)
 		}
 		c.kubectl("apply", "-f", writeFile(t, t.TempDir(), "wave.yaml", b.String()))
+		if w == 2 && e.nfct() {
+			// scrubd dies with no shutdown while the wave's pods start: its
+			// index (in memory) is gone, ADDs in the gap fail and are
+			// retried, and the restarted scrubd seeds its index by a dump.
+			c.killScrubd(node)
+		}
 		c.must(8*time.Minute, "kubectl", "-n", ns, "wait", "--for=condition=Ready", "pod", "-l", fmt.Sprintf("wave=%d", w), "--timeout=8m")
 		if w == 3 {
 			c.must(5*time.Minute, "kubectl", "-n", "kube-system", "rollout", "status", "ds/ctscrub", "--timeout=5m")
@@ -135,10 +162,8 @@ spec:
 				seen[f[1]] = f[0]
 			}
 		}
-		agent := c.podOn("kube-system", "k8s-app=cilium", node)
-
 		// Before any packet: nothing of the IP's previous pods.
-		for ip, n := range c.ctCount(agent, ips) {
+		for ip, n := range c.ctCount(node, ips) {
 			if n > 0 {
 				inherited += n
 				t.Errorf("wave %d: new pod %s (%s) inherits %d CT entries before its first packet", w, ips[ip], ip, n)
@@ -157,6 +182,16 @@ spec:
 		script.WriteString("nslookup churn." + ns + ".svc.cluster.local >/dev/null && echo dns-ok; ")
 		for range 5 {
 			script.WriteString("echo \"svc $(timeout 5 wget -qO- http://churn." + ns + ".svc.cluster.local:8080/hostname)\"; ")
+		}
+		if podFlows {
+			// Each pod itself resolves the Service's name through the
+			// cluster DNS and talks to it over TCP and UDP.
+			for ip := range ips {
+				for _, d := range []struct{ proto, port string }{{"http", "8080"}, {"udp", "8081"}} {
+					fmt.Fprintf(&script, `echo "pod%[2]s %[1]s $(timeout 8 wget -qO- 'http://%[1]s:8080/dial?request=hostname&protocol=%[2]s&host=churn.%[3]s.svc.cluster.local&port=%[4]s&tries=1')"; `,
+						ip, d.proto, ns, d.port)
+				}
+			}
 		}
 		out, _ := c.run(3*time.Minute, "kubectl", "-n", ns, "exec", "client", "-c", "client", "--", "sh", "-c", script.String())
 		lines := strings.Split(out, "\n")
@@ -183,16 +218,23 @@ spec:
 			if !answered("ping", ip, "ok") {
 				t.Errorf("wave %d: %s (%s) did not answer ping:\n%s", w, pod, ip, out)
 			}
+			if podFlows {
+				for _, proto := range []string{"podhttp", "podudp"} {
+					if !answered(proto, ip, `"churn-`) {
+						t.Errorf("wave %d: %s (%s) did not reach the Service by its name (%s):\n%s", w, pod, ip, proto, out)
+					}
+				}
+			}
 		}
 		if !strings.Contains(out, "dns-ok") || svc != 5 {
 			t.Errorf("wave %d: DNS through the Service ok: %v; %d of 5 requests to the Service answered:\n%s", w, strings.Contains(out, "dns-ok"), svc, out)
 		}
 		n := 0
-		for _, k := range c.ctCount(agent, ips) {
+		for _, k := range c.ctCount(node, ips) {
 			n += k
 		}
 		if n == 0 {
-			t.Fatalf("wave %d: Cilium's CT on %s lists no entry of the wave's IPs after traffic to them", w, node)
+			t.Fatalf("wave %d: the CT (%s) on %s lists no entry of the wave's IPs after traffic to them", w, e.backend(), node)
 		}
 		before += n
 
@@ -203,7 +245,7 @@ spec:
 		deadline := time.Now().Add(30 * time.Second)
 		for {
 			left = map[string]int{}
-			for ip, k := range c.ctCount(agent, ips) {
+			for ip, k := range c.ctCount(node, ips) {
 				if k > 0 {
 					left[ip] = k
 				}
@@ -215,7 +257,7 @@ spec:
 		}
 		for ip, k := range left {
 			stale += k
-			t.Errorf("wave %d: %d CT entries of %s (deleted pod %s) left in Cilium's CT after its DEL", w, k, ip, ips[ip])
+			t.Errorf("wave %d: %d CT entries of %s (deleted pod %s) left in the CT (%s) after its DEL", w, k, ip, ips[ip], e.backend())
 		}
 		countScrubs()
 		t.Logf("wave %d: %d pods, %d CT entries of theirs before the DEL, %d left after; IPs reused so far %d; del scrubs by method %v", w, len(names), n, len(left), reused, methods)
@@ -229,13 +271,32 @@ spec:
 	result(t, "ips_reused", reused)
 	result(t, "ct_entries_before_del", before)
 	result(t, "scrubs", methods)
+	total := 0
+	for _, k := range methods {
+		total += k
+	}
+	if total > 0 {
+		share := float64(methods["index"]) / float64(total)
+		result(t, "scrubs_index_share", float64(int(share*1000))/1000)
+		// Issue 23's criterion for the per-packet LB installs.
+		if !e.nfct() && e.ciliumLB != "kpr" && share < 0.95 {
+			t.Errorf("CILIUM_LB=%s: %d of %d del scrubs took the index (%.0f %%), want at least 95 %%: %v", e.ciliumLB, methods["index"], total, 100*share, methods)
+		}
+	}
 }
 
-// ctCount counts, per IP, the lines of Cilium's global CT tables (one dump
-// by the agent's own CLI) that name it.
-func (c *cluster) ctCount(agent string, ips map[string]string) map[string]int {
+// ctCount counts, per IP, the entries of node's CT that name it: the lines
+// of Cilium's global CT tables (one dump by the agent's own CLI), or with
+// CNI=kindnet of the kernel's nf_conntrack table (`conntrack -L` in the
+// node's network namespace).
+func (c *cluster) ctCount(node string, ips map[string]string) map[string]int {
 	c.t.Helper()
-	out := c.ctDump(agent)
+	var out string
+	if c.e.nfct() {
+		out = c.conntrackL(node)
+	} else {
+		out = c.ctDump(c.podOn("kube-system", "k8s-app=cilium", node))
+	}
 	counts := map[string]int{}
 	keys := make([]string, 0, len(ips))
 	for ip := range ips {
@@ -255,6 +316,43 @@ func (c *cluster) ctCount(agent string, ips map[string]string) map[string]int {
 		}
 	}
 	return counts
+}
+
+// conntrackL is the node's nf_conntrack table as conntrack-tools lists it
+// (IPv4: the cluster has no IPv6), args filtering it.
+func (c *cluster) conntrackL(node string, args ...string) string {
+	c.t.Helper()
+	var all strings.Builder
+	for _, f := range []string{"ipv4"} { // the cluster is IPv4 only
+		out, err := c.run(time.Minute, "docker", append([]string{"exec", node, "conntrack", "-L", "-f", f}, args...)...)
+		if err != nil {
+			c.t.Fatalf("conntrack -L on %s: %v", node, err)
+		}
+		all.WriteString(out)
+	}
+	return all.String()
+}
+
+// killScrubd ends scrubd on node with SIGKILL (no shutdown, no snapshot), by
+// its PID in the node, and waits for the kubelet to restart it.
+func (c *cluster) killScrubd(node string) {
+	c.t.Helper()
+	pod := c.podOn("kube-system", "app.kubernetes.io/name=ctscrub", node)
+	restarts := func() string {
+		return strings.TrimSpace(c.kubectl("-n", "kube-system", "get", "pod", pod, "-o",
+			`jsonpath={.status.containerStatuses[?(@.name=="scrubd")].restartCount}`))
+	}
+	before := restarts()
+	pid := strings.TrimSpace(c.must(time.Minute, "docker", "exec", node, "pgrep", "-x", "scrubd"))
+	if pid == "" || strings.ContainsAny(pid, " \n") {
+		c.t.Fatalf("scrubd's PID on %s: %q, want one", node, pid)
+	}
+	c.t.Logf("killing scrubd (PID %s in %s, pod %s) with SIGKILL", pid, node, pod)
+	c.must(time.Minute, "docker", "exec", node, "kill", "-KILL", pid)
+	eventually(c.t, c.ctx, 3*time.Minute, "the kubelet restarts scrubd on "+node, func() (bool, string) {
+		r := restarts()
+		return r != before, "restartCount " + r
+	})
 }
 
 // podsOn lists the pods with label sel on node.
