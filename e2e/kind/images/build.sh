@@ -59,14 +59,20 @@ else
 	"$IMAGES_DIR/extras.sh" >/dev/null
 	wait "$rootfs_pid" || die "rootfs node: see $WORK/logs/rootfs-node.log"
 	KIND_NODE_IMAGE=$("$IMAGES_DIR/node.sh")
-	{ read -r CILIUM_IMAGE; read -r CILIUM_OPERATOR_IMAGE; } < <("$IMAGES_DIR/cilium.sh")
-	[[ -n $CILIUM_OPERATOR_IMAGE ]] || die "cilium.sh failed"
+	# CNI=kindnet runs no Cilium: its images (the longest build) are not needed.
+	CILIUM_IMAGE= CILIUM_OPERATOR_IMAGE= CILIUM_CHART=
+	if [[ ${CNI:-cilium} != kindnet ]]; then
+		{ read -r CILIUM_IMAGE; read -r CILIUM_OPERATOR_IMAGE; } < <("$IMAGES_DIR/cilium.sh")
+		[[ -n $CILIUM_OPERATOR_IMAGE ]] || die "cilium.sh failed"
+	fi
 	{ read -r SERVER_IMAGE; read -r CLIENT_IMAGE; } < <("$IMAGES_DIR/workloads.sh")
 	[[ -n $CLIENT_IMAGE ]] || die "workloads.sh failed"
 	KUBE_PROXY_IMAGE=$("$IMAGES_DIR/kubeproxy.sh")
-	CILIUM_CHART=$("$GO" mod download -json "github.com/cilium/cilium@v$CILIUM_VERSION" | jq -r .Dir)/install/kubernetes/cilium
 	CILIUM_CHART_REPO=
-	[[ -f $CILIUM_CHART/Chart.yaml ]] || die "no chart at $CILIUM_CHART"
+	if [[ ${CNI:-cilium} != kindnet ]]; then
+		CILIUM_CHART=$("$GO" mod download -json "github.com/cilium/cilium@v$CILIUM_VERSION" | jq -r .Dir)/install/kubernetes/cilium
+		[[ -f $CILIUM_CHART/Chart.yaml ]] || die "no chart at $CILIUM_CHART"
+	fi
 fi
 CTSCRUB_IMAGE=$("$IMAGES_DIR/ctscrub.sh")
 # From Debian's package in both modes: the test needs this version's flags
