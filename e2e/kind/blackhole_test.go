@@ -273,6 +273,9 @@ spec:
 	if fill < 0 {
 		t.Fatalf("%s: %s or %s not among the free addresses of %s (held %v)", phase, s1IP, dnsIP, cidr, held)
 	}
+	if fill > 40 {
+		t.Fatalf("%s: %d pods to start before host-local gives %s and %s again: the node's podCIDR %s is too wide (cluster.sh NODE_CIDR_MASK=27 in make e2e-kind)", phase, fill, s1IP, dnsIP, cidr)
+	}
 	var b strings.Builder
 	for i := range fill {
 		// UDP 8081 as the Service's backend served it, and UDP 53 (agnhost

@@ -168,16 +168,15 @@ networking:
 EOY
 		if [[ $CNI == kindnet ]]; then
 			# host-local takes each node's podCIDR: make them NODE_CIDR_MASK
-			# wide, so the churn's pods reuse addresses.
+			# wide, so the churn's pods reuse addresses. (kind v0.33 writes
+			# kubeadm's v1beta3 for Kubernetes < 1.36: extraArgs is a map.)
 			cat <<EOY
-kubeadmConfigPatchesJSON6902:
-  - group: kubeadm.k8s.io
-    version: v1beta4
+kubeadmConfigPatches:
+  - |
     kind: ClusterConfiguration
-    patch: |
-      - op: add
-        path: /controllerManager/extraArgs/-
-        value: {name: node-cidr-mask-size-ipv4, value: "$NODE_CIDR_MASK"}
+    controllerManager:
+      extraArgs:
+        node-cidr-mask-size-ipv4: "$NODE_CIDR_MASK"
 EOY
 		fi
 		cat <<EOY
