@@ -80,23 +80,39 @@ spec:
 		methods                                   = map[string]int{}
 		logSeen                                   = map[string]int{} // scrubd pod -> log lines counted
 	)
+	restarts := map[string]string{} // scrubd pod -> its container's restart count when last read
+	// scan counts the del scrubs of log from line from on, and returns its
+	// length in lines.
+	scan := func(log string, from int, count bool) int {
+		lines := strings.Split(log, "\n")
+		for _, l := range lines[min(from, len(lines)):] {
+			var s scrubLine
+			if count && json.Unmarshal([]byte(l), &s) == nil && s.Msg == "scrub" && s.Reason == "del" && !s.DryRun && s.Backend == e.backend() {
+				methods[s.Method]++
+				if s.Result != "complete" {
+					t.Errorf("del scrub of %v on %s: result %s (%s), want complete", s.IPs, node, s.Result, s.Error)
+				}
+			}
+		}
+		return len(lines)
+	}
 	countScrubs := func(count bool) {
 		for _, pod := range c.podsOn("kube-system", "app.kubernetes.io/name=ctscrub", node) {
+			r := strings.TrimSpace(c.kubectl("-n", "kube-system", "get", "pod", pod, "-o",
+				`jsonpath={.status.containerStatuses[?(@.name=="scrubd")].restartCount}`))
+			if last, ok := restarts[pod]; ok && last != r {
+				// scrubd restarted (killed): the rest of its previous log.
+				if out, err := c.run(time.Minute, "kubectl", "-n", "kube-system", "logs", pod, "-c", "scrubd", "--previous"); err == nil {
+					scan(out, logSeen[pod], count)
+				}
+				logSeen[pod] = 0
+			}
+			restarts[pod] = r
 			out, err := c.run(time.Minute, "kubectl", "-n", "kube-system", "logs", pod, "-c", "scrubd")
 			if err != nil {
 				continue // a pod being replaced
 			}
-			lines := strings.Split(out, "\n")
-			for _, l := range lines[min(logSeen[pod], len(lines)):] {
-				var s scrubLine
-				if count && json.Unmarshal([]byte(l), &s) == nil && s.Msg == "scrub" && s.Reason == "del" && !s.DryRun && s.Backend == e.backend() {
-					methods[s.Method]++
-					if s.Result != "complete" {
-						t.Errorf("del scrub of %v on %s: result %s (%s), want complete", s.IPs, node, s.Result, s.Error)
-					}
-				}
-			}
-			logSeen[pod] = len(lines)
+			logSeen[pod] = scan(out, logSeen[pod], count)
 		}
 	}
 
@@ -178,6 +194,18 @@ spec:
 		// "<proto> <ip> <answer>".
 		var script strings.Builder
 		for ip := range ips {
+			if e.nfct() {
+				// On a bridge the client reaches a pod directly on L2: its
+				// neighbour cache may still hold the MAC of the IP's previous
+				// pod (the client talked to it a wave before), and frames go
+				// there until the entry is probed again (seconds). Ping
+				// first, then up to three tries, 2 s apart.
+				fmt.Fprintf(&script, `ping -c 1 -W 2 %[1]s >/dev/null; `+
+					`for i in 1 2 3; do a=$(timeout 5 wget -qO- http://%[1]s:8080/hostname) && [ -n "$a" ] && break; sleep 2; done; echo "tcp %[1]s $a"; `+
+					`for i in 1 2 3; do a=$(timeout 5 wget -qO- 'http://127.0.0.1:8090/dial?request=hostname&protocol=udp&host=%[1]s&port=8081&tries=2'); case $a in *responses*) break;; esac; sleep 2; done; echo "udp %[1]s $a"; `+
+					`ping -c 1 -W 2 %[1]s >/dev/null && echo "ping %[1]s ok"; `, ip)
+				continue
+			}
 			fmt.Fprintf(&script, `echo "tcp %[1]s $(timeout 5 wget -qO- http://%[1]s:8080/hostname)"; `+
 				`echo "udp %[1]s $(timeout 5 wget -qO- 'http://127.0.0.1:8090/dial?request=hostname&protocol=udp&host=%[1]s&port=8081&tries=2')"; `+
 				`ping -c 1 -W 2 %[1]s >/dev/null && echo "ping %[1]s ok"; `, ip)
@@ -197,7 +225,7 @@ spec:
 				}
 			}
 		}
-		out, _ := c.run(3*time.Minute, "kubectl", "-n", ns, "exec", "client", "-c", "client", "--", "sh", "-c", script.String())
+		out, _ := c.run(6*time.Minute, "kubectl", "-n", ns, "exec", "client", "-c", "client", "--", "sh", "-c", script.String())
 		lines := strings.Split(out, "\n")
 		answered := func(proto, ip, want string) bool {
 			for _, l := range lines {
