@@ -216,12 +216,15 @@ spec:
 		}
 		if podFlows {
 			// Each pod itself resolves the Service's name through the
-			// cluster DNS and talks to it over TCP and UDP (up to three
-			// tries, each a new flow: in the first CNI=kindnet runs 1-2 of
-			// 10 pods' UDP to the Service got no answer in some waves).
+			// cluster DNS and talks to it over TCP and UDP (up to five
+			// tries 2 s apart, each a new flow: on a bridge (CNI=kindnet)
+			// a reused IP's neighbour entries, on the node and on peers,
+			// still hold the previous pod's MAC for seconds, and in the
+			// first runs 1-2 pods of a wave whose IP was reused got no
+			// answer on the first try).
 			for ip := range ips {
 				for _, d := range []struct{ proto, port string }{{"http", "8080"}, {"udp", "8081"}} {
-					fmt.Fprintf(&script, `for i in 1 2 3; do a=$(timeout 8 wget -qO- 'http://%[1]s:8080/dial?request=hostname&protocol=%[2]s&host=churn.%[3]s.svc.cluster.local&port=%[4]s&tries=1'); case $a in *responses*) break;; esac; sleep 1; done; echo "pod%[2]s %[1]s $a"; `,
+					fmt.Fprintf(&script, `for i in 1 2 3 4 5; do a=$(timeout 8 wget -qO- 'http://%[1]s:8080/dial?request=hostname&protocol=%[2]s&host=churn.%[3]s.svc.cluster.local&port=%[4]s&tries=1'); case $a in *responses*) break;; esac; sleep 2; done; echo "pod%[2]s %[1]s $a"; `,
 						ip, d.proto, ns, d.port)
 				}
 			}
