@@ -212,6 +212,12 @@ spec:
 		}
 		script.WriteString("nslookup churn." + ns + ".svc.cluster.local >/dev/null && echo dns-ok; ")
 		for range 5 {
+			if e.nfct() {
+				// Through the node to a backend the node may still know by
+				// the MAC of its IP's previous pod (above): up to five tries.
+				script.WriteString("for i in 1 2 3 4 5; do a=$(timeout 5 wget -qO- http://churn." + ns + ".svc.cluster.local:8080/hostname) && [ -n \"$a\" ] && break; sleep 2; done; echo \"svc $a\"; ")
+				continue
+			}
 			script.WriteString("echo \"svc $(timeout 5 wget -qO- http://churn." + ns + ".svc.cluster.local:8080/hostname)\"; ")
 		}
 		if podFlows {
@@ -229,7 +235,7 @@ spec:
 				}
 			}
 		}
-		out, _ := c.run(6*time.Minute, "kubectl", "-n", ns, "exec", "client", "-c", "client", "--", "sh", "-c", script.String())
+		out, _ := c.run(10*time.Minute, "kubectl", "-n", ns, "exec", "client", "-c", "client", "--", "sh", "-c", script.String())
 		lines := strings.Split(out, "\n")
 		answered := func(proto, ip, want string) bool {
 			for _, l := range lines {
