@@ -25,6 +25,18 @@ import (
 // (wave 4): with failurePolicy fail the pods that start during the gap get a
 // CNI error and the kubelet retries until scrubd is back (docs/plugin.md),
 // so every pod must still become Ready.
+//
+// With CNI=kindnet (bridge + host-local, kube-proxy, ctscrub's nfct backend)
+// the same churn is checked in the node's nf_conntrack table (`conntrack -L`
+// in the node), kube-proxy is restarted in place of Cilium's agent, and
+// scrubd is also killed (SIGKILL, no shutdown) while wave 2's pods start.
+//
+// Outside the default install (CNI=kindnet, CILIUM_LB=default|hostns) each
+// churn pod also resolves the Service's name through the cluster DNS and
+// talks to it (agnhost's /dial from the pod itself), as real pods do: these
+// are the flows per-packet load balancing translates (issue 23). With
+// CILIUM_LB=default|hostns at least 95 % of the del scrubs must take the
+// index (scrubs_index_share).
 func TestKindChurn(t *testing.T) {
 	e := getKindEnv(t)
 	c := e.newCluster(t, 25*time.Minute)
@@ -61,39 +73,67 @@ spec:
 `, ns, node, e.clientImage, e.serverImage)))
 	c.must(5*time.Minute, "kubectl", "-n", ns, "wait", "--for=condition=Ready", "pod/client", "--timeout=5m")
 
+	podFlows := e.nfct() || e.ciliumLB != "kpr"
 	var (
 		churned, stale, inherited, reused, before int
 		seen                                      = map[string]string{} // IP -> first pod that held it
 		methods                                   = map[string]int{}
 		logSeen                                   = map[string]int{} // scrubd pod -> log lines counted
 	)
-	countScrubs := func() {
+	restarts := map[string]string{} // scrubd pod -> its container's restart count when last read
+	// scan counts the del scrubs of log from line from on, and returns its
+	// length in lines.
+	scan := func(log string, from int, count bool) int {
+		lines := strings.Split(log, "\n")
+		for _, l := range lines[min(from, len(lines)):] {
+			var s scrubLine
+			if count && json.Unmarshal([]byte(l), &s) == nil && s.Msg == "scrub" && s.Reason == "del" && !s.DryRun && s.Backend == e.backend() {
+				methods[s.Method]++
+				if s.Result != "complete" {
+					t.Errorf("del scrub of %v on %s: result %s (%s), want complete", s.IPs, node, s.Result, s.Error)
+				}
+			}
+		}
+		return len(lines)
+	}
+	countScrubs := func(count bool) {
 		for _, pod := range c.podsOn("kube-system", "app.kubernetes.io/name=ctscrub", node) {
+			r := strings.TrimSpace(c.kubectl("-n", "kube-system", "get", "pod", pod, "-o",
+				`jsonpath={.status.containerStatuses[?(@.name=="scrubd")].restartCount}`))
+			if last, ok := restarts[pod]; ok && last != r {
+				// scrubd restarted (killed): the rest of its previous log.
+				if out, err := c.run(time.Minute, "kubectl", "-n", "kube-system", "logs", pod, "-c", "scrubd", "--previous"); err == nil {
+					scan(out, logSeen[pod], count)
+				}
+				logSeen[pod] = 0
+			}
+			restarts[pod] = r
 			out, err := c.run(time.Minute, "kubectl", "-n", "kube-system", "logs", pod, "-c", "scrubd")
 			if err != nil {
 				continue // a pod being replaced
 			}
-			lines := strings.Split(out, "\n")
-			for _, l := range lines[min(logSeen[pod], len(lines)):] {
-				var s scrubLine
-				if json.Unmarshal([]byte(l), &s) == nil && s.Msg == "scrub" && s.Reason == "del" && !s.DryRun && s.Backend == "cilium" {
-					methods[s.Method]++
-					if s.Result != "complete" {
-						t.Errorf("del scrub of %v on %s: result %s (%s), want complete", s.IPs, node, s.Result, s.Error)
-					}
-				}
-			}
-			logSeen[pod] = len(lines)
+			logSeen[pod] = scan(out, logSeen[pod], count)
 		}
 	}
 
+	// Only the churn's scrubs count: not those of pods of tests before it
+	// (TestKindBlackhole's, with CNI=kindnet).
+	countScrubs(false)
 	for w := range waves {
-		if w == 2 {
+		if w == 2 && !e.nfct() {
 			// The node's Cilium agent restarts: its CT maps may be re-created.
 			old := c.podOn("kube-system", "k8s-app=cilium", node)
 			t.Logf("wave %d: restarting Cilium's agent %s", w, old)
 			c.kubectl("-n", "kube-system", "delete", "pod", old, "--wait=true")
 			c.must(5*time.Minute, "kubectl", "-n", "kube-system", "rollout", "status", "ds/cilium", "--timeout=5m")
+		}
+		if w == 2 && e.nfct() {
+			// kube-proxy restarts: it rewrites its rules and reconciles
+			// conntrack (its own full-table cleanup of UDP Services).
+			old := c.podOn("kube-system", "k8s-app=kube-proxy", node)
+			t.Logf("wave %d: restarting kube-proxy %s", w, old)
+			c.kubectl("-n", "kube-system", "delete", "pod", old, "--wait=true")
+			c.must(5*time.Minute, "kubectl", "-n", "kube-system", "rollout", "status", "ds/kube-proxy", "--timeout=5m")
 		}
 		if w == 3 {
 			t.Logf("wave %d: rolling ctscrub's DaemonSet while the wave's pods start", w)
@@ -116,6 +156,12 @@ spec:
 `, name, ns, node, e.serverImage, w)
 		}
 		c.kubectl("apply", "-f", writeFile(t, t.TempDir(), "wave.yaml", b.String()))
+		if w == 2 && e.nfct() {
+			// scrubd dies with no shutdown while the wave's pods start: its
+			// index (in memory) is gone, ADDs in the gap fail and are
+			// retried, and the restarted scrubd seeds its index by a dump.
+			c.killScrubd(node)
+		}
 		c.must(8*time.Minute, "kubectl", "-n", ns, "wait", "--for=condition=Ready", "pod", "-l", fmt.Sprintf("wave=%d", w), "--timeout=8m")
 		if w == 3 {
 			c.must(5*time.Minute, "kubectl", "-n", "kube-system", "rollout", "status", "ds/ctscrub", "--timeout=5m")
@@ -135,10 +181,8 @@ spec:
 				seen[f[1]] = f[0]
 			}
 		}
-		agent := c.podOn("kube-system", "k8s-app=cilium", node)
-
 		// Before any packet: nothing of the IP's previous pods.
-		for ip, n := range c.ctCount(agent, ips) {
+		for ip, n := range c.ctCount(node, ips) {
 			if n > 0 {
 				inherited += n
 				t.Errorf("wave %d: new pod %s (%s) inherits %d CT entries before its first packet", w, ips[ip], ip, n)
@@ -150,15 +194,48 @@ spec:
 		// "<proto> <ip> <answer>".
 		var script strings.Builder
 		for ip := range ips {
+			if e.nfct() {
+				// On a bridge the client reaches a pod directly on L2: its
+				// neighbour cache may still hold the MAC of the IP's previous
+				// pod (the client talked to it a wave before), and frames go
+				// there until the entry is probed again (seconds). Ping
+				// first, then up to three tries, 2 s apart.
+				fmt.Fprintf(&script, `ping -c 1 -W 2 %[1]s >/dev/null; `+
+					`for i in 1 2 3; do a=$(timeout 5 wget -qO- http://%[1]s:8080/hostname) && [ -n "$a" ] && break; sleep 2; done; echo "tcp %[1]s $a"; `+
+					`for i in 1 2 3; do a=$(timeout 5 wget -qO- 'http://127.0.0.1:8090/dial?request=hostname&protocol=udp&host=%[1]s&port=8081&tries=2'); case $a in *responses*) break;; esac; sleep 2; done; echo "udp %[1]s $a"; `+
+					`ping -c 1 -W 2 %[1]s >/dev/null && echo "ping %[1]s ok"; `, ip)
+				continue
+			}
 			fmt.Fprintf(&script, `echo "tcp %[1]s $(timeout 5 wget -qO- http://%[1]s:8080/hostname)"; `+
 				`echo "udp %[1]s $(timeout 5 wget -qO- 'http://127.0.0.1:8090/dial?request=hostname&protocol=udp&host=%[1]s&port=8081&tries=2')"; `+
 				`ping -c 1 -W 2 %[1]s >/dev/null && echo "ping %[1]s ok"; `, ip)
 		}
 		script.WriteString("nslookup churn." + ns + ".svc.cluster.local >/dev/null && echo dns-ok; ")
 		for range 5 {
+			if e.nfct() {
+				// Through the node to a backend the node may still know by
+				// the MAC of its IP's previous pod (above): up to five tries.
+				script.WriteString("for i in 1 2 3 4 5; do a=$(timeout 5 wget -qO- http://churn." + ns + ".svc.cluster.local:8080/hostname) && [ -n \"$a\" ] && break; sleep 2; done; echo \"svc $a\"; ")
+				continue
+			}
 			script.WriteString("echo \"svc $(timeout 5 wget -qO- http://churn." + ns + ".svc.cluster.local:8080/hostname)\"; ")
 		}
-		out, _ := c.run(3*time.Minute, "kubectl", "-n", ns, "exec", "client", "-c", "client", "--", "sh", "-c", script.String())
+		if podFlows {
+			// Each pod itself resolves the Service's name through the
+			// cluster DNS and talks to it over TCP and UDP (up to five
+			// tries 2 s apart, each a new flow: on a bridge (CNI=kindnet)
+			// a reused IP's neighbour entries, on the node and on peers,
+			// still hold the previous pod's MAC for seconds, and in the
+			// first runs 1-2 pods of a wave whose IP was reused got no
+			// answer on the first try).
+			for ip := range ips {
+				for _, d := range []struct{ proto, port string }{{"http", "8080"}, {"udp", "8081"}} {
+					fmt.Fprintf(&script, `for i in 1 2 3 4 5; do a=$(timeout 8 wget -qO- 'http://%[1]s:8080/dial?request=hostname&protocol=%[2]s&host=churn.%[3]s.svc.cluster.local&port=%[4]s&tries=1'); case $a in *responses*) break;; esac; sleep 2; done; echo "pod%[2]s %[1]s $a"; `,
+						ip, d.proto, ns, d.port)
+				}
+			}
+		}
+		out, _ := c.run(10*time.Minute, "kubectl", "-n", ns, "exec", "client", "-c", "client", "--", "sh", "-c", script.String())
 		lines := strings.Split(out, "\n")
 		answered := func(proto, ip, want string) bool {
 			for _, l := range lines {
@@ -183,16 +260,23 @@ spec:
 			if !answered("ping", ip, "ok") {
 				t.Errorf("wave %d: %s (%s) did not answer ping:\n%s", w, pod, ip, out)
 			}
+			if podFlows {
+				for _, proto := range []string{"podhttp", "podudp"} {
+					if !answered(proto, ip, `"churn-`) {
+						t.Errorf("wave %d: %s (%s) did not reach the Service by its name (%s):\n%s", w, pod, ip, proto, out)
+					}
+				}
+			}
 		}
 		if !strings.Contains(out, "dns-ok") || svc != 5 {
 			t.Errorf("wave %d: DNS through the Service ok: %v; %d of 5 requests to the Service answered:\n%s", w, strings.Contains(out, "dns-ok"), svc, out)
 		}
 		n := 0
-		for _, k := range c.ctCount(agent, ips) {
+		for _, k := range c.ctCount(node, ips) {
 			n += k
 		}
 		if n == 0 {
-			t.Fatalf("wave %d: Cilium's CT on %s lists no entry of the wave's IPs after traffic to them", w, node)
+			t.Fatalf("wave %d: the CT (%s) on %s lists no entry of the wave's IPs after traffic to them", w, e.backend(), node)
 		}
 		before += n
 
@@ -203,7 +287,7 @@ spec:
 		deadline := time.Now().Add(30 * time.Second)
 		for {
 			left = map[string]int{}
-			for ip, k := range c.ctCount(agent, ips) {
+			for ip, k := range c.ctCount(node, ips) {
 				if k > 0 {
 					left[ip] = k
 				}
@@ -215,9 +299,9 @@ spec:
 		}
 		for ip, k := range left {
 			stale += k
-			t.Errorf("wave %d: %d CT entries of %s (deleted pod %s) left in Cilium's CT after its DEL", w, k, ip, ips[ip])
+			t.Errorf("wave %d: %d CT entries of %s (deleted pod %s) left in the CT (%s) after its DEL", w, k, ip, ips[ip], e.backend())
 		}
-		countScrubs()
+		countScrubs(true)
 		t.Logf("wave %d: %d pods, %d CT entries of theirs before the DEL, %d left after; IPs reused so far %d; del scrubs by method %v", w, len(names), n, len(left), reused, methods)
 	}
 	if reused == 0 {
@@ -229,13 +313,32 @@ spec:
 	result(t, "ips_reused", reused)
 	result(t, "ct_entries_before_del", before)
 	result(t, "scrubs", methods)
+	total := 0
+	for _, k := range methods {
+		total += k
+	}
+	if total > 0 {
+		share := float64(methods["index"]) / float64(total)
+		result(t, "scrubs_index_share", float64(int(share*1000))/1000)
+		// Issue 23's criterion for the per-packet LB installs.
+		if !e.nfct() && e.ciliumLB != "kpr" && share < 0.95 {
+			t.Errorf("CILIUM_LB=%s: %d of %d del scrubs took the index (%.0f %%), want at least 95 %%: %v", e.ciliumLB, methods["index"], total, 100*share, methods)
+		}
+	}
 }
 
-// ctCount counts, per IP, the lines of Cilium's global CT tables (one dump
-// by the agent's own CLI) that name it.
-func (c *cluster) ctCount(agent string, ips map[string]string) map[string]int {
+// ctCount counts, per IP, the entries of node's CT that name it: the lines
+// of Cilium's global CT tables (one dump by the agent's own CLI), or with
+// CNI=kindnet of the kernel's nf_conntrack table (`conntrack -L` in the
+// node's network namespace).
+func (c *cluster) ctCount(node string, ips map[string]string) map[string]int {
 	c.t.Helper()
-	out := c.ctDump(agent)
+	var out string
+	if c.e.nfct() {
+		out = c.conntrackL(node)
+	} else {
+		out = c.ctDump(c.podOn("kube-system", "k8s-app=cilium", node))
+	}
 	counts := map[string]int{}
 	keys := make([]string, 0, len(ips))
 	for ip := range ips {
@@ -255,6 +358,43 @@ func (c *cluster) ctCount(agent string, ips map[string]string) map[string]int {
 		}
 	}
 	return counts
+}
+
+// conntrackL is the node's nf_conntrack table as conntrack-tools lists it
+// (IPv4: the cluster has no IPv6), args filtering it.
+func (c *cluster) conntrackL(node string, args ...string) string {
+	c.t.Helper()
+	var all strings.Builder
+	for _, f := range []string{"ipv4"} { // the cluster is IPv4 only
+		out, err := c.run(time.Minute, "docker", append([]string{"exec", node, "conntrack", "-L", "-f", f}, args...)...)
+		if err != nil {
+			c.t.Fatalf("conntrack -L on %s: %v", node, err)
+		}
+		all.WriteString(out)
+	}
+	return all.String()
+}
+
+// killScrubd ends scrubd on node with SIGKILL (no shutdown, no snapshot), by
+// its PID in the node, and waits for the kubelet to restart it.
+func (c *cluster) killScrubd(node string) {
+	c.t.Helper()
+	pod := c.podOn("kube-system", "app.kubernetes.io/name=ctscrub", node)
+	restarts := func() string {
+		return strings.TrimSpace(c.kubectl("-n", "kube-system", "get", "pod", pod, "-o",
+			`jsonpath={.status.containerStatuses[?(@.name=="scrubd")].restartCount}`))
+	}
+	before := restarts()
+	pid := strings.TrimSpace(c.must(time.Minute, "docker", "exec", node, "pgrep", "-x", "scrubd"))
+	if pid == "" || strings.ContainsAny(pid, " \n") {
+		c.t.Fatalf("scrubd's PID on %s: %q, want one", node, pid)
+	}
+	c.t.Logf("killing scrubd (PID %s in %s, pod %s) with SIGKILL", pid, node, pod)
+	c.must(time.Minute, "docker", "exec", node, "kill", "-KILL", pid)
+	eventually(c.t, c.ctx, 3*time.Minute, "the kubelet restarts scrubd on "+node, func() (bool, string) {
+		r := restarts()
+		return r != before, "restartCount " + r
+	})
 }
 
 // podsOn lists the pods with label sel on node.

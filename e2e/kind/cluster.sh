@@ -9,6 +9,9 @@
 #   cluster.sh down    delete the cluster and the kind network, and check that
 #                      the machine's iptables and interfaces are as before `up`
 #   cluster.sh env     print the variables of a running cluster
+#   cluster.sh install-ctscrub   install ctscrub with its chart on a running
+#                      cluster brought up with CTSCRUB=0 (the blackhole test
+#                      measures without it first)
 #   cluster.sh diag    save the cluster's state for a post-mortem (pods,
 #                      events, Cilium's and ctscrub's logs, `cilium-dbg
 #                      status`) under $WORK/logs/diag-<time>; `up` and run.sh
@@ -20,7 +23,18 @@
 #   NODE_CIDR_MASK=24       size of each node's pod CIDR (Cilium cluster-pool
 #                           within 10.244.0.0/16); e2e-kind uses 27 so pod IPs
 #                           repeat within the churn
-#   CTSCRUB=1               install ctscrub with its chart (0: Cilium only)
+#   CTSCRUB=1               install ctscrub with its chart (0: the CNI only)
+#   CNI=cilium              the cluster's CNI: cilium, or kindnet (kind's own
+#                           CNI; kindnetd cannot be built here, so the
+#                           reference bridge + host-local plugins, chained as
+#                           flannel does, with kube-proxy: docs/kind.md)
+#   KUBE_PROXY_MODE=        iptables or nftables where kube-proxy runs
+#                           (CNI=kindnet, CILIUM_LB=default; default iptables)
+#   CILIUM_LB=kpr           Cilium's service load balancing: kpr (kube-proxy
+#                           replacement, socket LB at connect()), default
+#                           (Cilium's default Helm values: kube-proxy runs,
+#                           per-packet LB in bpf_lxc), hostns (kube-proxy
+#                           replacement with socketLB.hostNamespaceOnly=true)
 #   CILIUM_VERSION=1.18.8   and every variable of images/build.sh
 #   CILIUM_HELM_ARGS=       more `helm install cilium` arguments
 #   CTSCRUB_HELM_ARGS=      more `helm install ctscrub` arguments
@@ -38,6 +52,10 @@ CLUSTER=${CLUSTER:-ctscrub-e2e}
 WORKERS=${WORKERS:-1}
 NODE_CIDR_MASK=${NODE_CIDR_MASK:-24}
 CTSCRUB=${CTSCRUB:-1}
+CNI=${CNI:-cilium}
+CILIUM_LB=${CILIUM_LB:-kpr}
+# Why CNI=kindnet runs the reference plugins (the JSON line says it).
+KINDNET_UNAVAILABLE="the Go module proxy serves neither sigs.k8s.io/kind/images/kindnetd nor github.com/aojea/kindnet, and no registry is reachable"
 POD_SUBNET=10.244.0.0/16
 KUBECONFIG=$WORK/kubeconfig-$CLUSTER
 export KUBECONFIG
@@ -109,7 +127,7 @@ diag() {
 	} >"$d/cluster.txt" 2>&1 || true
 	kubectl describe pods -A >"$d/describe-pods.txt" 2>&1 || true
 	local pod
-	for pod in $(kubectl -n kube-system get pods -o name 2>/dev/null | grep -E 'cilium|ctscrub|coredns'); do
+	for pod in $(kubectl -n kube-system get pods -o name 2>/dev/null | grep -E 'cilium|ctscrub|coredns|kube-proxy'); do
 		kubectl -n kube-system logs --all-containers --prefix "$pod" >"$d/${pod#pod/}.log" 2>&1 || true
 		kubectl -n kube-system logs --all-containers --prefix --previous "$pod" >"$d/${pod#pod/}.previous.log" 2>&1 || true
 		[[ $pod == pod/cilium-[a-z0-9][a-z0-9][a-z0-9][a-z0-9][a-z0-9] ]] &&
@@ -126,10 +144,12 @@ up() {
 	kind get clusters 2>/dev/null | grep -qx "$CLUSTER" &&
 		die "a kind cluster $CLUSTER exists: '$0 down' first (or CLUSTER=another-name)"
 	mkdir -p "$WORK"
+	modes
 	host_state >"$before"
 	"$HERE/images/build.sh" >"$WORK/images-$CLUSTER.env"
 	# shellcheck disable=SC1090
 	source "$WORK/images-$CLUSTER.env"
+	[[ $KUBE_PROXY_MODE == none || -n ${KUBE_PROXY_IMAGE:-} ]] || die "no KUBE_PROXY_IMAGE from images/build.sh"
 	# kubectl of the cluster's version, from the Kubernetes build.
 	if [[ ${CTSCRUB_KIND_UPSTREAM:-0} != 1 ]]; then
 		id=$(docker create "$KIND_NODE_IMAGE" /nonexistent)
@@ -143,21 +163,58 @@ kind: Cluster
 apiVersion: kind.x-k8s.io/v1alpha4
 networking:
   disableDefaultCNI: true
-  kubeProxyMode: none
+  kubeProxyMode: $KUBE_PROXY_MODE
   podSubnet: $POD_SUBNET
+EOY
+		if [[ $CNI == kindnet ]]; then
+			# host-local takes each node's podCIDR: make them NODE_CIDR_MASK
+			# wide, so the churn's pods reuse addresses. (kind v0.33 writes
+			# kubeadm's v1beta3 for Kubernetes < 1.36: extraArgs is a map.)
+			cat <<EOY
+kubeadmConfigPatches:
+  - |
+    kind: ClusterConfiguration
+    controllerManager:
+      extraArgs:
+        node-cidr-mask-size-ipv4: "$NODE_CIDR_MASK"
+EOY
+		fi
+		cat <<EOY
 nodes:
   - role: control-plane
     image: $KIND_NODE_IMAGE
 EOY
 		for _ in $(seq "$WORKERS"); do printf '  - role: worker\n    image: %s\n' "$KIND_NODE_IMAGE"; done
 	} >"$conf"
-	log "creating cluster $CLUSTER (1 control plane, $WORKERS workers, $KIND_NODE_IMAGE)"
+	log "creating cluster $CLUSTER (1 control plane, $WORKERS workers, $KIND_NODE_IMAGE; CNI $CNI, kube-proxy $KUBE_PROXY_MODE, Cilium LB $CILIUM_LB)"
 	kind create cluster --name "$CLUSTER" --config "$conf" --kubeconfig "$KUBECONFIG" --wait 0s >&2
 	local nodes
 	nodes=$(kind get nodes --name "$CLUSTER" | paste -sd, -)
 	log "loading images into $nodes"
-	local imgs=("$CILIUM_IMAGE" "$CILIUM_OPERATOR_IMAGE" "$CTSCRUB_IMAGE" "$SERVER_IMAGE" "$CLIENT_IMAGE" "$PROMETHEUS_IMAGE")
+	local imgs=()
+	# kube-proxy's first: its pods wait for it (ErrImagePull until then).
+	[[ $KUBE_PROXY_MODE == none ]] || imgs+=("$KUBE_PROXY_IMAGE")
+	[[ $CNI == cilium ]] && imgs+=("$CILIUM_IMAGE" "$CILIUM_OPERATOR_IMAGE" "$PROMETHEUS_IMAGE")
+	[[ $CNI == kindnet ]] && imgs+=("$PROBE_IMAGE")
+	imgs+=("$CTSCRUB_IMAGE" "$SERVER_IMAGE" "$CLIENT_IMAGE")
 	kind load docker-image --name "$CLUSTER" "${imgs[@]}" >&2
+	if [[ $KUBE_PROXY_MODE != none ]]; then
+		# Out of their image-pull back-off at once.
+		kubectl -n kube-system delete pod -l k8s-app=kube-proxy --wait=false >&2
+	fi
+	if [[ $CNI == kindnet ]]; then
+		bridge_cni "$nodes"
+		kubectl -n kube-system rollout status ds/kube-proxy --timeout=5m >&2
+		kubectl wait --for=condition=Ready node --all --timeout=5m >&2
+		[[ $CTSCRUB == 1 ]] && install_ctscrub
+		[[ $CTSCRUB == 1 ]] && kubectl -n kube-system rollout status ds/ctscrub --timeout=5m >&2
+		kubectl -n kube-system rollout status deploy/coredns --timeout=5m >&2
+		write_env "$nodes"
+		trap - EXIT
+		log "cluster $CLUSTER ready"
+		print_env
+		return 0
+	fi
 
 	local cp_ip
 	cp_ip=$(docker inspect -f '{{range .NetworkSettings.Networks}}{{.IPAddress}}{{end}}' "$CLUSTER-control-plane")
@@ -171,7 +228,12 @@ EOY
 	log "installing Cilium $CILIUM_VERSION from $CILIUM_CHART"
 	local chart=("$CILIUM_CHART")
 	[[ -n ${CILIUM_CHART_REPO:-} ]] && chart=(cilium --repo "$CILIUM_CHART_REPO" --version "$CILIUM_VERSION")
-	local caps=()
+	local caps=() lb=()
+	case $CILIUM_LB in
+	kpr) lb=(--set kubeProxyReplacement=true) ;;
+	default) lb=() ;; # Cilium's defaults: kubeProxyReplacement false, socket LB off
+	hostns) lb=(--set kubeProxyReplacement=true --set socketLB.hostNamespaceOnly=true) ;;
+	esac
 	case $CILIUM_VERSION in
 	1.16.*)
 		# Cilium 1.16's agent runs `bpftool feature probe` at start and
@@ -189,23 +251,20 @@ EOY
 		--set ipam.mode=cluster-pool \
 		--set "ipam.operator.clusterPoolIPv4PodCIDRList={$POD_SUBNET}" \
 		--set ipam.operator.clusterPoolIPv4MaskSize="$NODE_CIDR_MASK" \
-		--set kubeProxyReplacement=true --set k8sServiceHost="$cp_ip" --set k8sServicePort=6443 \
+		"${lb[@]}" --set k8sServiceHost="$cp_ip" --set k8sServicePort=6443 \
 		--set operator.replicas=1 \
 		--set image.override="$CILIUM_IMAGE" --set image.pullPolicy=IfNotPresent \
 		--set operator.image.override="$CILIUM_OPERATOR_IMAGE" --set operator.image.pullPolicy=IfNotPresent \
 		--set envoy.enabled=false --set l7Proxy=false \
 		${CILIUM_HELM_ARGS:-} >&2
 	kubectl -n kube-system rollout status ds/cilium --timeout=10m >&2
+	[[ $KUBE_PROXY_MODE == none ]] || kubectl -n kube-system rollout status ds/kube-proxy --timeout=5m >&2
 	kubectl wait --for=condition=Ready node --all --timeout=5m >&2
 	if [[ $CTSCRUB == 1 ]]; then
 		kubectl -n kube-system rollout status ds/ctscrub --timeout=5m >&2
 	fi
 	kubectl -n kube-system rollout status deploy/coredns --timeout=5m >&2
-	{
-		printf 'CLUSTER=%q\nKUBECONFIG=%q\nNODES=%q\nPOD_SUBNET=%q\nNODE_CIDR_MASK=%q\nCTSCRUB_INSTALLED=%q\n' \
-			"$CLUSTER" "$KUBECONFIG" "$nodes" "$POD_SUBNET" "$NODE_CIDR_MASK" "$CTSCRUB"
-		cat "$WORK/images-$CLUSTER.env"
-	} >"$envfile"
+	write_env "$nodes"
 	trap - EXIT
 	log "cluster $CLUSTER ready"
 	print_env
@@ -213,12 +272,106 @@ EOY
 
 install_ctscrub() {
 	log "installing ctscrub ($CTSCRUB_IMAGE) with conf/chart"
+	local cni=()
+	# On the bridge + host-local nodes: chained after bridge, Cilium's CNI
+	# ConfigMap not made, the nf_conntrack backend only.
+	[[ $CNI == kindnet ]] && cni=(--set cniChainAfter=bridge --set ciliumCNIConfigMap.create=false --set config.backends=nfct)
 	# shellcheck disable=SC2086
 	helm install ctscrub "$ROOT/conf/chart" --namespace kube-system \
 		--set image.repository="${CTSCRUB_IMAGE%:*}" --set image.tag="${CTSCRUB_IMAGE##*:}" \
 		--set image.pullPolicy=IfNotPresent \
-		--set "config.pod_cidrs={$POD_SUBNET}" \
+		--set "config.pod_cidrs={$POD_SUBNET}" "${cni[@]}" \
 		${CTSCRUB_HELM_ARGS:-} >&2
+}
+
+# The cluster's modes from CNI, CILIUM_LB, KUBE_PROXY_MODE (see the head).
+modes() {
+	case $CNI in
+	cilium)
+		case $CILIUM_LB in
+		kpr | hostns) [[ ${KUBE_PROXY_MODE:-none} == none ]] || die "CILIUM_LB=$CILIUM_LB replaces kube-proxy: KUBE_PROXY_MODE=$KUBE_PROXY_MODE makes no sense"
+			KUBE_PROXY_MODE=none ;;
+		default) KUBE_PROXY_MODE=${KUBE_PROXY_MODE:-iptables} ;;
+		*) die "CILIUM_LB=$CILIUM_LB: want kpr, default or hostns" ;;
+		esac ;;
+	kindnet) KUBE_PROXY_MODE=${KUBE_PROXY_MODE:-iptables}
+		[[ $CILIUM_LB == kpr ]] || die "CILIUM_LB is Cilium's: not with CNI=kindnet" ;;
+	*) die "CNI=$CNI: want cilium or kindnet" ;;
+	esac
+	case $KUBE_PROXY_MODE in
+	none | iptables | nftables) ;;
+	*) die "KUBE_PROXY_MODE=$KUBE_PROXY_MODE: want iptables or nftables" ;;
+	esac
+}
+
+# CNI=kindnet: kindnetd cannot be built here (KINDNET_UNAVAILABLE), so each
+# node gets what a flannel-style cluster chains: the reference bridge +
+# host-local (+ portmap; loopback for the runtime) from this machine's
+# Debian package (the nodes run the same Debian release), one conflist per
+# node with its podCIDR, and a route to every other node's podCIDR via that
+# node (what kindnetd and flannel's host-gw write). br_netfilter's
+# bridge-nf-call-iptables, per network namespace, is set in each node's: a
+# pod's reply to a client on the same bridge must pass the node's conntrack
+# to be un-DNATed (kube-proxy's requirement for bridge CNIs).
+bridge_cni() {
+	local nodes=$1 n m cidr ip
+	local -A cidrs ips
+	for n in ${nodes//,/ }; do
+		for _ in $(seq 60); do
+			cidr=$(kubectl get node "$n" -o jsonpath='{.spec.podCIDR}')
+			[[ -n $cidr ]] && break
+			sleep 2
+		done
+		[[ -n $cidr ]] || die "node $n got no podCIDR from the controller manager"
+		cidrs[$n]=$cidr
+		ips[$n]=$(docker inspect -f '{{range .NetworkSettings.Networks}}{{.IPAddress}}{{end}}' "$n")
+	done
+	for n in ${nodes//,/ }; do
+		for p in bridge host-local loopback portmap; do
+			[[ -x /usr/lib/cni/$p ]] || die "/usr/lib/cni/$p missing (apt-get install containernetworking-plugins; scripts/setup.sh)"
+			docker cp "/usr/lib/cni/$p" "$n:/opt/cni/bin/$p" >&2
+		done
+		docker exec "$n" sysctl -qw net.bridge.bridge-nf-call-iptables=1 net.bridge.bridge-nf-call-ip6tables=1 >&2
+		for m in ${nodes//,/ }; do
+			[[ $m == "$n" ]] || docker exec "$n" ip route replace "${cidrs[$m]}" via "${ips[$m]}" >&2
+		done
+		log "$n: bridge + host-local on ${cidrs[$n]}"
+		docker exec -i "$n" sh -c 'cat >/etc/cni/net.d/10-bridge.conflist.tmp && mv /etc/cni/net.d/10-bridge.conflist.tmp /etc/cni/net.d/10-bridge.conflist' <<EOJ
+{
+  "cniVersion": "1.0.0",
+  "name": "bridge",
+  "plugins": [
+    {"type": "bridge", "bridge": "cni0", "isGateway": true, "ipMasq": false, "hairpinMode": true,
+     "ipam": {"type": "host-local", "ranges": [[{"subnet": "${cidrs[$n]}"}]], "routes": [{"dst": "0.0.0.0/0"}]}},
+    {"type": "portmap", "capabilities": {"portMappings": true}}
+  ]
+}
+EOJ
+	done
+}
+
+write_env() {
+	local cni_used=$CNI
+	[[ $CNI == kindnet ]] && cni_used=bridge
+	{
+		printf 'CLUSTER=%q\nKUBECONFIG=%q\nNODES=%q\nPOD_SUBNET=%q\nNODE_CIDR_MASK=%q\nCTSCRUB_INSTALLED=%q\n' \
+			"$CLUSTER" "$KUBECONFIG" "$1" "$POD_SUBNET" "$NODE_CIDR_MASK" "$CTSCRUB"
+		printf 'CNI=%q\nCNI_USED=%q\nKUBE_PROXY_MODE=%q\nCILIUM_LB=%q\n' "$CNI" "$cni_used" "$KUBE_PROXY_MODE" "$CILIUM_LB"
+		[[ $CNI == kindnet ]] && printf 'KINDNET_UNAVAILABLE=%q\n' "$KINDNET_UNAVAILABLE"
+		cat "$WORK/images-$CLUSTER.env"
+	} >"$envfile"
+}
+
+# install-ctscrub: ctscrub on a cluster brought up with CTSCRUB=0.
+install_later() {
+	[[ -f $envfile ]] || die "no running cluster $CLUSTER ($envfile)"
+	set -a
+	# shellcheck disable=SC1090
+	source "$envfile"
+	set +a
+	install_ctscrub
+	kubectl -n kube-system rollout status ds/ctscrub --timeout=5m >&2
+	sed -i 's/^CTSCRUB_INSTALLED=.*/CTSCRUB_INSTALLED=1/' "$envfile"
 }
 
 case ${1:-} in
@@ -226,5 +379,6 @@ up) up ;;
 down) down ;;
 env) print_env ;;
 diag) diag ;;
-*) echo "usage: $0 up|down|env|diag (see the head of this file)" >&2; exit 2 ;;
+install-ctscrub) install_later ;;
+*) echo "usage: $0 up|down|env|diag|install-ctscrub (see the head of this file)" >&2; exit 2 ;;
 esac

@@ -49,6 +49,33 @@ type kindEnv struct {
 	serverImage, clientImage    string
 	ciliumVersion, k8sVersion   string
 	podSubnet                   string
+	// The cluster's modes (cluster.sh): cni is cilium or kindnet (the
+	// reference bridge + host-local standing in for kindnetd, kube-proxy
+	// running, ctscrub's nfct backend); kubeProxyMode none, iptables or
+	// nftables; ciliumLB kpr, default or hostns.
+	cni, kubeProxyMode, ciliumLB string
+	probeImage                   string
+	ctscrubInstalled             bool
+}
+
+// nfct: the cluster's CT state is the kernel's nf_conntrack (CNI=kindnet),
+// scrubbed by ctscrub's nfct backend; otherwise Cilium's maps.
+func (e *kindEnv) nfct() bool { return e.cni == "kindnet" }
+
+// backend is the scrub backend whose del scrubs the tests count.
+func (e *kindEnv) backend() string {
+	if e.nfct() {
+		return "nfct"
+	}
+	return "cilium"
+}
+
+// skipUnlessCilium: the test reads Cilium's own state.
+func (e *kindEnv) skipUnlessCilium(t *testing.T) {
+	t.Helper()
+	if e.nfct() {
+		t.Skipf("CNI=%s: this test reads Cilium's maps and agent", e.cni)
+	}
 }
 
 func getKindEnv(t *testing.T) *kindEnv {
@@ -64,7 +91,12 @@ func getKindEnv(t *testing.T) *kindEnv {
 		ciliumVersion: os.Getenv("CILIUM_VERSION"),
 		k8sVersion:    os.Getenv("K8S_VERSION"),
 		podSubnet:     os.Getenv("POD_SUBNET"),
+		cni:           envOr("CNI", "cilium"),
+		kubeProxyMode: envOr("KUBE_PROXY_MODE", "none"),
+		ciliumLB:      envOr("CILIUM_LB", "kpr"),
+		probeImage:    os.Getenv("PROBE_IMAGE"),
 	}
+	e.ctscrubInstalled = os.Getenv("CTSCRUB_INSTALLED") != "0"
 	if e.cluster == "" || e.kubeconfig == "" || e.serverImage == "" || e.clientImage == "" || e.podSubnet == "" {
 		t.Fatalf("CTSCRUB_KIND=1 needs the variables of `e2e/kind/cluster.sh up` (CLUSTER, KUBECONFIG, SERVER_IMAGE, CLIENT_IMAGE, POD_SUBNET): `eval \"$(e2e/kind/cluster.sh env)\"`, or run `make e2e-kind`")
 	}
@@ -110,6 +142,7 @@ func result(t *testing.T, key string, value any) {
 // own CT listing has no entry of the pod's IP.
 func TestKindCilium(t *testing.T) {
 	e := getKindEnv(t)
+	e.skipUnlessCilium(t)
 	c := e.newCluster(t, 10*time.Minute)
 	worker := e.worker
 	ns := "ctscrub-e2e"
@@ -350,9 +383,14 @@ func (c *cluster) metrics(node string) string {
 	return c.must(time.Minute, "docker", "exec", node, "curl", "-sf", "http://"+net.JoinHostPort(ip, "9967")+"/metrics")
 }
 
-// chain is the plugin types of the conflist Cilium wrote on node.
+// chain is the plugin types of the node's conflist: the one Cilium wrote,
+// or with CNI=kindnet the one cluster.sh wrote.
 func (c *cluster) chain(node string) ([]string, error) {
-	out, err := c.run(time.Minute, "docker", "exec", node, "cat", "/etc/cni/net.d/05-cilium.conflist")
+	file := "/etc/cni/net.d/05-cilium.conflist"
+	if c.e.nfct() {
+		file = "/etc/cni/net.d/10-bridge.conflist"
+	}
+	out, err := c.run(time.Minute, "docker", "exec", node, "cat", file)
 	if err != nil {
 		return nil, err
 	}

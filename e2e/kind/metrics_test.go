@@ -39,6 +39,7 @@ var promOperatorModule = "github.com/prometheus-operator/prometheus-operator@" +
 // health "ok".
 func TestKindMetrics(t *testing.T) {
 	e := getKindEnv(t)
+	e.skipUnlessCilium(t) // its dashboard queries and alert checks are the Cilium node's
 	c := e.newCluster(t, 8*time.Minute)
 	image := os.Getenv("PROMETHEUS_IMAGE")
 	if image == "" {

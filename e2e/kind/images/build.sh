@@ -12,6 +12,9 @@
 #   CTSCRUB_IMAGE                    ctscrub (conf/Containerfile)
 #   SERVER_IMAGE, CLIENT_IMAGE       workloads: agnhost, busybox
 #   PROMETHEUS_IMAGE                 Debian's prometheus (TestKindMetrics)
+#   KUBE_PROXY_IMAGE                 kube-proxy, named as kubeadm's DaemonSet
+#                                    pulls it (CNI=kindnet, CILIUM_LB=default|hostns)
+#   PROBE_IMAGE                      the blackhole test's client (e2e/kind/probe)
 #   IMAGE_BUILD_S                    seconds this run spent here
 #
 # Every local image comes from Debian packages and Go modules only, and is
@@ -46,7 +49,8 @@ if [[ ${CTSCRUB_KIND_UPSTREAM:-0} == 1 ]]; then
 	CILIUM_CHART=cilium CILIUM_CHART_REPO=https://helm.cilium.io
 	SERVER_IMAGE=registry.k8s.io/e2e-test-images/agnhost:2.56
 	CLIENT_IMAGE=docker.io/library/busybox:1.36.1
-	for i in "$KIND_NODE_IMAGE" "$CILIUM_IMAGE" "$CILIUM_OPERATOR_IMAGE" "$SERVER_IMAGE" "$CLIENT_IMAGE"; do
+	KUBE_PROXY_IMAGE=registry.k8s.io/kube-proxy:$K8S_VERSION
+	for i in "$KIND_NODE_IMAGE" "$CILIUM_IMAGE" "$CILIUM_OPERATOR_IMAGE" "$SERVER_IMAGE" "$CLIENT_IMAGE" "$KUBE_PROXY_IMAGE"; do
 		have_image "$i" || "$DOCKER" pull -q "$i" >/dev/null
 	done
 else
@@ -58,22 +62,31 @@ else
 	"$IMAGES_DIR/extras.sh" >/dev/null
 	wait "$rootfs_pid" || die "rootfs node: see $WORK/logs/rootfs-node.log"
 	KIND_NODE_IMAGE=$("$IMAGES_DIR/node.sh")
-	{ read -r CILIUM_IMAGE; read -r CILIUM_OPERATOR_IMAGE; } < <("$IMAGES_DIR/cilium.sh")
-	[[ -n $CILIUM_OPERATOR_IMAGE ]] || die "cilium.sh failed"
+	# CNI=kindnet runs no Cilium: its images (the longest build) are not needed.
+	CILIUM_IMAGE= CILIUM_OPERATOR_IMAGE= CILIUM_CHART=
+	if [[ ${CNI:-cilium} != kindnet ]]; then
+		{ read -r CILIUM_IMAGE; read -r CILIUM_OPERATOR_IMAGE; } < <("$IMAGES_DIR/cilium.sh")
+		[[ -n $CILIUM_OPERATOR_IMAGE ]] || die "cilium.sh failed"
+	fi
 	{ read -r SERVER_IMAGE; read -r CLIENT_IMAGE; } < <("$IMAGES_DIR/workloads.sh")
 	[[ -n $CLIENT_IMAGE ]] || die "workloads.sh failed"
-	CILIUM_CHART=$("$GO" mod download -json "github.com/cilium/cilium@v$CILIUM_VERSION" | jq -r .Dir)/install/kubernetes/cilium
+	KUBE_PROXY_IMAGE=$("$IMAGES_DIR/kubeproxy.sh")
 	CILIUM_CHART_REPO=
-	[[ -f $CILIUM_CHART/Chart.yaml ]] || die "no chart at $CILIUM_CHART"
+	if [[ ${CNI:-cilium} != kindnet ]]; then
+		CILIUM_CHART=$("$GO" mod download -json "github.com/cilium/cilium@v$CILIUM_VERSION" | jq -r .Dir)/install/kubernetes/cilium
+		[[ -f $CILIUM_CHART/Chart.yaml ]] || die "no chart at $CILIUM_CHART"
+	fi
 fi
 CTSCRUB_IMAGE=$("$IMAGES_DIR/ctscrub.sh")
 # From Debian's package in both modes: the test needs this version's flags
 # and API, not whatever an upstream tag holds.
 PROMETHEUS_IMAGE=$("$IMAGES_DIR/prometheus.sh")
+PROBE_IMAGE=$("$IMAGES_DIR/probe.sh")
 IMAGE_BUILD_S=$(($(date +%s) - start))
 {
 	for v in K8S_VERSION CILIUM_VERSION KIND_NODE_IMAGE CILIUM_IMAGE CILIUM_OPERATOR_IMAGE \
-		CILIUM_CHART CILIUM_CHART_REPO CTSCRUB_IMAGE SERVER_IMAGE CLIENT_IMAGE PROMETHEUS_IMAGE IMAGE_BUILD_S; do
+		CILIUM_CHART CILIUM_CHART_REPO CTSCRUB_IMAGE SERVER_IMAGE CLIENT_IMAGE PROMETHEUS_IMAGE \
+		KUBE_PROXY_IMAGE PROBE_IMAGE IMAGE_BUILD_S; do
 		printf '%s=%q\n' "$v" "${!v}"
 	done
 } | tee "$out"
