@@ -3,8 +3,6 @@ package kind
 import (
 	"encoding/json"
 	"fmt"
-	"regexp"
-	"sort"
 	"strings"
 	"testing"
 	"time"
@@ -25,6 +23,16 @@ import (
 // (wave 4): with failurePolicy fail the pods that start during the gap get a
 // CNI error and the kubelet retries until scrubd is back (docs/plugin.md),
 // so every pod must still become Ready.
+//
+// With CILIUM_DELEGATE=1 (Cilium patched to ask scrubd before its walk,
+// delegate_test.go) also: each wave's pods send egress out of the cluster,
+// which Cilium's BPF masquerade gives SNAT mappings, and after the DELs
+// Cilium's NAT dump (`cilium-dbg bpf nat list`) has none of the wave's IPs
+// (nat_entries_left); the agent completed create and delete scrubs through
+// the delegate (delegated_scrubs, from its own counter); and scrubd is
+// SIGKILLed while the last wave's pods start, until the agent counts a
+// fallback to its walk (fallback_walks, by event and cause), with still
+// 0 stale and 0 inherited entries.
 func TestKindChurn(t *testing.T) {
 	e := getKindEnv(t)
 	c := e.newCluster(t, 25*time.Minute)
@@ -66,7 +74,19 @@ spec:
 		seen                                      = map[string]string{} // IP -> first pod that held it
 		methods                                   = map[string]int{}
 		logSeen                                   = map[string]int{} // scrubd pod -> log lines counted
+		natBefore, natLeft                        int
+		agents                                    = agentCounts{} // delegate mode: per agent pod
 	)
+	if e.delegate {
+		agent := c.podOn("kube-system", "k8s-app=cilium", node)
+		present := c.snatMapPresent(agent)
+		t.Logf("delegate mode: cilium_snat_v4_external pinned on %s: %v", node, present)
+		result(t, "snat_map_present", present)
+		if !present {
+			t.Fatalf("delegate mode runs Cilium with kube-proxy replacement and BPF masquerade, yet %s has no cilium_snat_v4_external: the NAT checks could not fail", node)
+		}
+		agents.read(c, node, agent)
+	}
 	countScrubs := func() {
 		for _, pod := range c.podsOn("kube-system", "app.kubernetes.io/name=ctscrub", node) {
 			out, err := c.run(time.Minute, "kubectl", "-n", "kube-system", "logs", pod, "-c", "scrubd")
@@ -91,6 +111,9 @@ spec:
 		if w == 2 {
 			// The node's Cilium agent restarts: its CT maps may be re-created.
 			old := c.podOn("kube-system", "k8s-app=cilium", node)
+			if e.delegate {
+				agents.read(c, node, old) // its counters go with it
+			}
 			t.Logf("wave %d: restarting Cilium's agent %s", w, old)
 			c.kubectl("-n", "kube-system", "delete", "pod", old, "--wait=true")
 			c.must(5*time.Minute, "kubectl", "-n", "kube-system", "rollout", "status", "ds/cilium", "--timeout=5m")
@@ -115,7 +138,37 @@ spec:
 ---
 `, name, ns, node, e.serverImage, w)
 		}
+		killed := e.delegate && w == waves-1
+		var fallbacksBefore float64
+		if killed {
+			fallbacksBefore = agents.read(c, node, c.podOn("kube-system", "k8s-app=cilium", node)).fallbackTotal()
+		}
 		c.kubectl("apply", "-f", writeFile(t, t.TempDir(), "wave.yaml", b.String()))
+		if killed {
+			// scrubd dies while the wave's endpoints are created: the agent
+			// must walk itself. Killed again every few seconds (the kubelet
+			// restarts it) until the agent counts a fallback, for at most
+			// 2 min.
+			agent := c.podOn("kube-system", "k8s-app=cilium", node)
+			kills, deadline := 0, time.Now().Add(2*time.Minute)
+			for {
+				if err := c.killScrubd(node); err == nil {
+					kills++
+				}
+				time.Sleep(3 * time.Second)
+				if agents.read(c, node, agent).fallbackTotal() > fallbacksBefore || time.Now().After(deadline) {
+					break
+				}
+			}
+			after := agents.read(c, node, agent)
+			t.Logf("wave %d: scrubd on %s killed %d times while the pods started; the agent's fallbacks %v -> %v %v", w, node, kills, fallbacksBefore, after.fallbackTotal(), after.fallbacks)
+			if kills == 0 {
+				t.Errorf("wave %d: found no running scrubd to kill on %s", w, node)
+			}
+			if after.fallbackTotal() <= fallbacksBefore {
+				t.Errorf("wave %d: scrubd killed %d times while pods started, yet Cilium's agent counted no fallback to its walk (cilium_conntrack_scrub_delegate_fallbacks_total %v)", w, kills, after.fallbacks)
+			}
+		}
 		c.must(8*time.Minute, "kubectl", "-n", ns, "wait", "--for=condition=Ready", "pod", "-l", fmt.Sprintf("wave=%d", w), "--timeout=8m")
 		if w == 3 {
 			c.must(5*time.Minute, "kubectl", "-n", "kube-system", "rollout", "status", "ds/ctscrub", "--timeout=5m")
@@ -154,9 +207,20 @@ spec:
 				`echo "udp %[1]s $(timeout 5 wget -qO- 'http://127.0.0.1:8090/dial?request=hostname&protocol=udp&host=%[1]s&port=8081&tries=2')"; `+
 				`ping -c 1 -W 2 %[1]s >/dev/null && echo "ping %[1]s ok"; `, ip)
 		}
+		if e.delegate {
+			// Each pod's own egress out of the cluster, from the pod (agnhost's
+			// /dial): SNAT mappings of its IP. Nothing answers; in the
+			// background, bounded, so the other requests need not wait.
+			for ip := range ips {
+				fmt.Fprintf(&script, `timeout 5 wget -qO- 'http://%[1]s:8080/dial?request=x&protocol=udp&host=%[2]s&port=9&tries=1' >/dev/null 2>&1 & `, ip, worldAddr)
+			}
+		}
 		script.WriteString("nslookup churn." + ns + ".svc.cluster.local >/dev/null && echo dns-ok; ")
 		for range 5 {
 			script.WriteString("echo \"svc $(timeout 5 wget -qO- http://churn." + ns + ".svc.cluster.local:8080/hostname)\"; ")
+		}
+		if e.delegate {
+			script.WriteString("wait; ")
 		}
 		out, _ := c.run(3*time.Minute, "kubectl", "-n", ns, "exec", "client", "-c", "client", "--", "sh", "-c", script.String())
 		lines := strings.Split(out, "\n")
@@ -195,29 +259,51 @@ spec:
 			t.Fatalf("wave %d: Cilium's CT on %s lists no entry of the wave's IPs after traffic to them", w, node)
 		}
 		before += n
+		waveNAT := 0
+		if e.delegate {
+			for _, k := range c.natCount(agent, ips) {
+				waveNAT += k
+			}
+			natBefore += waveNAT
+		}
 
 		// DEL: every entry of the wave's IPs goes.
 		c.must(5*time.Minute, "kubectl", "-n", ns, "delete", "pod", "-l", fmt.Sprintf("wave=%d", w), "--wait=true", "--timeout=5m")
 		churned += len(names)
-		var left map[string]int
+		var left, natLeftOf map[string]int
 		deadline := time.Now().Add(30 * time.Second)
 		for {
-			left = map[string]int{}
+			left, natLeftOf = map[string]int{}, map[string]int{}
 			for ip, k := range c.ctCount(agent, ips) {
 				if k > 0 {
 					left[ip] = k
 				}
 			}
-			if len(left) == 0 || time.Now().After(deadline) {
+			if e.delegate {
+				for ip, k := range c.natCount(agent, ips) {
+					if k > 0 {
+						natLeftOf[ip] = k
+					}
+				}
+			}
+			if len(left)+len(natLeftOf) == 0 || time.Now().After(deadline) {
 				break
 			}
 			time.Sleep(2 * time.Second)
+		}
+		for ip, k := range natLeftOf {
+			natLeft += k
+			t.Errorf("wave %d: %d SNAT lines of %s (deleted pod %s) left in Cilium's NAT dump after its DEL", w, k, ip, ips[ip])
 		}
 		for ip, k := range left {
 			stale += k
 			t.Errorf("wave %d: %d CT entries of %s (deleted pod %s) left in Cilium's CT after its DEL", w, k, ip, ips[ip])
 		}
 		countScrubs()
+		if e.delegate {
+			d := agents.read(c, node, agent)
+			t.Logf("wave %d: %d SNAT lines of the wave's IPs before the DEL, %d left; agent %s: delegated %v, fallbacks %v", w, waveNAT, len(natLeftOf), agent, d.delegated, d.fallbacks)
+		}
 		t.Logf("wave %d: %d pods, %d CT entries of theirs before the DEL, %d left after; IPs reused so far %d; del scrubs by method %v", w, len(names), n, len(left), reused, methods)
 	}
 	if reused == 0 {
@@ -229,32 +315,35 @@ spec:
 	result(t, "ips_reused", reused)
 	result(t, "ct_entries_before_del", before)
 	result(t, "scrubs", methods)
+	if e.delegate {
+		tot := agents.total()
+		var delegated float64
+		for _, v := range tot.delegated {
+			delegated += v
+		}
+		if tot.delegated["endpoint-create"] == 0 || tot.delegated["endpoint-delete"] == 0 {
+			t.Errorf("Cilium's agent completed scrubs through the delegate: %v, want endpoint-create and endpoint-delete both > 0", tot.delegated)
+		}
+		if natBefore == 0 {
+			t.Errorf("no SNAT mapping of any churn pod in Cilium's NAT dump before the DELs: the NAT check could not fail")
+		}
+		result(t, "delegated_scrubs", tot.delegated)
+		result(t, "fallback_walks", tot.fallbacks)
+		result(t, "nat_entries_before_del", natBefore)
+		result(t, "nat_entries_left", natLeft)
+		if tot.ctCleanCount > 0 {
+			result(t, "waiting_for_ct_clean_mean_s", tot.ctCleanSum/tot.ctCleanCount)
+			result(t, "waiting_for_ct_clean_count", tot.ctCleanCount)
+		}
+		t.Logf("delegate: delegated %v (%v in all), fallbacks %v; waitingForCTClean sum %.4fs over %v regenerations", tot.delegated, delegated, tot.fallbacks, tot.ctCleanSum, tot.ctCleanCount)
+	}
 }
 
 // ctCount counts, per IP, the lines of Cilium's global CT tables (one dump
 // by the agent's own CLI) that name it.
 func (c *cluster) ctCount(agent string, ips map[string]string) map[string]int {
 	c.t.Helper()
-	out := c.ctDump(agent)
-	counts := map[string]int{}
-	keys := make([]string, 0, len(ips))
-	for ip := range ips {
-		keys = append(keys, ip)
-		counts[ip] = 0
-	}
-	sort.Strings(keys)
-	res := make([]*regexp.Regexp, len(keys))
-	for i, ip := range keys {
-		res[i] = regexp.MustCompile(`(^|[^0-9.])` + regexp.QuoteMeta(ip) + `([^0-9]|$)`)
-	}
-	for _, l := range strings.Split(out, "\n") {
-		for i, re := range res {
-			if re.MatchString(l) {
-				counts[keys[i]]++
-			}
-		}
-	}
-	return counts
+	return countIPs(c.ctDump(agent), ips)
 }
 
 // podsOn lists the pods with label sel on node.

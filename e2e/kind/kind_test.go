@@ -49,6 +49,9 @@ type kindEnv struct {
 	serverImage, clientImage    string
 	ciliumVersion, k8sVersion   string
 	podSubnet                   string
+	// delegate: Cilium carries cilium/patches and asks scrubd before its
+	// CT walk (CILIUM_DELEGATE=1, from cluster.sh's variables).
+	delegate bool
 }
 
 func getKindEnv(t *testing.T) *kindEnv {
@@ -64,6 +67,7 @@ func getKindEnv(t *testing.T) *kindEnv {
 		ciliumVersion: os.Getenv("CILIUM_VERSION"),
 		k8sVersion:    os.Getenv("K8S_VERSION"),
 		podSubnet:     os.Getenv("POD_SUBNET"),
+		delegate:      os.Getenv("CILIUM_DELEGATE") == "1",
 	}
 	if e.cluster == "" || e.kubeconfig == "" || e.serverImage == "" || e.clientImage == "" || e.podSubnet == "" {
 		t.Fatalf("CTSCRUB_KIND=1 needs the variables of `e2e/kind/cluster.sh up` (CLUSTER, KUBECONFIG, SERVER_IMAGE, CLIENT_IMAGE, POD_SUBNET): `eval \"$(e2e/kind/cluster.sh env)\"`, or run `make e2e-kind`")

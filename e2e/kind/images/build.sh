@@ -12,6 +12,8 @@
 #   CTSCRUB_IMAGE                    ctscrub (conf/Containerfile)
 #   SERVER_IMAGE, CLIENT_IMAGE       workloads: agnhost, busybox
 #   PROMETHEUS_IMAGE                 Debian's prometheus (TestKindMetrics)
+#   CILIUM_DELEGATE                  1 when CILIUM_IMAGE carries
+#                                    cilium/patches (images/cilium.sh), else 0
 #   IMAGE_BUILD_S                    seconds this run spent here
 #
 # Every local image comes from Debian packages and Go modules only, and is
@@ -32,7 +34,8 @@ CILIUM_VERSION=${CILIUM_VERSION#v}
 if [[ $CILIUM_VERSION == 1.16.* && -z ${CILIUM_PATCH:-} ]]; then
 	export CILIUM_PATCH=$IMAGES_DIR/cilium-1.16-patch.sh
 fi
-export K8S_VERSION CILIUM_VERSION
+CILIUM_DELEGATE=${CILIUM_DELEGATE:-0}
+export K8S_VERSION CILIUM_VERSION CILIUM_DELEGATE
 out=$WORK/images.env
 mkdir -p "$WORK/logs"
 
@@ -73,7 +76,7 @@ PROMETHEUS_IMAGE=$("$IMAGES_DIR/prometheus.sh")
 IMAGE_BUILD_S=$(($(date +%s) - start))
 {
 	for v in K8S_VERSION CILIUM_VERSION KIND_NODE_IMAGE CILIUM_IMAGE CILIUM_OPERATOR_IMAGE \
-		CILIUM_CHART CILIUM_CHART_REPO CTSCRUB_IMAGE SERVER_IMAGE CLIENT_IMAGE PROMETHEUS_IMAGE IMAGE_BUILD_S; do
+		CILIUM_CHART CILIUM_CHART_REPO CILIUM_DELEGATE CTSCRUB_IMAGE SERVER_IMAGE CLIENT_IMAGE PROMETHEUS_IMAGE IMAGE_BUILD_S; do
 		printf '%s=%q\n' "$v" "${!v}"
 	done
 } | tee "$out"
