@@ -3,8 +3,6 @@ package kind
 import (
 	"encoding/json"
 	"fmt"
-	"regexp"
-	"sort"
 	"strings"
 	"testing"
 	"time"
@@ -37,6 +35,16 @@ import (
 // are the flows per-packet load balancing translates (issue 23). With
 // CILIUM_LB=default|hostns at least 95 % of the del scrubs must take the
 // index (scrubs_index_share).
+//
+// With CILIUM_DELEGATE=1 (Cilium patched to ask scrubd before its walk,
+// delegate_test.go) also: each wave's pods send egress out of the cluster,
+// which Cilium's BPF masquerade gives SNAT mappings, and after the DELs
+// Cilium's NAT dump (`cilium-dbg bpf nat list`) has none of the wave's IPs
+// (nat_entries_left); the agent completed create and delete scrubs through
+// the delegate (delegated_scrubs, from its own counter); and scrubd is
+// SIGKILLed while the last wave's pods start, until the agent counts a
+// fallback to its walk (fallback_walks, by event and cause), with still
+// 0 stale and 0 inherited entries.
 func TestKindChurn(t *testing.T) {
 	e := getKindEnv(t)
 	c := e.newCluster(t, 25*time.Minute)
@@ -79,6 +87,8 @@ spec:
 		seen                                      = map[string]string{} // IP -> first pod that held it
 		methods                                   = map[string]int{}
 		logSeen                                   = map[string]int{} // scrubd pod -> log lines counted
+		natBefore, natLeft                        int
+		agents                                    = agentCounts{} // delegate mode: per agent pod
 	)
 	restarts := map[string]string{} // scrubd pod -> its container's restart count when last read
 	// scan counts the del scrubs of log from line from on, and returns its
@@ -95,6 +105,16 @@ spec:
 			}
 		}
 		return len(lines)
+	}
+	if e.delegate {
+		agent := c.podOn("kube-system", "k8s-app=cilium", node)
+		present := c.snatMapPresent(agent)
+		t.Logf("delegate mode: cilium_snat_v4_external pinned on %s: %v", node, present)
+		result(t, "snat_map_present", present)
+		if !present {
+			t.Fatalf("delegate mode runs Cilium with kube-proxy replacement and BPF masquerade, yet %s has no cilium_snat_v4_external: the NAT checks could not fail", node)
+		}
+		agents.read(c, node, agent)
 	}
 	countScrubs := func(count bool) {
 		for _, pod := range c.podsOn("kube-system", "app.kubernetes.io/name=ctscrub", node) {
@@ -123,6 +143,9 @@ spec:
 		if w == 2 && !e.nfct() {
 			// The node's Cilium agent restarts: its CT maps may be re-created.
 			old := c.podOn("kube-system", "k8s-app=cilium", node)
+			if e.delegate {
+				agents.read(c, node, old) // its counters go with it
+			}
 			t.Logf("wave %d: restarting Cilium's agent %s", w, old)
 			c.kubectl("-n", "kube-system", "delete", "pod", old, "--wait=true")
 			c.must(5*time.Minute, "kubectl", "-n", "kube-system", "rollout", "status", "ds/cilium", "--timeout=5m")
@@ -155,12 +178,42 @@ spec:
 ---
 `, name, ns, node, e.serverImage, w)
 		}
+		killed := e.delegate && w == waves-1
+		var fallbacksBefore float64
+		if killed {
+			fallbacksBefore = agents.read(c, node, c.podOn("kube-system", "k8s-app=cilium", node)).fallbackTotal()
+		}
 		c.kubectl("apply", "-f", writeFile(t, t.TempDir(), "wave.yaml", b.String()))
 		if w == 2 && e.nfct() {
 			// scrubd dies with no shutdown while the wave's pods start: its
 			// index (in memory) is gone, ADDs in the gap fail and are
 			// retried, and the restarted scrubd seeds its index by a dump.
-			c.killScrubd(node)
+			c.killScrubdAndWait(node)
+		}
+		if killed {
+			// scrubd dies while the wave's endpoints are created: the agent
+			// must walk itself. Killed again every few seconds (the kubelet
+			// restarts it) until the agent counts a fallback, for at most
+			// 2 min.
+			agent := c.podOn("kube-system", "k8s-app=cilium", node)
+			kills, deadline := 0, time.Now().Add(2*time.Minute)
+			for {
+				if err := c.killScrubd(node); err == nil {
+					kills++
+				}
+				time.Sleep(3 * time.Second)
+				if agents.read(c, node, agent).fallbackTotal() > fallbacksBefore || time.Now().After(deadline) {
+					break
+				}
+			}
+			after := agents.read(c, node, agent)
+			t.Logf("wave %d: scrubd on %s killed %d times while the pods started; the agent's fallbacks %v -> %v %v", w, node, kills, fallbacksBefore, after.fallbackTotal(), after.fallbacks)
+			if kills == 0 {
+				t.Errorf("wave %d: found no running scrubd to kill on %s", w, node)
+			}
+			if after.fallbackTotal() <= fallbacksBefore {
+				t.Errorf("wave %d: scrubd killed %d times while pods started, yet Cilium's agent counted no fallback to its walk (cilium_conntrack_scrub_delegate_fallbacks_total %v)", w, kills, after.fallbacks)
+			}
 		}
 		c.must(8*time.Minute, "kubectl", "-n", ns, "wait", "--for=condition=Ready", "pod", "-l", fmt.Sprintf("wave=%d", w), "--timeout=8m")
 		if w == 3 {
@@ -181,6 +234,11 @@ spec:
 				seen[f[1]] = f[0]
 			}
 		}
+		var agent string // delegate mode: the node's Cilium agent pod now
+		if e.delegate {
+			agent = c.podOn("kube-system", "k8s-app=cilium", node)
+		}
+
 		// Before any packet: nothing of the IP's previous pods.
 		for ip, n := range c.ctCount(node, ips) {
 			if n > 0 {
@@ -210,6 +268,14 @@ spec:
 				`echo "udp %[1]s $(timeout 5 wget -qO- 'http://127.0.0.1:8090/dial?request=hostname&protocol=udp&host=%[1]s&port=8081&tries=2')"; `+
 				`ping -c 1 -W 2 %[1]s >/dev/null && echo "ping %[1]s ok"; `, ip)
 		}
+		if e.delegate {
+			// Each pod's own egress out of the cluster, from the pod (agnhost's
+			// /dial): SNAT mappings of its IP. Nothing answers; in the
+			// background, bounded, so the other requests need not wait.
+			for ip := range ips {
+				fmt.Fprintf(&script, `timeout 5 wget -qO- 'http://%[1]s:8080/dial?request=x&protocol=udp&host=%[2]s&port=9&tries=1' >/dev/null 2>&1 & `, ip, worldAddr)
+			}
+		}
 		script.WriteString("nslookup churn." + ns + ".svc.cluster.local >/dev/null && echo dns-ok; ")
 		for range 5 {
 			if e.nfct() {
@@ -234,6 +300,9 @@ spec:
 						ip, d.proto, ns, d.port)
 				}
 			}
+		}
+		if e.delegate {
+			script.WriteString("wait; ")
 		}
 		out, _ := c.run(10*time.Minute, "kubectl", "-n", ns, "exec", "client", "-c", "client", "--", "sh", "-c", script.String())
 		lines := strings.Split(out, "\n")
@@ -279,29 +348,51 @@ spec:
 			t.Fatalf("wave %d: the CT (%s) on %s lists no entry of the wave's IPs after traffic to them", w, e.backend(), node)
 		}
 		before += n
+		waveNAT := 0
+		if e.delegate {
+			for _, k := range c.natCount(agent, ips) {
+				waveNAT += k
+			}
+			natBefore += waveNAT
+		}
 
 		// DEL: every entry of the wave's IPs goes.
 		c.must(5*time.Minute, "kubectl", "-n", ns, "delete", "pod", "-l", fmt.Sprintf("wave=%d", w), "--wait=true", "--timeout=5m")
 		churned += len(names)
-		var left map[string]int
+		var left, natLeftOf map[string]int
 		deadline := time.Now().Add(30 * time.Second)
 		for {
-			left = map[string]int{}
+			left, natLeftOf = map[string]int{}, map[string]int{}
 			for ip, k := range c.ctCount(node, ips) {
 				if k > 0 {
 					left[ip] = k
 				}
 			}
-			if len(left) == 0 || time.Now().After(deadline) {
+			if e.delegate {
+				for ip, k := range c.natCount(agent, ips) {
+					if k > 0 {
+						natLeftOf[ip] = k
+					}
+				}
+			}
+			if len(left)+len(natLeftOf) == 0 || time.Now().After(deadline) {
 				break
 			}
 			time.Sleep(2 * time.Second)
+		}
+		for ip, k := range natLeftOf {
+			natLeft += k
+			t.Errorf("wave %d: %d SNAT lines of %s (deleted pod %s) left in Cilium's NAT dump after its DEL", w, k, ip, ips[ip])
 		}
 		for ip, k := range left {
 			stale += k
 			t.Errorf("wave %d: %d CT entries of %s (deleted pod %s) left in the CT (%s) after its DEL", w, k, ip, ips[ip], e.backend())
 		}
 		countScrubs(true)
+		if e.delegate {
+			d := agents.read(c, node, agent)
+			t.Logf("wave %d: %d SNAT lines of the wave's IPs before the DEL, %d left; agent %s: delegated %v, fallbacks %v", w, waveNAT, len(natLeftOf), agent, d.delegated, d.fallbacks)
+		}
 		t.Logf("wave %d: %d pods, %d CT entries of theirs before the DEL, %d left after; IPs reused so far %d; del scrubs by method %v", w, len(names), n, len(left), reused, methods)
 	}
 	if reused == 0 {
@@ -325,6 +416,28 @@ spec:
 			t.Errorf("CILIUM_LB=%s: %d of %d del scrubs took the index (%.0f %%), want at least 95 %%: %v", e.ciliumLB, methods["index"], total, 100*share, methods)
 		}
 	}
+	if e.delegate {
+		tot := agents.total()
+		var delegated float64
+		for _, v := range tot.delegated {
+			delegated += v
+		}
+		if tot.delegated["endpoint-create"] == 0 || tot.delegated["endpoint-delete"] == 0 {
+			t.Errorf("Cilium's agent completed scrubs through the delegate: %v, want endpoint-create and endpoint-delete both > 0", tot.delegated)
+		}
+		if natBefore == 0 {
+			t.Errorf("no SNAT mapping of any churn pod in Cilium's NAT dump before the DELs: the NAT check could not fail")
+		}
+		result(t, "delegated_scrubs", tot.delegated)
+		result(t, "fallback_walks", tot.fallbacks)
+		result(t, "nat_entries_before_del", natBefore)
+		result(t, "nat_entries_left", natLeft)
+		if tot.ctCleanCount > 0 {
+			result(t, "waiting_for_ct_clean_mean_s", tot.ctCleanSum/tot.ctCleanCount)
+			result(t, "waiting_for_ct_clean_count", tot.ctCleanCount)
+		}
+		t.Logf("delegate: delegated %v (%v in all), fallbacks %v; waitingForCTClean sum %.4fs over %v regenerations", tot.delegated, delegated, tot.fallbacks, tot.ctCleanSum, tot.ctCleanCount)
+	}
 }
 
 // ctCount counts, per IP, the entries of node's CT that name it: the lines
@@ -339,25 +452,7 @@ func (c *cluster) ctCount(node string, ips map[string]string) map[string]int {
 	} else {
 		out = c.ctDump(c.podOn("kube-system", "k8s-app=cilium", node))
 	}
-	counts := map[string]int{}
-	keys := make([]string, 0, len(ips))
-	for ip := range ips {
-		keys = append(keys, ip)
-		counts[ip] = 0
-	}
-	sort.Strings(keys)
-	res := make([]*regexp.Regexp, len(keys))
-	for i, ip := range keys {
-		res[i] = regexp.MustCompile(`(^|[^0-9.])` + regexp.QuoteMeta(ip) + `([^0-9]|$)`)
-	}
-	for _, l := range strings.Split(out, "\n") {
-		for i, re := range res {
-			if re.MatchString(l) {
-				counts[keys[i]]++
-			}
-		}
-	}
-	return counts
+	return countIPs(out, ips)
 }
 
 // conntrackL is the node's nf_conntrack table as conntrack-tools lists it
@@ -375,9 +470,9 @@ func (c *cluster) conntrackL(node string, args ...string) string {
 	return all.String()
 }
 
-// killScrubd ends scrubd on node with SIGKILL (no shutdown, no snapshot), by
+// killScrubdAndWait ends scrubd on node with SIGKILL (no shutdown, no snapshot), by
 // its PID in the node, and waits for the kubelet to restart it.
-func (c *cluster) killScrubd(node string) {
+func (c *cluster) killScrubdAndWait(node string) {
 	c.t.Helper()
 	pod := c.podOn("kube-system", "app.kubernetes.io/name=ctscrub", node)
 	restarts := func() string {

@@ -36,6 +36,11 @@
 #                           per-packet LB in bpf_lxc), hostns (kube-proxy
 #                           replacement with socketLB.hostNamespaceOnly=true)
 #   CILIUM_VERSION=1.18.8   and every variable of images/build.sh
+#   CILIUM_DELEGATE=0       1: Cilium built with cilium/patches (images/cilium.sh)
+#                           and started with --conntrack-scrub-delegate on
+#                           ctscrub's socket (docs/delegate-api.md), BPF
+#                           masquerade and its Prometheus metrics on (so the
+#                           tests read its NAT map and its delegate counters)
 #   CILIUM_HELM_ARGS=       more `helm install cilium` arguments
 #   CTSCRUB_HELM_ARGS=      more `helm install ctscrub` arguments
 #   CTSCRUB_KIND_WORK=/var/tmp/ctscrub-kind   scratch space and state
@@ -56,6 +61,9 @@ CNI=${CNI:-cilium}
 CILIUM_LB=${CILIUM_LB:-kpr}
 # Why CNI=kindnet runs the reference plugins (the JSON line says it).
 KINDNET_UNAVAILABLE="the Go module proxy serves neither sigs.k8s.io/kind/images/kindnetd nor github.com/aojea/kindnet, and no registry is reachable"
+CILIUM_DELEGATE=${CILIUM_DELEGATE:-0}
+[[ $CILIUM_DELEGATE == 0 || $CILIUM_DELEGATE == 1 ]] || { echo "CILIUM_DELEGATE=$CILIUM_DELEGATE: must be 0 or 1" >&2; exit 2; }
+export CILIUM_DELEGATE
 POD_SUBNET=10.244.0.0/16
 KUBECONFIG=$WORK/kubeconfig-$CLUSTER
 export KUBECONFIG
@@ -245,6 +253,34 @@ EOY
 		caps=(--set "securityContext.capabilities.ciliumAgent={CHOWN,KILL,NET_ADMIN,NET_RAW,IPC_LOCK,SYS_MODULE,SYS_ADMIN,SYS_RESOURCE,PERFMON,BPF,DAC_OVERRIDE,FOWNER,SETGID,SETUID}")
 		;;
 	esac
+	local delegate=()
+	if [[ $CILIUM_DELEGATE == 1 ]]; then
+		[[ $CTSCRUB == 1 ]] || die "CILIUM_DELEGATE=1 needs ctscrub (CTSCRUB=1): its scrubd is the delegate"
+		# As docs/delegate-api.md tells users: the flag, and the socket's
+		# host directory mounted (HostToContainer: scrubd may re-create the
+		# socket after the agent started). A values file, since --set would
+		# split the flag's own '='. BPF masquerade gives the churn's pods
+		# SNAT mappings of their own (their egress), which the delegate
+		# must delete as Cilium's walk would; Prometheus gives the tests
+		# the agent's delegate counters.
+		local vals=$WORK/cilium-delegate-$CLUSTER.yaml
+		cat >"$vals" <<EOY
+extraArgs: ["--conntrack-scrub-delegate=/run/ctscrub-delegate/delegate.sock"]
+extraHostPathMounts:
+  - name: ctscrub-delegate
+    mountPath: /run/ctscrub-delegate
+    hostPath: /run/ctscrub-delegate
+    hostPathType: DirectoryOrCreate
+    readOnly: false
+    mountPropagation: HostToContainer
+bpf:
+  masquerade: true
+prometheus:
+  enabled: true
+EOY
+		delegate=(-f "$vals")
+		log "Cilium with the conntrack scrub delegate ($vals)"
+	fi
 	# shellcheck disable=SC2086
 	helm install cilium "${chart[@]}" --namespace kube-system "${caps[@]}" \
 		--set cni.customConf=true --set cni.configMap=cilium-cni-ctscrub --set cni.exclusive=false \
@@ -256,6 +292,7 @@ EOY
 		--set image.override="$CILIUM_IMAGE" --set image.pullPolicy=IfNotPresent \
 		--set operator.image.override="$CILIUM_OPERATOR_IMAGE" --set operator.image.pullPolicy=IfNotPresent \
 		--set envoy.enabled=false --set l7Proxy=false \
+		${delegate[@]+"${delegate[@]}"} \
 		${CILIUM_HELM_ARGS:-} >&2
 	kubectl -n kube-system rollout status ds/cilium --timeout=10m >&2
 	[[ $KUBE_PROXY_MODE == none ]] || kubectl -n kube-system rollout status ds/kube-proxy --timeout=5m >&2

@@ -79,6 +79,16 @@ func TestKindUninstall(t *testing.T) {
 		t.Errorf("no pod interface on %v carries the recorder's filters before the uninstall", e.nodes)
 	}
 
+	// With the delegate (CILIUM_DELEGATE=1), the agents' fallbacks before
+	// the uninstall: after it nobody serves the socket, so the pods below
+	// must be scrubbed by the agents' own walks.
+	fallbacksBefore := map[string]delegateCounts{}
+	if e.delegate {
+		for _, n := range e.nodes {
+			fallbacksBefore[n] = c.ciliumCounts(n)
+		}
+	}
+
 	logs = c.followScrubdLogs()
 	start := time.Now()
 	c.must(5*time.Minute, "helm", "uninstall", "ctscrub", "--namespace", "kube-system", "--wait", "--timeout", "5m")
@@ -112,6 +122,24 @@ spec:
 	t.Logf("%d pods Ready %s after helm uninstall began", ready, time.Since(start).Round(time.Second))
 	if ready != perNode*len(e.nodes) {
 		t.Errorf("%d of %d pods started after the uninstall are Ready", ready, perNode*len(e.nodes))
+	}
+	if e.delegate {
+		walks := map[string]float64{}
+		var n float64
+		for _, node := range e.nodes {
+			after := c.ciliumCounts(node)
+			for k, v := range after.fallbacks {
+				if d := v - fallbacksBefore[node].fallbacks[k]; d > 0 {
+					walks[k] += d
+					n += d
+				}
+			}
+		}
+		t.Logf("the agents' fallbacks to their walk after the uninstall: %v", walks)
+		if n == 0 {
+			t.Errorf("%d pods started after ctscrub's uninstall, yet no agent counted a fallback to its walk (the delegate's socket is gone)", ready)
+		}
+		result(t, "uninstall_fallback_walks", walks)
 	}
 
 	// What each scrubd did at its SIGTERM.

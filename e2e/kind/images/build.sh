@@ -15,6 +15,8 @@
 #   KUBE_PROXY_IMAGE                 kube-proxy, named as kubeadm's DaemonSet
 #                                    pulls it (CNI=kindnet, CILIUM_LB=default|hostns)
 #   PROBE_IMAGE                      the blackhole test's client (e2e/kind/probe)
+#   CILIUM_DELEGATE                  1 when CILIUM_IMAGE carries
+#                                    cilium/patches (images/cilium.sh), else 0
 #   IMAGE_BUILD_S                    seconds this run spent here
 #
 # Every local image comes from Debian packages and Go modules only, and is
@@ -35,7 +37,8 @@ CILIUM_VERSION=${CILIUM_VERSION#v}
 if [[ $CILIUM_VERSION == 1.16.* && -z ${CILIUM_PATCH:-} ]]; then
 	export CILIUM_PATCH=$IMAGES_DIR/cilium-1.16-patch.sh
 fi
-export K8S_VERSION CILIUM_VERSION
+CILIUM_DELEGATE=${CILIUM_DELEGATE:-0}
+export K8S_VERSION CILIUM_VERSION CILIUM_DELEGATE
 out=$WORK/images.env
 mkdir -p "$WORK/logs"
 
@@ -85,7 +88,7 @@ PROBE_IMAGE=$("$IMAGES_DIR/probe.sh")
 IMAGE_BUILD_S=$(($(date +%s) - start))
 {
 	for v in K8S_VERSION CILIUM_VERSION KIND_NODE_IMAGE CILIUM_IMAGE CILIUM_OPERATOR_IMAGE \
-		CILIUM_CHART CILIUM_CHART_REPO CTSCRUB_IMAGE SERVER_IMAGE CLIENT_IMAGE PROMETHEUS_IMAGE \
+		CILIUM_CHART CILIUM_CHART_REPO CILIUM_DELEGATE CTSCRUB_IMAGE SERVER_IMAGE CLIENT_IMAGE PROMETHEUS_IMAGE \
 		KUBE_PROXY_IMAGE PROBE_IMAGE IMAGE_BUILD_S; do
 		printf '%s=%q\n' "$v" "${!v}"
 	done
