@@ -107,6 +107,19 @@ func newMetrics(d *Daemon, reg *prometheus.Registry) *metrics {
 	}, []string{"caller", "event"})
 	reg.MustRegister(m.duration, m.steps, m.deleted, m.refused, m.shared, m.ctMax, m.statsError, m.late, m.recorderRestarts,
 		m.natDeleted, m.delegateRequests, m.delegateDuration)
+	// The delegate's and the SNAT deletes' series exist at 0 from the start
+	// (Prometheus's advice for known label values): on a node whose Cilium
+	// does not call the delegate, or has no SNAT map, the dashboard's
+	// panels and the alerts read 0 instead of no data.
+	for _, ev := range []string{"endpoint-create", "endpoint-delete"} {
+		m.delegateDuration.WithLabelValues("cilium-agent", ev)
+		for _, oc := range []string{"complete", "incomplete"} {
+			m.delegateRequests.WithLabelValues("cilium-agent", ev, oc)
+		}
+	}
+	for _, mp := range []string{"cilium_snat_v4_external", "cilium_snat_v6_external"} {
+		m.natDeleted.WithLabelValues("cilium", mp, "index")
+	}
 	// The entries gauge may be shared with (and registered by) the expiry pass.
 	if err := reg.Register(m.ctEntries); err != nil {
 		if _, ok := err.(prometheus.AlreadyRegisteredError); !ok {
