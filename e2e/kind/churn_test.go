@@ -86,6 +86,7 @@ spec:
 		churned, stale, inherited, reused, before int
 		seen                                      = map[string]string{} // IP -> first pod that held it
 		methods                                   = map[string]int{}
+		sweptWhy                                  = map[string]int{} // why a del scrub swept -> how many
 		logSeen                                   = map[string]int{} // scrubd pod -> log lines counted
 		natBefore, natLeft                        int
 		agents                                    = agentCounts{} // delegate mode: per agent pod
@@ -99,6 +100,10 @@ spec:
 			var s scrubLine
 			if count && json.Unmarshal([]byte(l), &s) == nil && s.Msg == "scrub" && s.Reason == "del" && !s.DryRun && s.Backend == e.backend() {
 				methods[s.Method]++
+				for ip, why := range s.SweptWhy {
+					sweptWhy[why]++
+					t.Logf("del scrub of %s on %s swept: %s", ip, node, why)
+				}
 				if s.Result != "complete" {
 					t.Errorf("del scrub of %v on %s: result %s (%s), want complete", s.IPs, node, s.Result, s.Error)
 				}
@@ -404,6 +409,9 @@ spec:
 	result(t, "ips_reused", reused)
 	result(t, "ct_entries_before_del", before)
 	result(t, "scrubs", methods)
+	if len(sweptWhy) > 0 {
+		result(t, "swept_why", sweptWhy)
+	}
 	total := 0
 	for _, k := range methods {
 		total += k

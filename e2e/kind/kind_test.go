@@ -475,6 +475,9 @@ type scrubLine struct {
 	// ContainerID is the CNI call's; empty for a scrub the delegate API
 	// asked for (docs/delegate-api.md).
 	ContainerID string `json:"container_id"`
+	// SweptWhy: for each IP the scrub swept, why the index could not vouch
+	// for it (scrub.Result.SweptWhy).
+	SweptWhy map[string]string `json:"swept_why"`
 }
 
 // delScrubsOf picks the real (not dry-run) del scrubs of ip out of scrubd's log.

@@ -60,11 +60,7 @@ func TestKindUninstall(t *testing.T) {
 		c.must(5*time.Minute, "kubectl", "-n", "kube-system", "rollout", "restart", "ds/cilium")
 		c.must(8*time.Minute, "kubectl", "-n", "kube-system", "rollout", "status", "ds/cilium", "--timeout=8m")
 	}
-	// The recorder's filters on the pods' interfaces before: some pods
-	// (CoreDNS at least) started while ctscrub ran, so the check below can fail.
-	filtersBefore := 0
 	for _, n := range e.nodes {
-		filtersBefore += c.recorderFilters(n)
 		// Cilium's own conflist, with ctscrub chained again by the sidecar:
 		// so the check after the uninstall can fail.
 		eventually(t, c.ctx, time.Minute, "the cni-conf sidecar chains ctscrub into Cilium's own conflist on "+n, func() (bool, string) {
@@ -75,8 +71,20 @@ func TestKindUninstall(t *testing.T) {
 			return strings.Join(chain, ",") == chained, fmt.Sprintf("chain %v, want %s", chain, chained)
 		})
 	}
-	if filtersBefore == 0 && !e.nfct() {
-		t.Errorf("no pod interface on %v carries the recorder's filters before the uninstall", e.nodes)
+	// One pod per node started through the chain now, so every node has a
+	// pod interface carrying the recorder's filters before the uninstall
+	// (which must take them off): the check after it can fail on each node.
+	nsBefore := "ctscrub-before-uninstall"
+	c.kubectl("create", "namespace", nsBefore)
+	t.Cleanup(func() { c.run(2*time.Minute, "kubectl", "delete", "namespace", nsBefore, "--wait=false") })
+	c.startPods(nsBefore, "before", "before-uninstall", 1, e.nodes, e.serverImage)
+	filtersBefore := 0
+	for _, n := range e.nodes {
+		f := c.recorderFilters(n)
+		filtersBefore += f
+		if f == 0 && !e.nfct() {
+			t.Errorf("no pod interface on %s carries the recorder's filters before the uninstall, though a pod started there through the chain; the node's netns and tc filters:\n%s", n, c.filterDump(n))
+		}
 	}
 
 	// With the delegate (CILIUM_DELEGATE=1), the agents' fallbacks before
@@ -98,25 +106,8 @@ func TestKindUninstall(t *testing.T) {
 	ns := "ctscrub-uninstalled"
 	c.kubectl("create", "namespace", ns)
 	t.Cleanup(func() { c.run(2*time.Minute, "kubectl", "delete", "namespace", ns, "--wait=false") })
-	var pods strings.Builder
 	const perNode = 3
-	for _, n := range e.nodes {
-		for i := range perNode {
-			fmt.Fprintf(&pods, `---
-apiVersion: v1
-kind: Pod
-metadata: {name: after-%[2]s-%[3]d, namespace: %[1]s, labels: {app: after-uninstall}}
-spec:
-  nodeName: %[2]s
-  terminationGracePeriodSeconds: 1
-  tolerations: [{operator: Exists}]
-  containers:
-    - {name: server, image: %[4]s, imagePullPolicy: IfNotPresent, args: ["netexec", "--http-port=8080"]}
-`, ns, n, i, e.serverImage)
-		}
-	}
-	c.kubectl("apply", "-f", writeFile(t, t.TempDir(), "after.yaml", pods.String()))
-	c.must(3*time.Minute, "kubectl", "-n", ns, "wait", "--for=condition=Ready", "pod", "-l", "app=after-uninstall", "--timeout=3m")
+	c.startPods(ns, "after", "after-uninstall", perNode, e.nodes, e.serverImage)
 	ready := strings.Count(c.kubectl("-n", ns, "get", "pods", "-l", "app=after-uninstall", "-o",
 		`jsonpath={range .items[*]}{.status.conditions[?(@.type=="Ready")].status}{"\n"}{end}`), "True")
 	t.Logf("%d pods Ready %s after helm uninstall began", ready, time.Since(start).Round(time.Second))
@@ -219,10 +210,40 @@ func (c *cluster) followScrubdLogs() func(time.Duration) map[string]string {
 // on the interfaces of every pod network namespace of node.
 func (c *cluster) recorderFilters(node string) int {
 	c.t.Helper()
-	out := c.must(time.Minute, "docker", "exec", node, "sh", "-c",
-		`for n in /var/run/netns/*; do [ -e "$n" ] || continue; for d in $(nsenter --net="$n" ip -o link show | awk -F': ' '{print $2}' | sed 's/@.*//'); do `+
-			`nsenter --net="$n" tc filter show dev "$d" ingress; nsenter --net="$n" tc filter show dev "$d" egress; done; done 2>/dev/null; true`)
-	return strings.Count(out, "ctscrub_recorder")
+	return strings.Count(c.filterDump(node), "ctscrub_recorder")
+}
+
+// filterDump lists, for every network namespace on node, its interfaces'
+// tc filters on both hooks.
+func (c *cluster) filterDump(node string) string {
+	c.t.Helper()
+	return c.must(time.Minute, "docker", "exec", node, "sh", "-c",
+		`for n in /var/run/netns/*; do [ -e "$n" ] || continue; echo "netns $n"; for d in $(nsenter --net="$n" ip -o link show | awk -F': ' '{print $2}' | sed 's/@.*//'); do `+
+			`echo " dev $d"; nsenter --net="$n" tc filter show dev "$d" ingress; nsenter --net="$n" tc filter show dev "$d" egress; done; done 2>/dev/null; true`)
+}
+
+// startPods starts perNode agnhost pods labelled app=label in ns on each
+// node (named <prefix>-<node>-<i>) and waits for them to be Ready.
+func (c *cluster) startPods(ns, prefix, label string, perNode int, nodes []string, image string) {
+	c.t.Helper()
+	var pods strings.Builder
+	for _, n := range nodes {
+		for i := range perNode {
+			fmt.Fprintf(&pods, `---
+apiVersion: v1
+kind: Pod
+metadata: {name: %[5]s-%[2]s-%[3]d, namespace: %[1]s, labels: {app: %[6]s}}
+spec:
+  nodeName: %[2]s
+  terminationGracePeriodSeconds: 1
+  tolerations: [{operator: Exists}]
+  containers:
+    - {name: server, image: %[4]s, imagePullPolicy: IfNotPresent, args: ["netexec", "--http-port=8080"]}
+`, ns, n, i, image, prefix, label)
+		}
+	}
+	c.kubectl("apply", "-f", writeFile(c.t, c.t.TempDir(), prefix+".yaml", pods.String()))
+	c.must(3*time.Minute, "kubectl", "-n", ns, "wait", "--for=condition=Ready", "pod", "-l", "app="+label, "--timeout=3m")
 }
 
 // uninstallSkipped: the uninstall takes ctscrub off the cluster; it runs only

@@ -359,7 +359,7 @@ func (d *Daemon) scrub(ctx context.Context, ips []netip.Addr, reason scrub.Reaso
 			d.log.Log(context.Background(), lvl, "scrub", "ips", ips, "reason", reason, "backend", r.Backend, "method", r.Method,
 				"deleted", r.Total, "per_map", r.Deleted, "duration_s", elapsed.Seconds(), "result", r.Outcome,
 				"shared", sharedAny, "dry_run", dry, "container_id", containerID, "error", r.Error,
-				"work_start", workStart, "work_end", workEnd)
+				"work_start", workStart, "work_end", workEnd, "swept_why", r.SweptWhy)
 		}
 	})
 	return merged
