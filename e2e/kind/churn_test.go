@@ -326,20 +326,29 @@ spec:
 			}
 		}
 		for ip, pod := range ips {
+			failed := false
 			for _, proto := range []string{"tcp", "udp"} {
 				if !answered(proto, ip, pod) {
+					failed = true
 					t.Errorf("wave %d: %s (%s) did not answer over %s:\n%s", w, pod, ip, proto, out)
 				}
 			}
 			if !answered("ping", ip, "ok") {
+				failed = true
 				t.Errorf("wave %d: %s (%s) did not answer ping:\n%s", w, pod, ip, out)
 			}
 			if podFlows {
 				for _, proto := range []string{"podhttp", "podudp"} {
 					if !answered(proto, ip, `"churn-`) {
+						failed = true
 						t.Errorf("wave %d: %s (%s) did not reach the Service by its name (%s):\n%s", w, pod, ip, proto, out)
 					}
 				}
+			}
+			if failed {
+				// What the node held for the address and what scrubd did with
+				// it: a live pod's entry deleted would show here.
+				t.Logf("wave %d: evidence for %s (%s):\n%s", w, pod, ip, c.evidence(node, ip))
 			}
 		}
 		if !strings.Contains(out, "dns-ok") || svc != 5 {
@@ -461,6 +470,39 @@ func (c *cluster) ctCount(node string, ips map[string]string) map[string]int {
 		out = c.ctDump(c.podOn("kube-system", "k8s-app=cilium", node))
 	}
 	return countIPs(out, ips)
+}
+
+// evidence is what the node holds for ip (its CT lines: the kernel's table
+// or Cilium's dump) and every scrubd log line on node naming it.
+func (c *cluster) evidence(node, ip string) string {
+	c.t.Helper()
+	var ct string
+	if c.e.nfct() {
+		ct = c.conntrackL(node)
+	} else {
+		ct = c.ctDump(c.podOn("kube-system", "k8s-app=cilium", node))
+	}
+	var b strings.Builder
+	want := []string{"=" + ip + " ", ip + ":"}
+	for _, l := range strings.Split(ct, "\n") {
+		if strings.Contains(l, want[0]) || strings.Contains(l, want[1]) {
+			fmt.Fprintf(&b, "ct: %s\n", l)
+		}
+	}
+	pod := c.podOn("kube-system", "app.kubernetes.io/name=ctscrub", node)
+	for _, prev := range []bool{true, false} {
+		args := []string{"-n", "kube-system", "logs", pod, "-c", "scrubd"}
+		if prev {
+			args = append(args, "--previous")
+		}
+		log, _ := c.run(time.Minute, "kubectl", args...)
+		for _, l := range strings.Split(log, "\n") {
+			if strings.Contains(l, `"`+ip+`"`) {
+				fmt.Fprintf(&b, "scrubd (previous %v): %s\n", prev, l)
+			}
+		}
+	}
+	return b.String()
 }
 
 // conntrackL is the node's nf_conntrack table as conntrack-tools lists it
