@@ -115,7 +115,12 @@ func NewNode(t testing.TB, o *Objects, nc NodeConfig) *Node {
 	n := &Node{t: t, O: o, Dir: dir, pods: map[netip.Addr]*Pod{}, nextID: 100, revNAT: 1}
 	t.Cleanup(func() { n.close() })
 	lb := loopback4(o).As4()
-	cfg := configs{"interface_ifindex": nativeIf, "service_loopback_ipv4": uint64(binary.NativeEndian.Uint32(lb[:]))}
+	cfg := configs{"interface_ifindex": nativeIf, "service_loopback_ipv4": uint64(binary.NativeEndian.Uint32(lb[:])),
+		// 1.19+: the agent's default (--enable-no-service-endpoints-routable,
+		// pkg/svcrouteconfig): a service without backends drops
+		// (DROP_NO_SERVICE), as 1.16-1.18 always do; off, bpf_lxc passes
+		// the packet on untranslated.
+		"enable_no_service_endpoints_routable": 1}
 	lxc := o.LXC
 	switch nc {
 	case NodeHostFWDSR:
