@@ -43,17 +43,38 @@ struct seen_key6 {
 
 /* What the flow caches hold per flow. gen_local/gen_remote: the generations
  * of the local and remote addresses' rec_gen slots when the flow was
- * recorded; an entry whose generations are not the current ones is a miss. */
+ * recorded; an entry whose generations are not the current ones is a miss.
+ * Mirrored by scrubd/recorder/nodeentry.go (seenVal). */
 struct seen_val {
-	__u8 dir;    /* CT_F_OUT or CT_F_IN: the direction of the recorded key */
-	__u8 svc;    /* 1: a flow to a load-balanced VIP (REC_SERVICE_ENTRY) */
+	__u8 dir; /* CT_F_OUT or CT_F_IN: the direction of the recorded key */
+	__u8 svc; /* SVC_FLOW, SVC_FLOW|SVC_NONE, or 0 */
 	__u8 pad[2];
 	/* non-TCP flows: time of the last packet, in 2^30 ns units; service
-	 * flows: the backend_id their SERVICE entry held at the last record */
+	 * flows: the backend_id their SERVICE entry held at the last record,
+	 * or, with SVC_NONE, the time of the latest packet the pod sent on the
+	 * flow (SVC_TIME_SHIFT units) */
 	__u32 last;
 	__u32 gen_local;
 	__u32 gen_remote;
-};
+} __attribute__((aligned(8)));
+
+/* dir, svc and last, the value's first 8 bytes, in one store (set_head), so
+ * user space never reads SVC_NONE beside a backend_id or the reverse. */
+static __always_inline void set_head(struct seen_val *v, __u64 head)
+{
+	*(__u64 *)v = head;
+}
+
+/* seen_val.svc: a flow the pod sends to a VIP Cilium load-balances per
+ * packet (REC_SERVICE_ENTRY) ... */
+#define SVC_FLOW 1
+/* ... whose SERVICE entry was absent when the pod's latest packet on it
+ * passed: last is then that packet's time, not a backend. User space reads
+ * it to settle a flow Cilium made no entry for (a service without
+ * backends: docs/recorder.md, "Service VIPs"). */
+#define SVC_NONE 2
+/* last's time unit with SVC_NONE, and struct record's at: 2^20 ns. */
+#define SVC_TIME_SHIFT 20
 
 /* A non-TCP flow idle this long (2^30 ns units, about seconds) whose next
  * packet goes the other way is recorded again: Cilium's entry may have
@@ -346,11 +367,15 @@ static __always_inline __u32 svc_backend(const struct flow *f, void *key)
 	return e ? (__u32)e->backend_id : 0;
 }
 
-/* Emits a REC_SERVICE_ENTRY record: the flow's SERVICE key and the backend
- * its entry holds now (*backend). -1 when the ring was full. */
-static __always_inline int emit_service(const struct flow *f, __u32 ifindex, __u32 *backend)
+/* Emits a REC_SERVICE_ENTRY record: the flow's SERVICE key, the backend
+ * its entry holds now, and the packet's time. Sets *head to what the
+ * flow's cache value's first 8 bytes become (set_head): the backend, or
+ * SVC_NONE and the time when there is no entry. -1 when the ring was full. */
+static __always_inline int emit_service(const struct flow *f, __u32 ifindex, __u64 *head)
 {
 	struct record *r = bpf_ringbuf_reserve(&rec_events, sizeof(*r), 0);
+	__u64 at = bpf_ktime_get_ns() >> SVC_TIME_SHIFT;
+	__u32 b;
 
 	if (!r) {
 		count_lost(f->src);
@@ -360,25 +385,43 @@ static __always_inline int emit_service(const struct flow *f, __u32 ifindex, __u
 	r->family = f->family;
 	r->kind = REC_SERVICE_ENTRY;
 	r->ifindex = ifindex;
-	*backend = svc_backend(f, r->key);
-	r->backend = *backend;
+	b = svc_backend(f, r->key);
+	r->backend = b;
+	r->at_hi = at >> 32;
+	r->at_lo = at;
 	bpf_ringbuf_submit(r, 0);
+	if (b)
+		*head = (__u64)b << 32 | SVC_FLOW << 8 | CT_F_OUT;
+	else
+		*head = (at & 0xffffffff) << 32 | (SVC_FLOW | SVC_NONE) << 8 | CT_F_OUT;
 	return 0;
 }
 
 /* A later packet the pod sends on a service flow: a record when its SERVICE
  * entry names another backend than at the last record (a backend re-picked
- * after the old one was removed, or the entry re-created). One CT lookup,
- * only on service flows. */
+ * after the old one was removed, the entry re-created, or gone). One CT
+ * lookup, only on service flows. While the entry stays absent (SVC_NONE)
+ * nothing is recorded, but the packet's time is kept (one store per flow
+ * and 2^20 ns at most): user space settles such a flow only when no packet
+ * came too recently for Cilium to have handled it. */
 static __always_inline void service_packet(struct __sk_buff *skb, const struct flow *f, struct seen_val *v)
 {
 	struct ct_key6 k;
-	__u32 b;
+	__u32 b = svc_backend(f, &k), t;
+	__u64 head;
 
-	if (svc_backend(f, &k) == v->last)
+	if (v->svc & SVC_NONE) {
+		if (!b) {
+			t = bpf_ktime_get_ns() >> SVC_TIME_SHIFT;
+			if (v->last != t)
+				v->last = t;
+			return;
+		}
+	} else if (b == v->last) {
 		return;
-	if (emit_service(f, skb->ifindex, &b) == 0)
-		v->last = b;
+	}
+	if (emit_service(f, skb->ifindex, &head) == 0)
+		set_head(v, head);
 }
 
 /* Emits the record of a new flow. Returns 0 when it is in the ring buffer
@@ -391,15 +434,20 @@ static __always_inline void service_packet(struct __sk_buff *skb, const struct f
  * (Track: a generation bump that drops the cached flow) makes it complete.
  * A flow the pod sends to a VIP (a foreign source's excepted: marking the
  * claimed source covers its entries) is a service flow: 1 is returned and
- * *backend set. */
-static __always_inline int emit(struct __sk_buff *skb, const struct flow *f, int egress, __u8 dir, __u32 *backend)
+ * val's head set. */
+static __always_inline int emit(struct __sk_buff *skb, const struct flow *f, int egress, __u8 dir, struct seen_val *val)
 {
 	struct record *r;
 	__u8 flags = dir;
 	int foreign = egress && !scoped_source(f) && !own_source(skb, f->src);
+	__u64 head;
 
-	if (!foreign && egress && to_service(f))
-		return emit_service(f, skb->ifindex, backend) < 0 ? -1 : 1;
+	if (!foreign && egress && to_service(f)) {
+		if (emit_service(f, skb->ifindex, &head) < 0)
+			return -1;
+		set_head(val, head);
+		return 1;
+	}
 	r = bpf_ringbuf_reserve(&rec_events, sizeof(*r), 0);
 	if (!r) {
 		count_lost(egress ? f->src : f->dst);
@@ -494,10 +542,9 @@ static __always_inline void record4(struct __sk_buff *skb, const struct flow *f,
 	}
 	v = bpf_map_lookup_elem(&rec_flows4, &k);
 	if (!cached(skb, f, v, val.dir, gl, gr)) {
-		ret = emit(skb, f, egress, val.dir, &val.last);
+		ret = emit(skb, f, egress, val.dir, &val);
 		if (ret < 0)
 			return; /* lost: not cached, the next packet tries again */
-		val.svc = ret;
 		if (f->proto != PROTO_TCP && !ret)
 			val.last = now_coarse();
 		val.gen_local = gl;
@@ -538,10 +585,9 @@ static __always_inline void record6(struct __sk_buff *skb, const struct flow *f,
 	gr = gen_of(gen_slot6(k.remote));
 	if (cached(skb, f, bpf_map_lookup_elem(&rec_flows6, &k), val.dir, gl, gr))
 		return;
-	ret = emit(skb, f, egress, val.dir, &val.last);
+	ret = emit(skb, f, egress, val.dir, &val);
 	if (ret < 0)
 		return;
-	val.svc = ret;
 	if (f->proto != PROTO_TCP && !ret)
 		val.last = now_coarse();
 	val.gen_local = gl;

@@ -68,11 +68,11 @@ struct ct_entry {
 struct record {
 	__u8 family; /* 4 or 6 */
 	__u8 kind;   /* REC_* */
-	__u8 pad[2];
+	__u16 at_hi; /* REC_SERVICE_ENTRY: the packet's time, bpf_ktime_get_ns() >> 20: */
 	__u32 ifindex;
 	__u8 key[40]; /* ct_key4 (14 bytes) or ct_key6 (38 bytes), zero padded */
 	__u32 backend; /* REC_SERVICE_ENTRY: the SERVICE entry's backend_id */
-	__u32 pad2;
+	__u32 at_lo;   /* bits 47-32 in at_hi, 31-0 here (0: an older program) */
 };
 
 #endif

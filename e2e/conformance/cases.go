@@ -3,6 +3,7 @@ package conformance
 import (
 	"fmt"
 	"net/netip"
+	"time"
 
 	"github.com/ctscrub/ctscrub/scrubd/cilium"
 	"github.com/ctscrub/ctscrub/scrubd/ctmap"
@@ -207,7 +208,11 @@ type Case struct {
 	// Marks: the case's pods must end incomplete with this reason (a
 	// feature the daemon detects because the harness cannot run its path).
 	Marks string
-	Run   func(e *Env) (pods []*Pod, reasons []string)
+	// NoEntries says why Cilium creates no CT entry at all in the case:
+	// it must then hold none of the pods' addresses, and the pods must
+	// end complete.
+	NoEntries string
+	Run       func(e *Env) (pods []*Pod, reasons []string)
 	// After runs once the case is checked (undoes what must not reach the
 	// next cases).
 	After func(e *Env)
@@ -221,11 +226,21 @@ func (e *Env) icmpProto() uint8 {
 }
 
 const (
-	notHost    = "bpf_host's NodePort entries: the stand-in models the pod's veth only"
-	notHostFW  = "bpf_host's host-firewall entries: the stand-in models the pod's veth only"
-	notICMPVIP = "the stand-in creates an IPv6 RELATED entry for the error with the VIP, Cilium none"
-	notRepick  = "the stand-in always sends a service's flows to its first backend"
+	notHost      = "bpf_host's NodePort entries: the stand-in models the pod's veth only"
+	notHostFW    = "bpf_host's host-firewall entries: the stand-in models the pod's veth only"
+	notICMPVIP   = "the stand-in creates an IPv6 RELATED entry for the error with the VIP, Cilium none"
+	notRepick    = "the stand-in always sends a service's flows to its first backend"
+	notNoBackend = "the stand-in has no service without backends (it sees a plain flow to the VIP)"
 )
+
+// SettleAfterDatapath is the daemon's early resolution once Cilium has
+// surely handled the pods' packets: it waits as the daemon does (the
+// recorder settles a flow to a service without backends only when its
+// latest packet is older than its settle delay).
+func (e *Env) SettleAfterDatapath(pods ...*Pod) {
+	time.Sleep(150 * time.Millisecond)
+	e.N.Settle(pods...)
+}
 
 // Cases is the suite. Each uses fresh pods and addresses, so cases share a
 // node without seeing each other's entries.
@@ -376,6 +391,48 @@ var Cases = []Case{
 		e.N.AddService(ProtoUDP, AP(vip, 9000), AP(r2, 9090), 0)
 		e.Expect("UDP to VIP, re-picked", e.N.Send(a, UDPFrame(AP(e.IP(a), 40006), AP(vip, 9000))))
 		return []*Pod{a}, []string{index.ReasonServiceUnresolved}
+	}},
+	// A ClusterIP whose service has no backend (between one rollout
+	// wave's pods going and the next's becoming ready, or no endpoints at
+	// all): bpf_lxc drops the client's packets (DROP_NO_SERVICE) before
+	// any CT entry. The recorder saw them go to the VIP; the client stays
+	// complete (settled as "no entry"), also after a later packet that
+	// again finds no backend.
+	{Name: "service-no-backends", NoEntries: "a service without backends: Cilium drops before any CT entry", NotStandin: notNoBackend, Run: func(e *Env) ([]*Pod, []string) {
+		a, vip := e.Pod("a"), e.VIP()
+		e.N.AddServiceNoBackends(ProtoTCP, AP(vip, 80))
+		e.N.AddServiceNoBackends(ProtoUDP, AP(vip, 53))
+		drops := e.N.NoServiceDrops()
+		e.Expect("SYN to VIP without backends", e.N.Send(a, TCPFrame(AP(e.IP(a), 40007), AP(vip, 80), SYN)), VerdictShot, VerdictRedirect)
+		e.Expect("UDP to VIP without backends", e.N.Send(a, UDPFrame(AP(e.IP(a), 40008), AP(vip, 53))), VerdictShot, VerdictRedirect)
+		e.SettleAfterDatapath(a)
+		e.Expect("UDP again, still without backends", e.N.Send(a, UDPFrame(AP(e.IP(a), 40008), AP(vip, 53))), VerdictShot, VerdictRedirect)
+		e.Expect("SYN retransmitted", e.N.Send(a, TCPFrame(AP(e.IP(a), 40007), AP(vip, 80), SYN)), VerdictShot, VerdictRedirect)
+		if got := e.N.NoServiceDrops() - drops; got != 4 {
+			e.Fail("Cilium dropped %d packets as DROP_NO_SERVICE, want 4", got)
+		}
+		return []*Pod{a}, nil
+	}},
+	// The same flows' first packets find no backend; a backend is added
+	// and each flow's next packet makes Cilium pick it (SERVICE and OUT
+	// entries). The recorder read no entry at either packet: the
+	// settled "no entry" must give way to the scrub's reading of the
+	// SERVICE entry, and every entry be among the client's keys.
+	{Name: "service-backend-added-after-drop", NotStandin: notNoBackend, Run: func(e *Env) ([]*Pod, []string) {
+		a, r, vip := e.Pod("a"), e.Remote(), e.VIP()
+		e.N.AddServiceNoBackends(ProtoTCP, AP(vip, 80))
+		e.N.AddServiceNoBackends(ProtoUDP, AP(vip, 9000))
+		e.Expect("SYN, no backend", e.N.Send(a, TCPFrame(AP(e.IP(a), 40009), AP(vip, 80), SYN)), VerdictShot, VerdictRedirect)
+		e.Expect("UDP, no backend", e.N.Send(a, UDPFrame(AP(e.IP(a), 40010), AP(vip, 9000))), VerdictShot, VerdictRedirect)
+		e.SettleAfterDatapath(a)
+		e.N.AddService(ProtoTCP, AP(vip, 80), AP(r, 8080), 0)
+		e.N.AddService(ProtoUDP, AP(vip, 9000), AP(r, 9090), 0)
+		e.Expect("SYN retransmitted, a backend now", e.N.Send(a, TCPFrame(AP(e.IP(a), 40009), AP(vip, 80), SYN)))
+		e.Expect("SYN-ACK from backend", e.N.FromNetdev(TCPFrame(AP(r, 8080), AP(e.IP(a), 40009), SYN|ACK)))
+		e.Expect("UDP again, a backend now", e.N.Send(a, UDPFrame(AP(e.IP(a), 40010), AP(vip, 9000))))
+		e.Expect("UDP reply", e.N.FromNetdev(UDPFrame(AP(r, 9090), AP(e.IP(a), 40010))))
+		e.RequireServiceEntry(a, vip)
+		return []*Pod{a}, nil
 	}},
 	// Socket LB in host-namespace-only mode (service meshes): bpf_lxc
 	// load-balances the pod's packets itself, as with the default values.

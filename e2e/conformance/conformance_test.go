@@ -62,7 +62,16 @@ func TestConformance(t *testing.T) {
 						for _, p := range pods {
 							ips = append(ips, e.IP(p).String())
 						}
-						if entries == 0 {
+						switch {
+						case c.NoEntries != "" && entries != 0:
+							t.Errorf("Cilium created %d CT entries holding %v; the case expects none (%s)", entries, ips, c.NoEntries)
+						case c.NoEntries != "":
+							for _, ip := range ips {
+								if st := n.Ix.State(netip.MustParseAddr(ip)); !st.Complete {
+									t.Errorf("%s: state %+v, want complete (%s)", ip, st, c.NoEntries)
+								}
+							}
+						case entries == 0:
 							t.Errorf("Cilium created no CT entry holding %v: the case tests nothing", ips)
 						}
 						for _, m := range misses {

@@ -115,7 +115,12 @@ func NewNode(t testing.TB, o *Objects, nc NodeConfig) *Node {
 	n := &Node{t: t, O: o, Dir: dir, pods: map[netip.Addr]*Pod{}, nextID: 100, revNAT: 1}
 	t.Cleanup(func() { n.close() })
 	lb := loopback4(o).As4()
-	cfg := configs{"interface_ifindex": nativeIf, "service_loopback_ipv4": uint64(binary.NativeEndian.Uint32(lb[:]))}
+	cfg := configs{"interface_ifindex": nativeIf, "service_loopback_ipv4": uint64(binary.NativeEndian.Uint32(lb[:])),
+		// 1.19+: the agent's default (--enable-no-service-endpoints-routable,
+		// pkg/svcrouteconfig): a service without backends drops
+		// (DROP_NO_SERVICE), as 1.16-1.18 always do; off, bpf_lxc passes
+		// the packet on untranslated.
+		"enable_no_service_endpoints_routable": 1}
 	lxc := o.LXC
 	switch nc {
 	case NodeHostFWDSR:
@@ -171,15 +176,33 @@ func NewNode(t testing.TB, o *Objects, nc NodeConfig) *Node {
 	if n.CT, err = ctmap.Open(n.Globals); err != nil {
 		t.Fatal(err)
 	}
+	// The daemon's CT map counter (the kernel's element count), so the
+	// recorder can exclude LRU evictions when it settles a flow to a
+	// service without backends.
+	be, err := cilium.New(n.CT, index.New(index.Config{PodCIDRs: PodCIDRs}), cilium.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { be.Close() })
+	if !be.CountIsCheap() {
+		t.Fatalf("no kernel entry counter for the CT maps (%v): flows to a service without backends cannot be settled", be.CountError())
+	}
 	n.Rec, err = recorder.Load(recorder.Options{
 		PinDir: filepath.Join(dir, "recorder"), CTRoot: n.Globals,
 		RingBytes: 1 << 20, SeenEntries: 4096,
 		Log: slog.New(slog.NewTextHandler(io.Discard, nil)),
+		// The lifetimes this build compiled in (Cilium's test
+		// configuration), as the agent's node_config.h on a node.
+		NodeConfig: filepath.Join(o.Source, "bpf", "node_config.h"),
+		CTFill:     be.Count,
 	})
 	if err != nil {
 		t.Fatal(err)
 	}
 	n.Rec.SetCT(n.CT) // Resolve reads SERVICE and OUT entries there
+	done := make(chan struct{})
+	go n.Rec.WatchFill(done)
+	t.Cleanup(func() { close(done) })
 	if v4, v6 := n.Rec.VIPDetection(); !v4 || !v6 {
 		t.Fatalf("recorder did not find Cilium %s's service maps (v4 %v, v6 %v)", o.Version, v4, v6)
 	}
@@ -353,6 +376,50 @@ func (n *Node) AddService(proto uint8, vip, backend netip.AddrPort, flags uint8)
 	}
 	n.checkBackend(vip.Addr().Is6(), a.BackendID, backend)
 	return a.BackendID
+}
+
+// AddServiceNoBackends registers a service frontend without backends
+// (count 0), as the agent leaves a service whose endpoints are all gone:
+// bpf_lxc drops a pod's new flow to it (DROP_NO_SERVICE) before creating
+// any CT entry. Not given to the stand-in, which has no such service.
+func (n *Node) AddServiceNoBackends(proto uint8, vip netip.AddrPort) {
+	n.t.Helper()
+	n.mu.Lock()
+	rev := n.revNAT
+	n.revNAT++
+	n.mu.Unlock()
+	a := confArgs{Op: 3, Proto: proto, RevNAT: rev, Family: 4}
+	binary.BigEndian.PutUint16(a.VPort[:], vip.Port())
+	if vip.Addr().Is4() {
+		a.VIP4 = vip.Addr().As4()
+	} else {
+		a.VIP6, a.Family = vip.Addr().As16(), 6
+	}
+	n.setup(a, "conf_setup")
+}
+
+// dropNoService is DROP_NO_SERVICE's reason in cilium_metrics (-158).
+const dropNoService = 158
+
+// NoServiceDrops counts the packets Cilium dropped as DROP_NO_SERVICE.
+func (n *Node) NoServiceDrops() uint64 {
+	var sum uint64
+	for name, m := range n.LXC.Maps {
+		if name != "cilium_metrics" && name != "test_cilium_metrics" {
+			continue
+		}
+		it := m.Iterate()
+		k := make([]byte, m.KeySize())
+		var v [][16]byte // per CPU: count, bytes
+		for it.Next(&k, &v) {
+			if k[0] == dropNoService {
+				for _, c := range v {
+					sum += binary.NativeEndian.Uint64(c[:8])
+				}
+			}
+		}
+	}
+	return sum
 }
 
 // checkBackend reads backend id back through ctmap.Backends (what

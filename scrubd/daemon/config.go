@@ -16,6 +16,7 @@ import (
 
 	"github.com/ctscrub/ctscrub/scrubd/api"
 	"github.com/ctscrub/ctscrub/scrubd/ctmap"
+	"github.com/ctscrub/ctscrub/scrubd/recorder"
 )
 
 // Defaults that work on a Cilium node.
@@ -36,6 +37,11 @@ type Config struct {
 	DelegateSocket string `yaml:"delegate_socket"`
 	// CTRoot is the bpffs directory holding Cilium's global CT maps.
 	CTRoot string `yaml:"ct_root"`
+	// CiliumNodeConfig is the Cilium agent's node_config.h (its CT
+	// lifetimes): with it, a flow to a service without backends, which
+	// Cilium drops before making any entry, keeps its pod's IP complete
+	// (docs/recorder.md, "A service without backends").
+	CiliumNodeConfig string `yaml:"cilium_node_config"`
 	// PinDir is ctscrub's own bpffs directory (recorder maps and links).
 	PinDir string `yaml:"pin_dir"`
 	// StateFile lists the attachments scrubd indexes, for restarts.
@@ -123,19 +129,20 @@ func (d Duration) MarshalText() ([]byte, error) { return []byte(d.Duration.Strin
 // it must be configured.
 func DefaultConfig() Config {
 	return Config{
-		Socket:        api.DefaultSocket,
-		CTRoot:        ctmap.DefaultRoot,
-		PinDir:        DefaultPinDir,
-		StateFile:     DefaultStateFile,
-		MetricsAddr:   DefaultMetricsAddr,
-		Backends:      "auto",
-		MaxInFlight:   64,
-		QueueLimit:    1024,
-		ShutdownGrace: Duration{5 * time.Second},
-		StoppedTTL:    Duration{time.Hour},
-		StatsInterval: Duration{30 * time.Second},
-		LogLevel:      "info",
-		Expiry:        ExpiryConfig{Mode: "sweep", Clock: "auto", Interval: Duration{60 * time.Second}},
+		Socket:           api.DefaultSocket,
+		CTRoot:           ctmap.DefaultRoot,
+		CiliumNodeConfig: recorder.DefaultNodeConfig,
+		PinDir:           DefaultPinDir,
+		StateFile:        DefaultStateFile,
+		MetricsAddr:      DefaultMetricsAddr,
+		Backends:         "auto",
+		MaxInFlight:      64,
+		QueueLimit:       1024,
+		ShutdownGrace:    Duration{5 * time.Second},
+		StoppedTTL:       Duration{time.Hour},
+		StatsInterval:    Duration{30 * time.Second},
+		LogLevel:         "info",
+		Expiry:           ExpiryConfig{Mode: "sweep", Clock: "auto", Interval: Duration{60 * time.Second}},
 	}
 }
 

@@ -53,7 +53,14 @@ func Open(cfg Config, log *slog.Logger, version string) (*Daemon, error) {
 			if err := c.CountError(); err != nil {
 				log.Warn("cilium backend: no kernel entry counter; ctscrub_ct_entries counts by a walk of each map", "err", err)
 			}
-			rec, err := recorder.Load(recorder.Options{PinDir: cfg.PinDir, CTRoot: cfg.CTRoot, Log: log, CT: maps, RingBytes: cfg.RingBytes})
+			var fill func(ctmap.Kind) (int64, error)
+			if c.CountIsCheap() {
+				fill = c.Count // the kernel's element counter: microseconds
+			} else {
+				log.Warn("recorder: no kernel entry counter, so the CT maps' fill is not watched: flows to a service without backends mark their pods incomplete")
+			}
+			rec, err := recorder.Load(recorder.Options{PinDir: cfg.PinDir, CTRoot: cfg.CTRoot, Log: log, CT: maps, RingBytes: cfg.RingBytes,
+				NodeConfig: cfg.CiliumNodeConfig, CTFill: fill})
 			if err != nil {
 				return fail(err)
 			}

@@ -36,6 +36,15 @@ type SvcState struct {
 	// Read are backend IDs the recorder read from the SERVICE entry, not
 	// yet resolved to an address.
 	Read []uint32
+	// NoEntry: settled as "Cilium made no entry" (a service without
+	// backends drops the packet before any CT entry): no packet of the
+	// flow up to Since made a pick (scrubd/recorder, resolveNoEntry).
+	NoEntry bool
+	// Since, CLOCK_MONOTONIC ns (0: unknown). Pending: no packet that
+	// may have made an unread pick is older than this (the record of
+	// the first packet that found no entry, or a NoEntry state's Since).
+	// NoEntry: the latest packet known to have made no entry.
+	Since int64
 }
 
 type svcID struct {
@@ -73,17 +82,30 @@ func (e *IPEntry) notePendingLocked(id svcID) {
 // the backend_id its entry held when the packet passed (0: none, so that
 // packet makes the entry and picks a backend nobody has read).
 func (ix *Index) ServiceRecord4(ip netip.Addr, k ctmap.CTKey4, backend uint32) {
-	ix.AddTo4(ip, k)
-	ix.serviceRecord(ip, svcID4(&k), backend)
+	ix.ServiceRecordAt4(ip, k, backend, 0)
 }
 
 // ServiceRecord6 is ServiceRecord4 for IPv6.
 func (ix *Index) ServiceRecord6(ip netip.Addr, k ctmap.CTKey6, backend uint32) {
-	ix.AddTo6(ip, k)
-	ix.serviceRecord(ip, svcID6(&k), backend)
+	ix.ServiceRecordAt6(ip, k, backend, 0)
 }
 
-func (ix *Index) serviceRecord(ip netip.Addr, id svcID, backend uint32) {
+// ServiceRecordAt4 is ServiceRecord4 with the time the packet passed the
+// recorder (CLOCK_MONOTONIC ns, rounded down; 0: unknown, an older
+// program): a record of backend 0 that starts a run of packets finding no
+// entry gives the run its Since.
+func (ix *Index) ServiceRecordAt4(ip netip.Addr, k ctmap.CTKey4, backend uint32, at int64) {
+	ix.AddTo4(ip, k)
+	ix.serviceRecord(ip, svcID4(&k), backend, at)
+}
+
+// ServiceRecordAt6 is ServiceRecordAt4 for IPv6.
+func (ix *Index) ServiceRecordAt6(ip netip.Addr, k ctmap.CTKey6, backend uint32, at int64) {
+	ix.AddTo6(ip, k)
+	ix.serviceRecord(ip, svcID6(&k), backend, at)
+}
+
+func (ix *Index) serviceRecord(ip netip.Addr, id svcID, backend uint32, at int64) {
 	e := ix.slot(ip)
 	if e == nil {
 		return
@@ -99,12 +121,26 @@ func (ix *Index) serviceRecord(ip netip.Addr, id svcID, backend uint32) {
 		e.svc[id] = st
 	}
 	switch {
+	case backend == 0 && st.NoEntry:
+		// The flow's cache entry was made again (evicted, or its
+		// addresses' generations bumped): its packets since Since are
+		// unknown, and none is older.
+		st.Pending, st.NoEntry = true, false
+	case backend == 0 && !st.Pending:
+		st.Pending, st.Since = true, at // a run of packets finding no entry starts
 	case backend == 0:
-		st.Pending = true
+		// A run goes on (Since kept), or a pick is pending for another
+		// reason (Since 0: never settled as no entry).
 	case backend != st.ID && len(st.Read) < 16:
 		st.Read = append(st.Read, backend)
 	case backend != st.ID:
 		st.Pending = true // more re-picks than worth keeping: read the entry
+	}
+	if backend != 0 {
+		// An entry was there: if it is gone by the next resolution,
+		// something removed it before its lifetime ran out (an LRU
+		// eviction, a flush), so the run cannot be settled as no entry.
+		st.NoEntry, st.Since = false, 0
 	}
 }
 
@@ -160,6 +196,52 @@ func (ix *Index) ServiceResolved(ip netip.Addr, s Service, id uint32, pending, d
 	st.ID = id
 	st.Pending = pending || laterPending
 	st.Read = append([]uint32(nil), later...)
+	if !st.Pending {
+		st.NoEntry, st.Since = false, 0
+	}
+}
+
+// ServiceNoEntry settles s (read from the list Services returned) as a
+// flow Cilium made no entry for, up to the packet at covered
+// (CLOCK_MONOTONIC ns): the caller proved that no packet up to it made a
+// pick (scrubd/recorder, resolveNoEntry). Nothing changes when a record
+// arrived since the list was taken (the next resolution decides).
+func (ix *Index) ServiceNoEntry(ip netip.Addr, s Service, covered int64) {
+	e := ix.entry(ip, false)
+	if e == nil {
+		return
+	}
+	key := svcID4(&s.K4)
+	if s.V6 {
+		key = svcID6(&s.K6)
+	}
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	st := e.svc[key]
+	if st == nil || st.Pending != s.Pending || st.NoEntry != s.NoEntry || st.Since != s.Since || len(st.Read) != len(s.Read) || st.ID != s.ID {
+		return
+	}
+	st.Pending, st.NoEntry, st.Since = false, true, covered
+}
+
+// ServiceUnsettle turns a NoEntry state back into a pending one whose run
+// started after since (packets came after the settled one and could not be
+// settled yet). Nothing changes when a record arrived since the list was
+// taken.
+func (ix *Index) ServiceUnsettle(ip netip.Addr, s Service) {
+	e := ix.entry(ip, false)
+	if e == nil {
+		return
+	}
+	key := svcID4(&s.K4)
+	if s.V6 {
+		key = svcID6(&s.K6)
+	}
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if st := e.svc[key]; st != nil && st.NoEntry && st.Since == s.Since {
+		st.Pending, st.NoEntry = true, false
+	}
 }
 
 // del removes s's SERVICE key from e's set under e's lock.
@@ -213,8 +295,12 @@ func (e *IPEntry) svcReadLocked() bool {
 // dropSettledSvcLocked forgets the state of a service flow whose SERVICE
 // key a prune removed (its entry gone), when every pick of it was learnt;
 // an unsettled one stays, for the next final resolution to mark.
+//
+// A NoEntry state stays: its SERVICE entry is absent by definition, and the
+// flow's later packets send no record while the entry stays absent (the
+// state is what tells the next resolution to look at them).
 func (e *IPEntry) dropSettledSvcLocked(id svcID) {
-	if st := e.svc[id]; st != nil && !st.Pending && len(st.Read) == 0 {
+	if st := e.svc[id]; st != nil && !st.Pending && !st.NoEntry && len(st.Read) == 0 {
 		delete(e.svc, id)
 	}
 }

@@ -39,7 +39,17 @@ type Record struct {
 	Ifindex uint32
 	Key     [40]byte
 	Backend uint32
+	// At: RecServiceEntry, the packet's bpf_ktime_get_ns() >> SvcTimeShift
+	// (48 bits; 0 from an older program).
+	At uint64
 }
+
+// SvcTimeShift is the unit of Record.At and of a service flow's packet
+// time in the flow caches (SVC_TIME_SHIFT in bpf/recorder.c): 2^20 ns.
+const SvcTimeShift = 20
+
+// AtNanos is At as CLOCK_MONOTONIC ns, rounded down (0: unknown).
+func (r *Record) AtNanos() int64 { return int64(r.At << SvcTimeShift) }
 
 // ParseRecord decodes one ring-buffer sample.
 func ParseRecord(b []byte) (Record, error) {
@@ -52,6 +62,7 @@ func ParseRecord(b []byte) (Record, error) {
 	// which Apply reads as a pick nobody has read.
 	if len(b) >= RecordSize {
 		r.Backend = binary.NativeEndian.Uint32(b[48:52])
+		r.At = uint64(binary.NativeEndian.Uint16(b[2:4]))<<32 | uint64(binary.NativeEndian.Uint32(b[52:56]))
 	}
 	if r.Family != 4 && r.Family != 6 {
 		return Record{}, fmt.Errorf("recorder record: family %d", r.Family)
@@ -92,7 +103,7 @@ func Apply(ix *index.Index, r *Record) {
 			// The pod is saddr. Its OUT key names the backend Cilium
 			// picked, which the pod never sees: Resolve learns it from
 			// the SERVICE entry and Cilium's backends map.
-			ix.ServiceRecord4(k.SAddr(), k, r.Backend)
+			ix.ServiceRecordAt4(k.SAddr(), k, r.Backend, r.AtNanos())
 			return
 		}
 		if r.Kind == RecService {
@@ -124,7 +135,7 @@ func Apply(ix *index.Index, r *Record) {
 			return
 		}
 		if r.Kind == RecServiceEntry {
-			ix.ServiceRecord6(k.SAddr(), k, r.Backend)
+			ix.ServiceRecordAt6(k.SAddr(), k, r.Backend, r.AtNanos())
 			return
 		}
 		if r.Kind == RecService {
@@ -151,6 +162,8 @@ func (r *Record) Encode() []byte {
 	binary.NativeEndian.PutUint32(b[4:8], r.Ifindex)
 	copy(b[8:48], r.Key[:])
 	binary.NativeEndian.PutUint32(b[48:52], r.Backend)
+	binary.NativeEndian.PutUint16(b[2:4], uint16(r.At>>32))
+	binary.NativeEndian.PutUint32(b[52:56], uint32(r.At))
 	return b
 }
 

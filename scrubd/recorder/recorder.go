@@ -100,6 +100,15 @@ type Options struct {
 	// daemon must call Prune itself or stale keys accumulate until a scrub
 	// takes them.
 	CT *ctmap.Maps
+	// NodeConfig is the Cilium agent's node_config.h, whose CT lifetimes
+	// bound how long a SERVICE entry lives (a flow to a service without
+	// backends is settled as "no entry" only within them). Default
+	// DefaultNodeConfig; unreadable, no flow is settled that way.
+	NodeConfig string
+	// CTFill counts the entries of one of Cilium's CT maps cheaply
+	// (cilium.Backend.Count with the kernel's counter). Without it no
+	// flow is settled as "no entry" (an LRU eviction cannot be excluded).
+	CTFill func(ctmap.Kind) (int64, error)
 }
 
 // Recorder is the loaded recorder.
@@ -129,6 +138,10 @@ type Recorder struct {
 
 	ctMu sync.RWMutex // guards opts.CT: held by a prune, taken by SetCT
 
+	fill      fillWatch     // the CT maps' fill, sampled (noentry.go)
+	life      lifetimes     // SERVICE entries' lifetimes on this node
+	noEntries atomic.Uint64 // flows settled as "Cilium made no entry"
+
 	// netnsCheck: the programs compare a sent packet's network namespace
 	// with its source address's owner's, not only the ifindex.
 	netnsCheck bool
@@ -157,6 +170,7 @@ func (r *Recorder) SetCT(ct *ctmap.Maps) {
 	r.ctMu.Lock()
 	r.opts.CT = ct
 	r.ctMu.Unlock()
+	r.resetFill()
 }
 
 // Load loads the recorder's programs. Its maps are pinned under PinDir; when
@@ -206,7 +220,11 @@ func Load(opts Options) (*Recorder, error) {
 		return nil, fmt.Errorf("recorder: create pin dir %s: %w (is bpffs mounted at /sys/fs/bpf?)", opts.PinDir, err)
 	}
 
+	if opts.NodeConfig == "" {
+		opts.NodeConfig = DefaultNodeConfig
+	}
 	r := &Recorder{opts: opts, lostSeen: make(map[[16]byte]uint64)}
+	r.life.path = opts.NodeConfig
 	repl, err := openServiceMaps(spec, opts, &r.vip, &r.svc)
 	if err != nil {
 		return nil, err
@@ -237,6 +255,11 @@ func Load(opts Options) (*Recorder, error) {
 		opts.Log.Warn("recorder: this kernel's tc programs cannot read a network namespace's cookie (bpf_get_netns_cookie); "+
 			"a sent packet's source address is checked against its interface's ifindex only: a pod whose interface has the ifindex of "+
 			"another pod's (in its own namespace) can file keys under that pod's addresses", "source_check", r.SourceCheck())
+	}
+	if (r.vip[0] || r.vip[1]) && opts.CT != nil {
+		if _, err := r.life.get(); err != nil {
+			opts.Log.Warn("recorder: a pod whose flow to a service finds no backend will be marked incomplete (its DEL scrub sweeps): the SERVICE entries' lifetimes are unknown", "err", err)
+		}
 	}
 	r.legacy = removeLegacyMaps(opts.PinDir, opts.Log)
 	r.legacySeen = make(map[[16]byte]uint64)
@@ -717,6 +740,13 @@ func (r *Recorder) Run(ctx context.Context, ix *index.Index) error {
 	go func() {
 		defer wg.Done()
 		r.resolveEarly(ctx, ix, svcq)
+	}()
+	// The CT maps' fill, so a flow to a service without backends can be
+	// settled as "no entry" (noentry.go).
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		r.WatchFill(ctx.Done())
 	}()
 
 	var rec ringbuf.Record

@@ -91,7 +91,11 @@ func (r *Recorder) resolveEarly(ctx context.Context, ix *index.Index, q *resolve
 			}
 		}
 		q.taken(it.ip)
-		r.Resolve(ix, it.ip, false)
+		if retry := r.resolve(ix, it.ip, false); retry > 0 {
+			// A flow's latest packet was too recent to settle it as
+			// "no entry": again once Cilium has surely handled it.
+			q.offer(it.ip, time.Now().Add(retry-resolveDelay))
+		}
 	}
 }
 
@@ -116,6 +120,12 @@ func (r *Recorder) EarlyResolveDropped() uint64 {
 // the record) they only stay pending, since Cilium may not have created
 // the entries yet. The windows are in docs/recorder.md ("Service VIPs").
 func (r *Recorder) Resolve(ix *index.Index, ip netip.Addr, final bool) {
+	r.resolve(ix, ip, final)
+}
+
+// resolve is Resolve; retry > 0 asks the early pass to come back then (a
+// flow that may be settled as "no entry" once its latest packet is older).
+func (r *Recorder) resolve(ix *index.Index, ip netip.Addr, final bool) (retry time.Duration) {
 	svcs := ix.Services(ip)
 	if !final {
 		// The early pass only settles what records left unsettled: a
@@ -127,7 +137,7 @@ func (r *Recorder) Resolve(ix *index.Index, ip netip.Addr, final bool) {
 		svcs = slices.DeleteFunc(svcs, func(s index.Service) bool { return !s.Pending && len(s.Read) == 0 })
 	}
 	if len(svcs) == 0 || !ix.State(ip).Complete {
-		return // an incomplete IP sweeps: nothing to learn for it
+		return 0 // an incomplete IP sweeps: nothing to learn for it
 	}
 	r.ctMu.RLock()
 	defer r.ctMu.RUnlock()
@@ -141,16 +151,20 @@ func (r *Recorder) Resolve(ix *index.Index, ip netip.Addr, final bool) {
 	}
 	if ct == nil {
 		fail("no CT maps to read SERVICE entries from", nil)
-		return
+		return 0
 	}
 	be, err := ctmap.OpenBackends(r.opts.CTRoot)
 	if err != nil {
 		fail("open backend maps", err)
-		return
+		return 0
 	}
 	defer be.Close()
 	for _, s := range svcs {
-		if why, err := resolveOne(ix, ip, ct, be, s, final); why != "" {
+		why, again, err := r.resolveOne(ix, ip, ct, be, s, final)
+		if again > 0 && (retry == 0 || again < retry) {
+			retry = again
+		}
+		if why != "" {
 			if !final {
 				// A fact whatever the timing (a backend removed before
 				// its address was read): mark now.
@@ -160,14 +174,17 @@ func (r *Recorder) Resolve(ix *index.Index, ip netip.Addr, final bool) {
 			} else {
 				fail(why, err)
 			}
-			return
+			return 0
 		}
 	}
+	return retry
 }
 
 // resolveOne resolves one flow; why is non-empty when ip must be marked.
-func resolveOne(ix *index.Index, ip netip.Addr, ct *ctmap.Maps, be *ctmap.Backends, s index.Service, final bool) (why string, err error) {
-	id, pending := s.ID, s.Pending
+func (r *Recorder) resolveOne(ix *index.Index, ip netip.Addr, ct *ctmap.Maps, be *ctmap.Backends, s index.Service, final bool) (why string, retry time.Duration, err error) {
+	// A flow settled as "no entry" whose entry is there now: a later
+	// packet made it, and its pick is new.
+	id, pending := s.ID, s.Pending || s.NoEntry
 	learn := func(b uint32) (ok bool, err error) {
 		bk, found, err := be.Lookup(s.V6, b)
 		if err != nil || !found {
@@ -180,11 +197,11 @@ func resolveOne(ix *index.Index, ip netip.Addr, ct *ctmap.Maps, be *ctmap.Backen
 	for _, b := range s.Read {
 		ok, err := learn(b)
 		if err != nil {
-			return "read backend map", err
+			return "read backend map", 0, err
 		}
 		if !ok {
 			if b != id {
-				return "a backend the flow used was removed before its address was read", nil
+				return "a backend the flow used was removed before its address was read", 0, nil
 			}
 			pending = true // Cilium re-picks at the flow's next packet
 			continue
@@ -200,29 +217,59 @@ func resolveOne(ix *index.Index, ip netip.Addr, ct *ctmap.Maps, be *ctmap.Backen
 	}
 	if errors.Is(err, ebpf.ErrKeyNotExist) {
 		if pending {
-			if final {
-				return "the SERVICE entry is gone and its last backend was never read", nil
+			// A service without backends: Cilium dropped the packets
+			// before making any entry (noentry.go).
+			ok, again, whyNot := r.noEntry(ix, ip, ct, s)
+			if ok {
+				return "", 0, nil
 			}
-			ix.ServiceResolved(ip, s, id, true, false)
-			return "", nil
+			if final && again > 0 && again <= 2*settleDelay {
+				// The scrub waits for Cilium to handle the latest
+				// packet rather than sweep the table for it.
+				time.Sleep(again)
+				if ok, _, whyNot = r.noEntry(ix, ip, ct, s); ok {
+					return "", 0, nil
+				}
+			}
+			if final {
+				why := "the SERVICE entry is gone and its last backend was never read"
+				if whyNot != "" {
+					why += " (not settled as a flow Cilium made no entry for: " + whyNot + ")"
+				}
+				return why, 0, nil
+			}
+			if s.NoEntry {
+				ix.ServiceUnsettle(ip, s)
+			} else {
+				ix.ServiceResolved(ip, s, id, true, false)
+			}
+			return "", again, nil
 		}
 		ix.ServiceResolved(ip, s, id, false, true) // every pick learnt; the entry is gone
-		return "", nil
+		return "", 0, nil
 	}
 	if err != nil {
-		return "read SERVICE entry", err
+		return "read SERVICE entry", 0, err
+	}
+	if s.NoEntry {
+		// Its SERVICE key may have been pruned while the entry was absent.
+		if s.V6 {
+			ix.AddTo6(ip, s.K6)
+		} else {
+			ix.AddTo4(ip, s.K4)
+		}
 	}
 	b := uint32(e.Decode().BackendID)
 	bk, found, err := be.Lookup(s.V6, b)
 	if err != nil {
-		return "read backend map", err
+		return "read backend map", 0, err
 	}
 	if !found {
 		if b != id {
-			return "the SERVICE entry's backend was removed before its address was read", nil
+			return "the SERVICE entry's backend was removed before its address was read", 0, nil
 		}
 		ix.ServiceResolved(ip, s, id, true, false) // the next packet re-picks
-		return "", nil
+		return "", 0, nil
 	}
 	out := outKey(s, bk)
 	if b != id || pending {
@@ -235,16 +282,16 @@ func resolveOne(ix *index.Index, ip netip.Addr, ct *ctmap.Maps, be *ctmap.Backen
 		// the packet after the SERVICE entry.
 		if !present(ct, s, out) && !(bk.Addr == ip && !s.V6) {
 			if final {
-				return "no OUT entry towards the SERVICE entry's backend", nil
+				return "no OUT entry towards the SERVICE entry's backend", 0, nil
 			}
 			addOut(ix, s, bk)
 			ix.ServiceResolved(ip, s, b, true, false)
-			return "", nil
+			return "", 0, nil
 		}
 	}
 	addOut(ix, s, bk)
 	ix.ServiceResolved(ip, s, b, false, false)
-	return "", nil
+	return "", 0, nil
 }
 
 type outKeys struct {

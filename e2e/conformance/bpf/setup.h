@@ -8,7 +8,7 @@
 
 #define CONF_ENDPOINT 1 /* local pod: endpoints map, ipcache, allow-all policy */
 #define CONF_IPCACHE 2  /* remote address: ipcache (identity, tunnel endpoint) */
-#define CONF_SERVICE 3  /* service frontend with one backend */
+#define CONF_SERVICE 3  /* service frontend with one backend (or none) */
 #define CONF_L7 4       /* policy entry redirecting to the L7 proxy */
 
 struct conf_args {
@@ -58,28 +58,34 @@ static __always_inline int conf_ipcache(struct conf_args *a)
 	return 0;
 }
 
+/* backend_id 0: the frontend alone, with no backend (count 0), as the
+ * agent writes a service whose endpoints are all gone. */
 static __always_inline int conf_service(struct conf_args *a)
 {
+	__u16 count = a->backend_id ? 1 : 0;
+
 	if (a->family == 4) {
 #if CILIUM_MINOR >= 18
-		lb_v4_add_service_with_flags(a->vip4, a->vport, a->proto, 1, a->rev_nat,
+		lb_v4_add_service_with_flags(a->vip4, a->vport, a->proto, count, a->rev_nat,
 					     a->svc_flags, 0);
 #else
-		lb_v4_add_service_with_flags(a->vip4, a->vport, 1, a->rev_nat,
+		lb_v4_add_service_with_flags(a->vip4, a->vport, count, a->rev_nat,
 					     a->svc_flags, 0);
 #endif
-		lb_v4_add_backend(a->vip4, a->vport, 1, a->backend_id, a->ip4, a->bport,
-				  a->proto, 0);
+		if (count)
+			lb_v4_add_backend(a->vip4, a->vport, 1, a->backend_id, a->ip4, a->bport,
+					  a->proto, 0);
 	} else {
 #if CILIUM_MINOR >= 18
-		lb_v6_add_service_with_flags((union v6addr *)a->vip6, a->vport, a->proto, 1,
+		lb_v6_add_service_with_flags((union v6addr *)a->vip6, a->vport, a->proto, count,
 					     a->rev_nat, a->svc_flags, 0);
 #else
-		lb_v6_add_service_with_flags((union v6addr *)a->vip6, a->vport, 1,
+		lb_v6_add_service_with_flags((union v6addr *)a->vip6, a->vport, count,
 					     a->rev_nat, a->svc_flags, 0);
 #endif
-		lb_v6_add_backend((union v6addr *)a->vip6, a->vport, 1, a->backend_id,
-				  (union v6addr *)a->ip6, a->bport, a->proto, 0);
+		if (count)
+			lb_v6_add_backend((union v6addr *)a->vip6, a->vport, 1, a->backend_id,
+					  (union v6addr *)a->ip6, a->bport, a->proto, 0);
 	}
 	return 0;
 }
