@@ -166,6 +166,15 @@ func newMetrics(d *Daemon, reg *prometheus.Registry) *metrics {
 			return 0
 		}),
 		prometheus.NewCounterFunc(prometheus.CounterOpts{
+			Name: "ctscrub_service_no_entry_total",
+			Help: "Flows to a per-packet load-balanced VIP settled as ones Cilium made no CT entry for (a service without backends dropped them), so their pod IP stayed complete (docs/recorder.md, \"A service without backends\").",
+		}, func() float64 {
+			if ne, ok := d.rec.(interface{ ServiceNoEntries() uint64 }); ok {
+				return float64(ne.ServiceNoEntries())
+			}
+			return 0
+		}),
+		prometheus.NewCounterFunc(prometheus.CounterOpts{
 			Name: "ctscrub_service_early_resolve_dropped_total",
 			Help: "Service records whose pod IP the early resolution's full queue did not take; the IP's next scrub or audit resolves it (or marks it incomplete).",
 		}, func() float64 {
