@@ -97,6 +97,10 @@ spec:
 	scan := func(log string, from int, count bool) int {
 		lines := strings.Split(log, "\n")
 		for _, l := range lines[min(from, len(lines)):] {
+			if count && strings.Contains(l, `"msg":"recorder: service flow`) {
+				// Why a flow through a VIP left its IP incomplete.
+				t.Logf("scrubd on %s: %s", node, l)
+			}
 			var s scrubLine
 			if count && json.Unmarshal([]byte(l), &s) == nil && s.Msg == "scrub" && s.Reason == "del" && !s.DryRun && s.Backend == e.backend() {
 				methods[s.Method]++
