@@ -304,3 +304,11 @@ func (e *IPEntry) dropSettledSvcLocked(id svcID) {
 		delete(e.svc, id)
 	}
 }
+
+// String is the flow's SERVICE key, for logs.
+func (s Service) String() string {
+	if s.V6 {
+		return s.K6.String()
+	}
+	return s.K4.String()
+}

@@ -142,9 +142,9 @@ func (r *Recorder) resolve(ix *index.Index, ip netip.Addr, final bool) (retry ti
 	r.ctMu.RLock()
 	defer r.ctMu.RUnlock()
 	ct := r.opts.CT
-	fail := func(why string, err error) {
+	fail := func(why string, err error, fl ...any) {
 		if final {
-			r.opts.Log.Warn("recorder: service flow's backend unresolved; the IP is marked incomplete", "ip", ip, "why", why, "err", err)
+			r.opts.Log.Warn("recorder: service flow's backend unresolved; the IP is marked incomplete", append([]any{"ip", ip, "why", why, "err", err}, fl...)...)
 			r.unresolved.Add(1)
 			ix.MarkIncomplete(ip, index.ReasonServiceUnresolved)
 		}
@@ -165,14 +165,17 @@ func (r *Recorder) resolve(ix *index.Index, ip netip.Addr, final bool) (retry ti
 			retry = again
 		}
 		if why != "" {
+			// The flow and the state it was in: which case of
+			// resolveOne's it was, for whoever reads the log.
+			fl := []any{"flow", s.String(), "backend_id", s.ID, "reads", s.Read, "pending", s.Pending, "no_entry", s.NoEntry, "since_ns", s.Since}
 			if !final {
 				// A fact whatever the timing (a backend removed before
 				// its address was read): mark now.
 				final = true
-				fail(why, err)
+				fail(why, err, fl...)
 				final = false
 			} else {
-				fail(why, err)
+				fail(why, err, fl...)
 			}
 			return 0
 		}
