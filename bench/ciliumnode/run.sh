@@ -165,5 +165,5 @@ kubectl wait --for=condition=Ready node --all --timeout=5m >&2
 kubectl -n kube-system rollout status deploy/coredns --timeout=5m >&2 || log "warning: coredns not ready (the traffic pods' DNS lookups fail; TCP flows still run)"
 
 log "running the benchmark (ENTRIES=$ENTRIES EXPIRED=${EXPIRED:-0.8} PODS=$PODS)"
-export CLUSTER POD_CIDR PODS CT_GC_INTERVAL
+export CLUSTER POD_CIDR PODS CT_GC_INTERVAL CILIUM_IMAGE
 (cd "$ROOT" && go run ./bench/ciliumnode)
