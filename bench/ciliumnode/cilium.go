@@ -80,6 +80,7 @@ func upgradeCilium(k *kube, cfg config, s ciliumSetup, maps **ctmap.Maps) error 
 		return err
 	}
 	f.Close()
+	began := time.Now().Add(-2 * time.Second) // API server timestamps are whole seconds
 	if _, err := run(k.ctx, 5*time.Minute, "", "helm", "upgrade", "cilium", cfg.ciliumChart, "--namespace", "kube-system",
 		"-f", cfg.ciliumValues, "-f", f.Name(), "--wait=false"); err != nil {
 		return err
@@ -89,6 +90,23 @@ func upgradeCilium(k *kube, cfg config, s ciliumSetup, maps **ctmap.Maps) error 
 	}
 	if _, err := k.kubectl(6*time.Minute, "wait", "--for=condition=Ready", "node", "--all", "--timeout=5m"); err != nil {
 		return err
+	}
+	// The worker's agent must be a new one, on the setup's image: the
+	// agent reads its ConfigMap only at start (run.sh sets
+	// rollOutCiliumPods so that a ConfigMap change rolls it).
+	agent, err := podOn(k, "kube-system", agentSel)
+	if err != nil {
+		return err
+	}
+	out, err := k.kubectl(time.Minute, "-n", "kube-system", "get", "pod", agent, "-o",
+		`jsonpath={.metadata.creationTimestamp} {.spec.containers[?(@.name=="cilium-agent")].image}`)
+	if err != nil {
+		return err
+	}
+	f2 := append(strings.Fields(out), "", "")
+	created, err := time.Parse(time.RFC3339, f2[0])
+	if err != nil || created.Before(began) || f2[1] != s.Image {
+		return fmt.Errorf("after the upgrade the worker's agent %s is %q, want one created after %s running %s", agent, out, began.UTC().Format(time.RFC3339), s.Image)
 	}
 	// The agent answers on its metrics port once its cells started.
 	for deadline := time.Now().Add(3 * time.Minute); ; time.Sleep(2 * time.Second) {
@@ -174,7 +192,7 @@ func promSamples(text, name string) []promSample {
 
 // agentCounters are the agent's counters a variant reports as deltas.
 type agentCounters struct {
-	gcRuns    float64            // cilium_datapath_conntrack_gc_runs_total, every map
+	gcRuns    float64            // cilium_datapath_conntrack_gc_runs_total: walks of a map, periodic or per endpoint
 	delegated float64            // walks the delegate made unnecessary (patched agent)
 	fallbacks map[string]float64 // "event/cause": walks after asking the delegate
 }
@@ -199,7 +217,8 @@ func parseAgentCounters(text string) agentCounters {
 
 // waitGCRuns waits until Cilium's own CT GC has completed two runs over
 // every map after `before` was read: the first may have started before
-// the fill ended, the second started after it.
+// the fill ended, the second started after it. (The counter also counts
+// the per-endpoint scrub walks; no endpoint comes or goes meanwhile.)
 func waitGCRuns(k *kube, before agentCounters, maps int, timeout time.Duration) (time.Duration, error) {
 	start := time.Now()
 	for {

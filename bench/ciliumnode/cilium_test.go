@@ -127,19 +127,25 @@ func TestSetupValuesRender(t *testing.T) {
 	if _, err := os.Stat(filepath.Join(chart, "Chart.yaml")); err != nil {
 		t.Skip("no chart in the module:", err)
 	}
-	base := filepath.Join(t.TempDir(), "base.yaml")
 	// run.sh's values, as it writes them (its heredoc, with example values).
-	if err := os.WriteFile(base, []byte(`image: {override: "ctscrub-kind/cilium:1.18.8-aaaa", pullPolicy: IfNotPresent}
-kubeProxyReplacement: true
-k8sServiceHost: "172.18.0.2"
-k8sServicePort: 6443
-ipam:
-  mode: cluster-pool
-  operator: {clusterPoolIPv4PodCIDRList: ["10.244.0.0/16"], clusterPoolIPv4MaskSize: 27}
-cni: {exclusive: false}
-bpf: {ctTcpMax: 4194304, ctAnyMax: 4194304}
-conntrackGCInterval: "12h"
-`), 0o644); err != nil {
+	sh, err := os.ReadFile("run.sh")
+	if err != nil {
+		t.Fatal(err)
+	}
+	doc := between(string(sh), `cat >"$CILIUM_VALUES" <<EOF`+"\n", "\nEOF\n")
+	if doc == "" {
+		t.Fatal("run.sh: no values heredoc (cat >\"$CILIUM_VALUES\" <<EOF)")
+	}
+	vars := map[string]string{"CILIUM_IMAGE": "ctscrub-kind/cilium:1.18.8-aaaa", "op_repo": "ctscrub-kind/cilium-operator", "op_tag": "1.18.8-opop",
+		"cp_ip": "172.18.0.2", "POD_CIDR": "10.244.0.0/16", "NODE_CIDR_MASK": "27", "CT_MAX": "4194304", "CT_GC_INTERVAL": "12h"}
+	doc = os.Expand(doc, func(v string) string {
+		if _, ok := vars[v]; !ok {
+			t.Fatalf("run.sh's values use $%s: add it to this test", v)
+		}
+		return vars[v]
+	})
+	base := filepath.Join(t.TempDir(), "base.yaml")
+	if err := os.WriteFile(base, []byte(doc), 0o644); err != nil {
 		t.Fatal(err)
 	}
 	cfg := config{ciliumImage: "ctscrub-kind/cilium:1.18.8-aaaa", delegateImage: "ctscrub-kind/cilium:1.18.8-delegate-bbbb", gcInterval: "12h"}
@@ -156,6 +162,13 @@ conntrackGCInterval: "12h"
 		return string(out)
 	}
 	only, gc60, deleg := render("cilium_only"), render("cilium_gc60"), render("ctscrub_delegate")
+	// The agent reads its ConfigMap only at start: a new GC interval must
+	// change the pods' template (rollOutCiliumPods' checksum), or the
+	// upgrade leaves the agents running with the old one.
+	sum := func(out string) string { return between(out, "cilium.io/cilium-configmap-checksum: ", "\n") }
+	if sum(only) == "" || sum(only) == sum(gc60) {
+		t.Errorf("the agent's template does not change with the GC interval (configmap checksum %q and %q): the agents would not restart", sum(only), sum(gc60))
+	}
 	for _, c := range []struct {
 		name, out string
 		has       []string

@@ -203,8 +203,10 @@ type variantResult struct {
 		Count float64 `json:"count"`
 		SumS  float64 `json:"sum_s"`
 	} `json:"metric_ct_clean"`
-	// Cilium's counters over the window: its CT GC runs (one per map per
-	// run), and with the delegate the walks it skipped and made anyway.
+	// Cilium's counters over the window: its walks of a CT map
+	// (cilium_datapath_conntrack_gc_runs_total: the periodic GC's and each
+	// endpoint scrub's, one per map), and with the delegate the endpoint
+	// scrubs it left to scrubd and those it walked after asking.
 	CiliumGCRuns    float64            `json:"cilium_gc_runs"`
 	DelegatedScrubs float64            `json:"delegated_scrubs"`
 	FallbackWalks   float64            `json:"fallback_walks"`

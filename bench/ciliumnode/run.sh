@@ -137,6 +137,8 @@ op_repo=${CILIUM_OPERATOR_IMAGE%:*} op_tag=${CILIUM_OPERATOR_IMAGE##*:}
 op_repo=${op_repo%-generic} # the chart appends -generic (ipam's operator flavour)
 # The values every variant shares; the benchmark layers a variant's own
 # (image, GC interval, the delegate flag) on these when it upgrades.
+# rollOutCiliumPods: a change to Cilium's ConfigMap alone (the GC interval)
+# rolls the agents, which read it only at start.
 export CILIUM_VALUES=$WORK/cilium-values.yaml CILIUM_CHART
 cat >"$CILIUM_VALUES" <<EOF
 image: {override: "$CILIUM_IMAGE", pullPolicy: IfNotPresent}
@@ -157,6 +159,7 @@ debug: {enabled: true}
 prometheus: {enabled: true}
 bpf: {ctTcpMax: $CT_MAX, ctAnyMax: $CT_MAX}
 conntrackGCInterval: "$CT_GC_INTERVAL"
+rollOutCiliumPods: true
 EOF
 log "installing Cilium $CILIUM_VERSION (CT maps $CT_MAX entries each, GC interval $CT_GC_INTERVAL, node pod ranges /$NODE_CIDR_MASK, debug logs)"
 helm install cilium "$CILIUM_CHART" --namespace kube-system --wait=false -f "$CILIUM_VALUES" >&2
