@@ -43,6 +43,18 @@ func (f *filler) expiredFlow(i int) bool {
 	return int(float64(i+1)*f.share) > int(float64(i)*f.share)
 }
 
+// expiredEntries is how many of the synthetic entries are expired (two
+// per expired flow).
+func (f *filler) expiredEntries() int {
+	n := 0
+	for i := range f.flows {
+		if f.expiredFlow(i) {
+			n += 2
+		}
+	}
+	return n
+}
+
 // lifetime of flow i: expired ones spread over the last maxAge units (a GC
 // interval that drifted to hours leaves entries expired that long), live ones
 // hours ahead, as established TCP flows are (Cilium's default 6 h timeout).

@@ -57,6 +57,17 @@ func runVariant(ctx context.Context, cfg config, k *kube, maps *ctmap.Maps, f *f
 			return nil, 0, err
 		}
 	}
+	// The CPU window opens before the fill: with Cilium's GC at 60 s, its
+	// runs during the fill are part of what it costs.
+	windowStart := time.Now()
+	cpu, err := startCPUWatch("/proc", k.containerID)
+	if err != nil {
+		return nil, 0, err
+	}
+	countersBefore, err := readAgentCounters(k)
+	if err != nil {
+		return nil, 0, err
+	}
 	took, err := f.fill()
 	if err != nil {
 		return nil, 0, err
@@ -66,16 +77,10 @@ func runVariant(ctx context.Context, cfg config, k *kube, maps *ctmap.Maps, f *f
 		return nil, 0, err
 	}
 	log.Printf("refilled in %.1fs: %d entries", took.Seconds(), n)
-	if n < int64(cfg.entries)*98/100 {
-		return nil, 0, fmt.Errorf("after the fill the maps hold %d entries, want about %d (LRU eviction? size the maps with CT_MAX)", n, cfg.entries)
+	if want := fillWant(name, cfg.entries, f); n < want {
+		return nil, 0, fmt.Errorf("after the fill the maps hold %d entries, want %d or more (LRU eviction? size the maps with CT_MAX)", n, want)
 	}
-
-	windowStart := time.Now()
-	cpu, err := startCPUWatch("/proc", k.containerID)
-	if err != nil {
-		return nil, 0, err
-	}
-	countersBefore, err := readAgentCounters(k)
+	gcBase, err := readAgentCounters(k)
 	if err != nil {
 		return nil, 0, err
 	}
@@ -90,7 +95,7 @@ func runVariant(ctx context.Context, cfg config, k *kube, maps *ctmap.Maps, f *f
 	case "cilium_gc60":
 		// Cilium's own GC, every 60 s, has been through the new table.
 		var waited time.Duration
-		if waited, err = waitGCRuns(k, countersBefore, presentKinds(maps), 5*time.Minute); err == nil {
+		if waited, err = waitGCRuns(k, gcBase, presentKinds(maps), 5*time.Minute); err == nil {
 			log.Printf("Cilium's CT GC ran twice over every map (%.1fs after the fill)", waited.Seconds())
 		}
 	case "cilium_only", "ctscrub_delegate":
@@ -642,4 +647,15 @@ func deltaBy(before, after []promSample, key func(map[string]string) string) map
 		}
 	}
 	return out
+}
+
+// fillWant is the fewest entries the maps may hold after the fill: 98 % of
+// ENTRIES (a few real ones may come and go); with Cilium's GC at 60 s,
+// which may run during the fill and delete the expired share as it is
+// written, 98 % of the live part.
+func fillWant(variant string, entries int, f *filler) int64 {
+	if variant == "cilium_gc60" {
+		return int64(entries-f.expiredEntries()) * 98 / 100
+	}
+	return int64(entries) * 98 / 100
 }
