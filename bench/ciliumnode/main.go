@@ -176,7 +176,7 @@ type variantResult struct {
 	ReadyAllS  float64 `json:"ready_all_s"` // pods created to every one Ready
 	FailedPods int     `json:"failed_pods"`
 	// CPU seconds (utime+stime of the process and its reaped children, from
-	// /proc/<pid>/stat) from the end of the fill to the last pod gone, over
+	// /proc/<pid>/stat) from the start of the fill to the last pod gone, over
 	// CPUWindowS; scrubd's is 0 where ctscrub is not installed.
 	AgentCPUS  float64 `json:"agent_cpu_s"`
 	ScrubdCPUS float64 `json:"scrubd_cpu_s"`

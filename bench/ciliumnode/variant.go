@@ -24,7 +24,7 @@ import (
 // the kernel counted. It returns the variant's figures and the table's size
 // when the pods started.
 //
-// The CPU window runs from the end of the fill to the last pod gone: it
+// The CPU window runs from the start of the fill to the last pod gone: it
 // holds what each variant does to keep the table in shape (ctscrub's first
 // expiry pass, Cilium's GC runs at 60 s) and the pods' scrubs.
 func runVariant(ctx context.Context, cfg config, k *kube, maps *ctmap.Maps, f *filler, clock expiry.Clock, name string) (*variantResult, int64, error) {
