@@ -129,7 +129,7 @@ e2e-kind: ## Kind cluster, real Cilium (CILIUM_VERSION, default 1.18.8), ctscrub
 	./e2e/kind/run.sh
 
 .PHONY: bench-cilium-node
-bench-cilium-node: ## Real Cilium in kind: pods start/stop on a full, mostly expired CT table, with/without ctscrub (ENTRIES, EXPIRED, PODS; images from make e2e-kind)
+bench-cilium-node: ## Real Cilium in kind: pods start/stop on a full CT table, stock, GC at 60 s, with ctscrub, ctscrub as the patched agent's delegate (ENTRIES, EXPIRED, PODS, VARIANTS; images from make e2e-kind)
 	./bench/ciliumnode/run.sh
 
 .PHONY: clean

@@ -1,9 +1,12 @@
 package main
 
 import (
+	"errors"
 	"fmt"
 	"net/netip"
 	"time"
+
+	"github.com/cilium/ebpf"
 
 	"github.com/ctscrub/ctscrub/bench/internal/ctfill"
 	"github.com/ctscrub/ctscrub/scrubd/ctmap"
@@ -40,6 +43,18 @@ func (f *filler) expiredFlow(i int) bool {
 	return int(float64(i+1)*f.share) > int(float64(i)*f.share)
 }
 
+// expiredEntries is how many of the synthetic entries are expired (two
+// per expired flow).
+func (f *filler) expiredEntries() int {
+	n := 0
+	for i := range f.flows {
+		if f.expiredFlow(i) {
+			n += 2
+		}
+	}
+	return n
+}
+
 // lifetime of flow i: expired ones spread over the last maxAge units (a GC
 // interval that drifted to hours leaves entries expired that long), live ones
 // hours ahead, as established TCP flows are (Cilium's default 6 h timeout).
@@ -69,6 +84,41 @@ func newFiller(maps *ctmap.Maps, entries int, share float64, now uint32, unitsPe
 // fill writes every synthetic entry (again), in batches.
 func (f *filler) fill() (time.Duration, error) {
 	start := time.Now()
+	err := f.batches(func(kind ctmap.Kind, keys []ctmap.CTKey4, vals []ctmap.Entry) error {
+		if _, err := f.maps.Map(kind).BatchUpdate(keys, vals, nil); err != nil {
+			return fmt.Errorf("fill %s: %w", kind.Name(), err)
+		}
+		return nil
+	})
+	return time.Since(start), err
+}
+
+// clear deletes the synthetic entries still there (a GC or a sweep may
+// have taken some), leaving the node's real ones; it returns how many it
+// deleted.
+func (f *filler) clear() (int, error) {
+	deleted := 0
+	err := f.batches(func(kind ctmap.Kind, keys []ctmap.CTKey4, _ []ctmap.Entry) error {
+		for i := 0; i < len(keys); {
+			// A batch delete stops at the first absent key, having
+			// deleted the n before it: skip that key, go on.
+			n, err := f.maps.Map(kind).BatchDelete(keys[i:], nil)
+			deleted += n
+			i += n
+			switch {
+			case errors.Is(err, ebpf.ErrKeyNotExist):
+				i++
+			case err != nil:
+				return fmt.Errorf("clear %s: %w", kind.Name(), err)
+			}
+		}
+		return nil
+	})
+	return deleted, err
+}
+
+// batches hands fn the synthetic entries, a map's batch at a time.
+func (f *filler) batches(fn func(kind ctmap.Kind, keys []ctmap.CTKey4, vals []ctmap.Entry) error) error {
 	const chunk = 1 << 15
 	tcp := make([]ctmap.CTKey4, 0, chunk)
 	tcpV := make([]ctmap.Entry, 0, chunk)
@@ -76,13 +126,13 @@ func (f *filler) fill() (time.Duration, error) {
 	anyV := make([]ctmap.Entry, 0, 2*chunk)
 	flush := func() error {
 		if len(tcp) > 0 {
-			if _, err := f.maps.Map(ctmap.TCP4).BatchUpdate(tcp, tcpV, nil); err != nil {
-				return fmt.Errorf("fill %s: %w", ctmap.TCP4.Name(), err)
+			if err := fn(ctmap.TCP4, tcp, tcpV); err != nil {
+				return err
 			}
 		}
 		if len(anyK) > 0 {
-			if _, err := f.maps.Map(ctmap.Any4).BatchUpdate(anyK, anyV, nil); err != nil {
-				return fmt.Errorf("fill %s: %w", ctmap.Any4.Name(), err)
+			if err := fn(ctmap.Any4, anyK, anyV); err != nil {
+				return err
 			}
 		}
 		tcp, tcpV, anyK, anyV = tcp[:0], tcpV[:0], anyK[:0], anyV[:0]
@@ -99,14 +149,11 @@ func (f *filler) fill() (time.Duration, error) {
 		anyK, anyV = append(anyK, k.Related()), append(anyV, v)
 		if len(tcp) == chunk || len(anyK) >= chunk {
 			if err := flush(); err != nil {
-				return 0, err
+				return err
 			}
 		}
 	}
-	if err := flush(); err != nil {
-		return 0, err
-	}
-	return time.Since(start), nil
+	return flush()
 }
 
 // capacity checks that the maps hold the plan without LRU eviction: the

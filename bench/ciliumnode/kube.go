@@ -43,6 +43,9 @@ type kube struct {
 	ctx     context.Context
 	worker  string // node name = Docker container name
 	nodePID int    // the worker container's init process: its mount and net namespaces
+	// the worker's Docker container ID: the cgroup path of every process
+	// in it (the agent's, scrubd's) holds it
+	containerID string
 }
 
 func (k *kube) kubectl(timeout time.Duration, args ...string) (string, error) {

@@ -1,17 +1,22 @@
 // Command ciliumnode (make bench-cilium-node) reproduces the incident on a
 // kind node running real Cilium: the worker's real CT maps, filled to ENTRIES
 // with a share EXPIRED expired in Cilium's own clock (as after a GC interval
-// that drifted to hours), then PODS pods created and deleted on that node all
-// at once, three times: with ctscrub installed and its expiry pass off, with
-// it on (its first pass done before the pods start), and without ctscrub.
-// Every figure comes from Cilium or the runtime: the agent's per-endpoint
-// regeneration statistics (waitingForCTClean, the wait for Cilium's own CT
-// scrub of the new IP), cilium-cni's ADD and DEL, containerd's
-// RunPodSandbox and StopPodSandbox. See docs/cilium-node.md.
+// that drifted to hours; EXPIRED=0: a table of live flows), then PODS pods
+// created and deleted on that node all at once, once per variant: ctscrub
+// with its expiry pass off, with it on (its first pass done before the pods
+// start), no ctscrub, no ctscrub but Cilium's GC every 60 s (the one-line
+// fix), and Cilium patched to ask ctscrub's delegate instead of walking its
+// maps (issue 22). Every figure comes from Cilium, the runtime or the
+// kernel: the agent's per-endpoint regeneration statistics
+// (waitingForCTClean, the wait for Cilium's own CT scrub of the new IP),
+// cilium-cni's ADD and DEL, containerd's RunPodSandbox and StopPodSandbox,
+// the pods' Ready condition, the agent's and scrubd's CPU time from
+// /proc/<pid>/stat. See docs/cilium-node.md.
 //
 // It expects the cluster bench/ciliumnode/run.sh makes (KUBECONFIG set,
-// Cilium installed with debug logs and maps sized for ENTRIES) and runs as
-// root on the machine whose kernel holds the node's maps.
+// Cilium installed from CILIUM_CHART with CILIUM_VALUES: debug logs, maps
+// sized for ENTRIES) and runs as root on the machine whose kernel holds the
+// node's maps.
 package main
 
 import (
@@ -46,10 +51,12 @@ const (
 	scrubdSel = "app.kubernetes.io/name=ctscrub"
 )
 
-// The variants, in the order they run.
-var variantNames = []string{"ctscrub_no_expiry", "ctscrub", "cilium_only"}
+// The variants, in the order they run: the three on stock Cilium with
+// run.sh's GC interval first, then the two that upgrade Cilium.
+var variantNames = []string{"ctscrub_no_expiry", "ctscrub", "cilium_only", "cilium_gc60", "ctscrub_delegate"}
 
-var variantPrefix = map[string]string{"ctscrub_no_expiry": "noexp", "ctscrub": "sweep", "cilium_only": "only"}
+var variantPrefix = map[string]string{"ctscrub_no_expiry": "noexp", "ctscrub": "sweep", "cilium_only": "only",
+	"cilium_gc60": "gc60", "ctscrub_delegate": "deleg"}
 
 type config struct {
 	entries      int
@@ -64,6 +71,12 @@ type config struct {
 	root         string // the repository (conf/)
 	podTimeout   time.Duration
 	variants     []string
+	// Cilium as run.sh installed it, and what the variants upgrade to.
+	ciliumChart   string
+	ciliumValues  string
+	ciliumImage   string // stock agent
+	delegateImage string // agent with cilium/patches
+	gcInterval    string // run.sh's conntrackGCInterval
 }
 
 func envInt(name string, def int) (int, error) {
@@ -93,6 +106,12 @@ func loadConfig() (config, error) {
 		podImage:     os.Getenv("POD_IMAGE"),
 		serverImage:  os.Getenv("SERVER_IMAGE"),
 		clientImage:  os.Getenv("CLIENT_IMAGE"),
+
+		ciliumChart:   os.Getenv("CILIUM_CHART"),
+		ciliumValues:  os.Getenv("CILIUM_VALUES"),
+		ciliumImage:   os.Getenv("CILIUM_IMAGE"),
+		delegateImage: os.Getenv("CILIUM_DELEGATE_IMAGE"),
+		gcInterval:    envStr("CT_GC_INTERVAL", "12h"),
 	}
 	var err error
 	if c.entries, err = envInt("ENTRIES", 4<<20); err != nil {
@@ -121,7 +140,15 @@ func loadConfig() (config, error) {
 			}
 		}
 	}
-	for name, v := range map[string]string{"CTSCRUB_IMAGE": c.ctscrubImage, "CLIENT_IMAGE": c.clientImage} {
+	need := map[string]string{"CTSCRUB_IMAGE": c.ctscrubImage, "CLIENT_IMAGE": c.clientImage}
+	if slices.Contains(c.variants, "cilium_gc60") || slices.Contains(c.variants, "ctscrub_delegate") {
+		// Variants that upgrade Cilium need what it was installed with.
+		need["CILIUM_CHART"], need["CILIUM_VALUES"], need["CILIUM_IMAGE"] = c.ciliumChart, c.ciliumValues, c.ciliumImage
+	}
+	if slices.Contains(c.variants, "ctscrub_delegate") {
+		need["CILIUM_DELEGATE_IMAGE"] = c.delegateImage
+	}
+	for name, v := range need {
 		if v == "" {
 			return c, fmt.Errorf("%s is not set: bench/ciliumnode/run.sh sets it (make bench-cilium-node)", name)
 		}
@@ -144,11 +171,19 @@ func loadConfig() (config, error) {
 
 // variantResult is one variant's figures.
 type variantResult struct {
-	CTCleanP50      float64 `json:"ct_clean_p50_s"`
-	CTCleanMax      float64 `json:"ct_clean_max_s"`
+	CTCleanP50 float64 `json:"ct_clean_p50_s"`
+	CTCleanMax float64 `json:"ct_clean_max_s"`
+	ReadyAllS  float64 `json:"ready_all_s"` // pods created to every one Ready
+	FailedPods int     `json:"failed_pods"`
+	// CPU seconds (utime+stime of the process and its reaped children, from
+	// /proc/<pid>/stat) from the start of the fill to the last pod gone, over
+	// CPUWindowS; scrubd's is 0 where ctscrub is not installed.
+	AgentCPUS  float64 `json:"agent_cpu_s"`
+	ScrubdCPUS float64 `json:"scrubd_cpu_s"`
+	CPUWindowS float64 `json:"cpu_window_s"`
+
 	SandboxP50      float64 `json:"sandbox_p50_s"`
 	SandboxMax      float64 `json:"sandbox_max_s"`
-	FailedPods      int     `json:"failed_pods"`
 	RegenTotalP50   float64 `json:"regen_total_p50_s"`
 	RegenTotalMax   float64 `json:"regen_total_max_s"`
 	CNIAddP50       float64 `json:"cni_add_p50_s"`
@@ -158,7 +193,6 @@ type variantResult struct {
 	StopP50         float64 `json:"sandbox_stop_p50_s"`
 	StopMax         float64 `json:"sandbox_stop_max_s"`
 	SandboxFailures int     `json:"sandbox_failures"`
-	AllReadyS       float64 `json:"all_ready_s"`
 	AllGoneS        float64 `json:"all_gone_s"`
 	EntriesBefore   int64   `json:"entries_before"`
 	ExpiredBefore   uint64  `json:"expired_before"`
@@ -169,6 +203,22 @@ type variantResult struct {
 		Count float64 `json:"count"`
 		SumS  float64 `json:"sum_s"`
 	} `json:"metric_ct_clean"`
+	// Cilium's counters over the window: its walks of a CT map
+	// (cilium_datapath_conntrack_gc_runs_total: the periodic GC's and each
+	// endpoint scrub's, one per map), and with the delegate the endpoint
+	// scrubs it left to scrubd and those it walked after asking.
+	CiliumGCRuns    float64            `json:"cilium_gc_runs"`
+	DelegatedScrubs float64            `json:"delegated_scrubs"`
+	FallbackWalks   float64            `json:"fallback_walks"`
+	FallbackCauses  map[string]float64 `json:"fallback_causes,omitempty"`
+	// scrubd's over the window: scrubs by "reason/method", delegate
+	// answers by "event/outcome".
+	ScrubdScrubs    map[string]float64 `json:"scrubd_scrubs,omitempty"`
+	DelegateAnswers map[string]float64 `json:"delegate_answers,omitempty"`
+	// ctscrub_delegate: the free addresses of the worker's range given a
+	// pod in the warm-up, and the measured pods' addresses not among them.
+	WarmIPs int `json:"warm_ips,omitempty"`
+	ColdIPs int `json:"cold_ips"`
 }
 
 type result struct {
@@ -232,6 +282,11 @@ func bench(ctx context.Context, cfg config) error {
 	if k.nodePID, err = strconv.Atoi(strings.TrimSpace(pid)); err != nil || k.nodePID == 0 {
 		return fmt.Errorf("worker %s: no running container (pid %q)", cfg.worker, pid)
 	}
+	id, err := run(ctx, time.Minute, "", "docker", "inspect", "-f", "{{.Id}}", cfg.worker)
+	if err != nil {
+		return err
+	}
+	k.containerID = strings.TrimSpace(id)
 	if cfg.podImage == "" {
 		if cfg.podImage, err = pauseImage(k); err != nil {
 			return err
@@ -243,7 +298,7 @@ func bench(ctx context.Context, cfg config) error {
 	if err != nil {
 		return fmt.Errorf("the worker's Cilium CT maps: %w", err)
 	}
-	defer maps.Close()
+	defer func() { maps.Close() }() // the one open at the end (upgrades reopen it)
 	res := result{
 		Date: time.Now().UTC().Format(time.RFC3339), Entries: cfg.entries, ExpiredShare: cfg.expired, Pods: cfg.pods,
 		Machine: fmt.Sprintf("%d CPUs, Linux %s", runtime.NumCPU(), kernelRelease()),
@@ -290,9 +345,16 @@ func bench(ctx context.Context, cfg config) error {
 	}
 	log.Printf("clock %s (now %d, %.3g units/s); real entries %d; filling %d synthetic entries, %.0f%% expired", clock, now, unitsPerSec, res.RealEntries, 2*f.flows, 100*cfg.expired)
 
+	current := setupFor(cfg, "cilium_only") // as run.sh installed it
 	for _, name := range cfg.variants {
 		if err := ctx.Err(); err != nil {
 			return err
+		}
+		if s := setupFor(cfg, name); s != current {
+			if err := upgradeCilium(k, cfg, s, &maps); err != nil {
+				return fmt.Errorf("variant %s: %w", name, err)
+			}
+			current, f.maps = s, maps
 		}
 		v, after, err := runVariant(ctx, cfg, k, maps, f, clock, name)
 		if err != nil {
@@ -309,11 +371,12 @@ func bench(ctx context.Context, cfg config) error {
 
 	res.Load = loadAvg()
 	fmt.Println()
-	fmt.Printf("%-18s %-26s %-26s %-26s %-26s %s\n", "variant", "waitingForCTClean", "RunPodSandbox", "cilium-cni ADD", "cilium-cni DEL", "failed")
+	fmt.Printf("%-18s %-26s %-9s %-26s %-6s %-10s %-10s %s\n", "variant", "waitingForCTClean", "all Ready", "RunPodSandbox", "failed", "agent CPU", "scrubd CPU", "delegated/fallbacks")
 	for _, name := range cfg.variants {
 		v := res.Variants[name]
-		fmt.Printf("%-18s %-26s %-26s %-26s %-26s %d\n", name,
-			pm(v.CTCleanP50, v.CTCleanMax), pm(v.SandboxP50, v.SandboxMax), pm(v.CNIAddP50, v.CNIAddMax), pm(v.CNIDelP50, v.CNIDelMax), v.FailedPods)
+		fmt.Printf("%-18s %-26s %-9s %-26s %-6d %-10s %-10s %.0f/%.0f\n", name,
+			pm(v.CTCleanP50, v.CTCleanMax), fmt.Sprintf("%.1fs", v.ReadyAllS), pm(v.SandboxP50, v.SandboxMax), v.FailedPods,
+			fmt.Sprintf("%.1fs", v.AgentCPUS), fmt.Sprintf("%.1fs", v.ScrubdCPUS), v.DelegatedScrubs, v.FallbackWalks)
 	}
 	if res.TableAfterExpiryPass > 0 {
 		fmt.Printf("table after ctscrub's expiry pass: %d entries (of %d)\n", res.TableAfterExpiryPass, res.Variants["ctscrub"].EntriesBefore)
@@ -326,7 +389,7 @@ func bench(ctx context.Context, cfg config) error {
 	return nil
 }
 
-func pm(p50, max float64) string { return fmt.Sprintf("p50 %.2fs max %.2fs", p50, max) }
+func pm(p50, max float64) string { return fmt.Sprintf("p50 %.3fs max %.3fs", p50, max) }
 
 // detectClock runs ctscrub's own clock detection (an expiry pass in report
 // mode over the node's maps, clock auto) once the real flows give it

@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"log"
+	"net/netip"
 	"os"
 	"path/filepath"
 	"strconv"
@@ -17,19 +18,55 @@ import (
 	"github.com/ctscrub/ctscrub/scrubd/expiry"
 )
 
-// runVariant refills the table, sets ctscrub up as the variant needs, then
-// creates PODS pods at once, waits until they run, deletes them at once,
-// waits until they are gone, and reads what Cilium and containerd logged.
-// It returns the variant's figures and the table's size when the pods
-// started.
+// runVariant refills the table, sets ctscrub and Cilium up as the variant
+// needs, then creates PODS pods at once, waits until they run, deletes them
+// at once, waits until they are gone, and reads what Cilium, containerd and
+// the kernel counted. It returns the variant's figures and the table's size
+// when the pods started.
+//
+// The CPU window runs from the start of the fill to the last pod gone: it
+// holds what each variant does to keep the table in shape (ctscrub's first
+// expiry pass, Cilium's GC runs at 60 s) and the pods' scrubs.
 func runVariant(ctx context.Context, cfg config, k *kube, maps *ctmap.Maps, f *filler, clock expiry.Clock, name string) (*variantResult, int64, error) {
 	log.Printf("== %s", name)
-	if name == "cilium_only" {
+	v := &variantResult{}
+	if !usesCtscrub(name) {
 		// ctscrub goes before the fill: a scrubd still running (the previous
 		// variant's, expiry on) would sweep the expired share as it is written.
 		if err := uninstallCtscrub(k); err != nil {
 			return nil, 0, err
 		}
+	}
+	var warm map[netip.Addr]bool
+	if name == "ctscrub_delegate" {
+		// A node's steady state: scrubd has seen every address of the
+		// node's range given to a pod and taken back once, so its index
+		// vouches for them (docs/cilium-node.md). Done on the real
+		// entries alone: the previous variant's synthetic ones go first,
+		// so the warm-up's first scrubs of each address (sweeps: a new
+		// scrubd vouches for no address yet) stay short.
+		n, err := f.clear()
+		if err != nil {
+			return nil, 0, err
+		}
+		log.Printf("cleared %d synthetic entries for the warm-up", n)
+		if err := installCtscrub(k, cfg, "off"); err != nil {
+			return nil, 0, err
+		}
+		if warm, v.WarmIPs, err = warmUp(k, cfg); err != nil {
+			return nil, 0, err
+		}
+	}
+	// The CPU window opens before the fill: with Cilium's GC at 60 s, its
+	// runs during the fill are part of what it costs.
+	windowStart := time.Now()
+	cpu, err := startCPUWatch("/proc", k.containerID)
+	if err != nil {
+		return nil, 0, err
+	}
+	countersBefore, err := readAgentCounters(k)
+	if err != nil {
+		return nil, 0, err
 	}
 	took, err := f.fill()
 	if err != nil {
@@ -40,10 +77,13 @@ func runVariant(ctx context.Context, cfg config, k *kube, maps *ctmap.Maps, f *f
 		return nil, 0, err
 	}
 	log.Printf("refilled in %.1fs: %d entries", took.Seconds(), n)
-	if n < int64(cfg.entries)*98/100 {
-		return nil, 0, fmt.Errorf("after the fill the maps hold %d entries, want about %d (LRU eviction? size the maps with CT_MAX)", n, cfg.entries)
+	if want := fillWant(name, cfg.entries, f); n < want {
+		return nil, 0, fmt.Errorf("after the fill the maps hold %d entries, want %d or more (LRU eviction? size the maps with CT_MAX)", n, want)
 	}
-
+	gcBase, err := readAgentCounters(k)
+	if err != nil {
+		return nil, 0, err
+	}
 	switch name {
 	case "ctscrub_no_expiry":
 		err = installCtscrub(k, cfg, "off")
@@ -52,14 +92,25 @@ func runVariant(ctx context.Context, cfg config, k *kube, maps *ctmap.Maps, f *f
 		if err = installCtscrub(k, cfg, "sweep"); err == nil {
 			err = waitFirstSweep(k, maps)
 		}
-	case "cilium_only":
-		// uninstalled before the fill
+	case "cilium_gc60":
+		// Cilium's own GC, every 60 s, has been through the new table.
+		var waited time.Duration
+		if waited, err = waitGCRuns(k, gcBase, presentKinds(maps), 5*time.Minute); err == nil {
+			log.Printf("Cilium's CT GC ran twice over every map (%.1fs after the fill)", waited.Seconds())
+		}
+	case "cilium_only", "ctscrub_delegate":
+		// uninstalled before the fill / installed and warmed up before it
 	}
 	if err != nil {
 		return nil, 0, err
 	}
+	scrubdBefore := ""
+	if usesCtscrub(name) {
+		if scrubdBefore, err = k.scrubdMetrics(); err != nil {
+			return nil, 0, err
+		}
+	}
 
-	v := &variantResult{}
 	if v.EntriesBefore, err = ctfill.CountAll(maps); err != nil {
 		return nil, 0, err
 	}
@@ -91,9 +142,21 @@ func runVariant(ctx context.Context, cfg config, k *kube, maps *ctmap.Maps, f *f
 		return nil, 0, err
 	}
 	ready, notReady := waitPods(k, prefix, cfg.pods, cfg.podTimeout)
-	v.AllReadyS = ready.Seconds()
+	v.ReadyAllS = ready.Seconds()
 	v.FailedPods = notReady
 	log.Printf("%d/%d pods running after %.1fs", cfg.pods-notReady, cfg.pods, ready.Seconds())
+	if warm != nil {
+		ips, err := podIPs(k, prefix)
+		if err != nil {
+			return nil, 0, err
+		}
+		for _, ip := range ips {
+			if !warm[ip] {
+				v.ColdIPs++
+			}
+		}
+		log.Printf("%d of the pods' %d addresses were not given a pod in the warm-up", v.ColdIPs, len(ips))
+	}
 
 	// All deletes at once.
 	start = time.Now()
@@ -193,6 +256,32 @@ func runVariant(ctx context.Context, cfg config, k *kube, maps *ctmap.Maps, f *f
 	if err != nil {
 		return nil, 0, err
 	}
+	// The window ends when the last sandbox stopped (the wait above).
+	if v.AgentCPUS, v.ScrubdCPUS, err = cpu.stop(); err != nil {
+		return nil, 0, err
+	}
+	v.CPUWindowS = time.Since(windowStart).Seconds()
+	countersAfter, err := readAgentCounters(k)
+	if err != nil {
+		return nil, 0, err
+	}
+	v.CiliumGCRuns = countersAfter.gcRuns - countersBefore.gcRuns
+	v.DelegatedScrubs = countersAfter.delegated - countersBefore.delegated
+	v.FallbackCauses = map[string]float64{}
+	for c, n := range countersAfter.fallbacks {
+		if d := n - countersBefore.fallbacks[c]; d > 0 {
+			v.FallbackCauses[c] = d
+			v.FallbackWalks += d
+		}
+	}
+	if usesCtscrub(name) {
+		text, err := k.scrubdMetrics()
+		if err != nil {
+			return nil, 0, err
+		}
+		v.ScrubdScrubs = scrubCounts(scrubdBefore, text)
+		v.DelegateAnswers = delegateAnswers(scrubdBefore, text)
+	}
 	v.MetricCTClean.Count = metricAfter[0] - metricBefore[0]
 	v.MetricCTClean.SumS = metricAfter[1] - metricBefore[1]
 
@@ -206,6 +295,8 @@ func runVariant(ctx context.Context, cfg config, k *kube, maps *ctmap.Maps, f *f
 	v.Measured.Regens, v.Measured.Sandboxes, v.Measured.Stops, v.Measured.CNIAdd, v.Measured.CNIDel = ct.N, sb.N, st.N, ad.N, dl.N
 	log.Printf("waitingForCTClean %s; regeneration %s; RunPodSandbox %s; StopPodSandbox %s; cilium-cni ADD %s, DEL %s; failed pods %d, failed RunPodSandbox calls %d; metric waitingForCTClean: %v observations, %.2fs in all",
 		ct, rg, sb, st, ad, dl, v.FailedPods, v.SandboxFailures, v.MetricCTClean.Count, v.MetricCTClean.SumS)
+	log.Printf("CPU over %.0fs: cilium-agent %.2fs, scrubd %.2fs; Cilium GC runs %.0f; delegate: %.0f scrubs delegated, %.0f walks after asking %v; scrubd's scrubs %v, delegate answers %v",
+		v.CPUWindowS, v.AgentCPUS, v.ScrubdCPUS, v.CiliumGCRuns, v.DelegatedScrubs, v.FallbackWalks, v.FallbackCauses, v.ScrubdScrubs, v.DelegateAnswers)
 	return v, v.EntriesBefore, nil
 }
 
@@ -429,4 +520,142 @@ func waitFirstSweep(k *kube, maps *ctmap.Maps) error {
 			return fmt.Errorf("scrubd's expiry pass swept %d of %d maps within 5 min (metrics: %v)", swept, want, err)
 		}
 	}
+}
+
+// usesCtscrub reports whether ctscrub is installed during the variant.
+func usesCtscrub(variant string) bool {
+	return variant != "cilium_only" && variant != "cilium_gc60"
+}
+
+func presentKinds(maps *ctmap.Maps) int {
+	n := 0
+	for _, kind := range ctmap.Kinds {
+		if maps.Map(kind) != nil {
+			n++
+		}
+	}
+	return n
+}
+
+// podIPs lists the addresses of the pods labelled ctscrub-bench=prefix.
+func podIPs(k *kube, prefix string) ([]netip.Addr, error) {
+	out, err := k.kubectl(time.Minute, "-n", benchNS, "get", "pods", "-l", "ctscrub-bench="+prefix, "-o", "jsonpath={.items[*].status.podIP}")
+	if err != nil {
+		return nil, err
+	}
+	var ips []netip.Addr
+	for _, f := range strings.Fields(out) {
+		if a, err := netip.ParseAddr(f); err == nil {
+			ips = append(ips, a)
+		}
+	}
+	return ips, nil
+}
+
+// warmUp gives every free address of the worker's pod range a pod once,
+// all at once (the range is sized for it: run.sh's NODE_CIDR_MASK), then
+// deletes them: each address is scrubbed at the pod's ADD (a sweep: the new
+// scrubd vouches for none yet) and at its DEL through ctscrub, which then
+// vouches for it, as it would on a node where it has run a while. Returns
+// the addresses the pods got and how many were free.
+func warmUp(k *kube, cfg config) (map[netip.Addr]bool, int, error) {
+	agent, err := podOn(k, "kube-system", agentSel)
+	if err != nil {
+		return nil, 0, err
+	}
+	free, err := freeAddrs(k, agent)
+	if err != nil {
+		return nil, 0, err
+	}
+	if len(free) < cfg.pods {
+		return nil, 0, fmt.Errorf("the worker's pod range has %d free addresses, fewer than PODS=%d: give it more (NODE_CIDR_MASK)", len(free), cfg.pods)
+	}
+	log.Printf("warm-up: %d pods for the %d free addresses of the worker's range", len(free), len(free))
+	if err := k.apply(benchPods(benchNS, "warm", cfg.worker, cfg.podImage, len(free))); err != nil {
+		return nil, 0, err
+	}
+	took, notReady := waitPods(k, "warm", len(free), cfg.podTimeout)
+	ips, err := podIPs(k, "warm")
+	if err != nil {
+		return nil, 0, err
+	}
+	warm := map[netip.Addr]bool{}
+	for _, ip := range ips {
+		warm[ip] = true
+	}
+	if _, err := k.kubectl(2*time.Minute, "-n", benchNS, "delete", "pods", "-l", "ctscrub-bench=warm", "--wait=false"); err != nil {
+		return nil, 0, err
+	}
+	if !waitGone(k, "warm", cfg.podTimeout) {
+		return nil, 0, fmt.Errorf("warm-up pods still present after %s", cfg.podTimeout)
+	}
+	// Their CNI DELs (ctscrub's, which lets the addresses go, then
+	// Cilium's, which frees them in its IPAM) may end after the API
+	// objects are gone: wait until the IPAM has them back.
+	for deadline := time.Now().Add(2 * time.Minute); ; time.Sleep(2 * time.Second) {
+		now, err := freeAddrs(k, agent)
+		if err == nil && len(now) >= len(free) {
+			break
+		}
+		if time.Now().After(deadline) {
+			return nil, 0, fmt.Errorf("2 min after the warm-up pods went, the worker's IPAM has %d addresses free, had %d (%v)", len(now), len(free), err)
+		}
+	}
+	log.Printf("warm-up: %d of %d pods ran (%.0fs), %d addresses covered", len(free)-notReady, len(free), took.Seconds(), len(warm))
+	return warm, len(free), nil
+}
+
+// scrubCounts is scrubd's scrubs during the variant, by "reason/method"
+// (ctscrub_scrub_duration_seconds_count of the Cilium backend: a CNI's and
+// a delegate request's alike; method index or sweep).
+func scrubCounts(before, after string) map[string]float64 {
+	const name = "ctscrub_scrub_duration_seconds_count"
+	return deltaBy(promSamples(before, name), promSamples(after, name), func(l map[string]string) string {
+		if l["backend"] != "cilium" {
+			return ""
+		}
+		return l["reason"] + "/" + l["method"]
+	})
+}
+
+// delegateAnswers is scrubd's delegate requests during the variant, by
+// "event/outcome".
+func delegateAnswers(before, after string) map[string]float64 {
+	const name = "ctscrub_delegate_requests_total"
+	return deltaBy(promSamples(before, name), promSamples(after, name), func(l map[string]string) string {
+		return l["event"] + "/" + l["outcome"]
+	})
+}
+
+// deltaBy sums after - before per key (samples keyed "" are left out;
+// zero deltas too).
+func deltaBy(before, after []promSample, key func(map[string]string) string) map[string]float64 {
+	out := map[string]float64{}
+	for _, s := range after {
+		if k := key(s.labels); k != "" {
+			out[k] += s.value
+		}
+	}
+	for _, s := range before {
+		if k := key(s.labels); k != "" {
+			out[k] -= s.value
+		}
+	}
+	for k, v := range out {
+		if v == 0 {
+			delete(out, k)
+		}
+	}
+	return out
+}
+
+// fillWant is the fewest entries the maps may hold after the fill: 98 % of
+// ENTRIES (a few real ones may come and go); with Cilium's GC at 60 s,
+// which may run during the fill and delete the expired share as it is
+// written, 98 % of the live part.
+func fillWant(variant string, entries int, f *filler) int64 {
+	if variant == "cilium_gc60" {
+		return int64(entries-f.expiredEntries()) * 98 / 100
+	}
+	return int64(entries) * 98 / 100
 }
