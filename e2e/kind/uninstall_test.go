@@ -179,9 +179,15 @@ func (c *cluster) followScrubdLogs() func(time.Duration) map[string]string {
 		done chan struct{}
 	}
 	fs := map[string]follow{}
+	// Every line from a little before now: kubectl may connect after the
+	// caller's next step has begun (a loaded machine), and a --tail of the
+	// lines at connect time then misses the first of them (the default
+	// run of 2026-12-02 19:00 UTC lost "uninstall: taking ctscrub off this
+	// node" behind five later lines).
+	since := time.Now().Add(-2 * time.Second).UTC().Format(time.RFC3339)
 	for _, p := range names {
 		f := follow{out: &bytes.Buffer{}, done: make(chan struct{})}
-		cmd := exec.CommandContext(c.ctx, "kubectl", "-n", "kube-system", "logs", "-f", p, "-c", "scrubd", "--tail=5")
+		cmd := exec.CommandContext(c.ctx, "kubectl", "-n", "kube-system", "logs", "-f", p, "-c", "scrubd", "--since-time="+since)
 		cmd.Env = append(os.Environ(), c.env...)
 		cmd.Stdout = f.out
 		if err := cmd.Start(); err != nil {
