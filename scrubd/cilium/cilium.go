@@ -12,13 +12,16 @@ import (
 	"errors"
 	"fmt"
 	"net/netip"
+	"runtime"
 	"slices"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/ctscrub/ctscrub/scrubd/scrub"
 
 	"github.com/cilium/ebpf"
+	"golang.org/x/sys/unix"
 
 	"github.com/ctscrub/ctscrub/scrubd/api"
 	"github.com/ctscrub/ctscrub/scrubd/ctmap"
@@ -359,12 +362,19 @@ func (s *scrubRun) deleteByIndex(ip netip.Addr) error {
 		return nil
 	}
 	s.res.PerIP[ip.String()] = scrub.MethodIndex
+	// The deletes' helper starts now, while the forms are computed: a
+	// thread woken on an idle CPU takes tens of µs to run (longer on a
+	// busy one), about what the forms take.
+	var h *deleteHelper
+	if len(k4)+len(k6) >= parallelMin/3 {
+		h = startDeleteHelper()
+	}
 	// Every key the index holds, plus the forms Cilium may re-create them
 	// in (index.Covered): the one definition the audit checks.
 	buf := coverBufs.Get().(*coverBuf)
 	x4, x6 := index.AppendCovered(buf.k4[:0], buf.k6[:0], k4, k6)
 	s.steps.Mark("take")
-	left4, left6, err := s.c.deleteKeys(s.ctx, x4, x6, s.res.Deleted)
+	left4, left6, err := s.c.deleteKeys(s.ctx, x4, x6, s.res.Deleted, h)
 	s.steps.Mark("delete")
 	s.c.ix.Return(ip, left4, left6)
 	if cap(x4)+cap(x6) <= maxPooledKeys {
@@ -482,8 +492,10 @@ func (c *Backend) syncIndex(ctx context.Context) error {
 // it deleted before it.
 //
 // It reorders k4 and k6 (each map's keys together), and the left lists are
-// copies: the caller may reuse both slices.
-func (c *Backend) deleteKeys(ctx context.Context, k4 []ctmap.CTKey4, k6 []ctmap.CTKey6, deleted map[string]int) (left4 []ctmap.CTKey4, left6 []ctmap.CTKey6, err error) {
+// copies: the caller may reuse both slices. h, when not nil, is the helper
+// the caller started (startDeleteHelper); deleteKeys hands it the work
+// whether or not it uses it.
+func (c *Backend) deleteKeys(ctx context.Context, k4 []ctmap.CTKey4, k6 []ctmap.CTKey6, deleted map[string]int, h *deleteHelper) (left4 []ctmap.CTKey4, left6 []ctmap.CTKey6, err error) {
 	tcp4, any4 := splitTCP(k4, ctmap.TCP4)
 	tcp6, any6 := splitTCP(k6, ctmap.TCP6)
 	// The keys in units of at most deleteUnit keys of one CT map each, in
@@ -504,17 +516,80 @@ func (c *Backend) deleteKeys(ctx context.Context, k4 []ctmap.CTKey4, k6 []ctmap.
 	q.add(newDeletePart(ctx, c, ctmap.TCP6, tcp6, &mu, &left6))
 	q.add(newDeletePart(ctx, c, ctmap.Any6, any6, &mu, &left6))
 	q.hi = len(q.units)
-	var helped map[string]int
-	if len(q.units) > 1 && len(k4)+len(k6) >= parallelMin {
-		helped = map[string]int{}
-		go q.work(false, helped)
+	if len(q.units) < 2 || len(k4)+len(k6) < parallelMin {
+		h.hand(&deleteQueue{}) // nothing for a helper: it returns at once
+		h = nil
+	} else if h == nil || !h.hand(q) {
+		h = &deleteHelper{counts: map[string]int{}}
+		go q.work(false, h.counts)
 	}
 	q.work(true, deleted)
 	q.helper.Wait()
-	for name, n := range helped {
-		deleted[name] += n
+	if h != nil {
+		for name, n := range h.counts {
+			deleted[name] += n
+		}
 	}
 	return left4, left6, errors.Join(q.errs...)
+}
+
+// A deleteHelper is deleteKeys' helper started before its keys are known
+// (startDeleteHelper): it spins on its CPU until deleteKeys hands it the
+// work, at most helperSpin, then gives up.
+type deleteHelper struct {
+	state  atomic.Int32 // helperWaiting, then helperHanded or helperGaveUp
+	q      atomic.Pointer[deleteQueue]
+	counts map[string]int // written by the helper for the units it took
+}
+
+const (
+	helperWaiting = iota
+	helperHanded
+	helperGaveUp
+)
+
+// helperSpin bounds the helper's wait for its work: about what the forms
+// of a few thousand keys take.
+const helperSpin = 500 * time.Microsecond
+
+// startDeleteHelper starts a helper where the process may run two
+// goroutines at once, else returns nil.
+func startDeleteHelper() *deleteHelper {
+	if runtime.GOMAXPROCS(0) < 2 {
+		return nil
+	}
+	h := &deleteHelper{counts: map[string]int{}}
+	go h.run()
+	return h
+}
+
+func (h *deleteHelper) run() {
+	// Spinning, not blocking: a goroutine woken from a channel wait is
+	// another wake-up of a thread, the latency this helper started early
+	// to hide. Each turn yields the CPU (sched_yield), so on a machine
+	// that put this thread beside the caller's the caller runs first.
+	deadline := time.Now().Add(helperSpin)
+	for h.state.Load() == helperWaiting {
+		if time.Now().After(deadline) {
+			if h.state.CompareAndSwap(helperWaiting, helperGaveUp) {
+				return
+			}
+			break
+		}
+		runtime.Gosched()
+		unix.RawSyscall(unix.SYS_SCHED_YIELD, 0, 0, 0)
+	}
+	h.q.Load().work(false, h.counts)
+}
+
+// hand gives the helper q; false when the helper gave up waiting (or h is
+// nil), and the caller starts another.
+func (h *deleteHelper) hand(q *deleteQueue) bool {
+	if h == nil {
+		return false
+	}
+	h.q.Store(q)
+	return h.state.CompareAndSwap(helperWaiting, helperHanded)
 }
 
 // deleteUnit is the most keys of one unit of deleteKeys' work: small enough
