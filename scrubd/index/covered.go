@@ -147,8 +147,9 @@ func mirror[K key](k K) K {
 // stack as two overlapping 8-byte stores that the next loads could not be
 // forwarded from. BenchmarkCovered, 1,000 keys: 0.28 ms with a Go map,
 // 0.22 ms with a table of int32 through the keys' methods and
-// hash/maphash, 0.115 ms (0.095 on 2026-12-02's machine) with forms
-// passed by value, 0.06 ms made in place (warm caches; docs/bench.md).
+// hash/maphash, 0.115 ms with forms passed by value (warm caches; session
+// 6); on 2026-12-02's loaded machine 0.13 ms passed by value, 0.08 ms made
+// in place (minimum of alternating runs; docs/bench.md).
 func covered[K key](dst, keys []K) []K {
 	if len(keys) == 0 {
 		return dst
