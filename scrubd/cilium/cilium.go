@@ -12,13 +12,16 @@ import (
 	"errors"
 	"fmt"
 	"net/netip"
+	"runtime"
 	"slices"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/ctscrub/ctscrub/scrubd/scrub"
 
 	"github.com/cilium/ebpf"
+	"golang.org/x/sys/unix"
 
 	"github.com/ctscrub/ctscrub/scrubd/api"
 	"github.com/ctscrub/ctscrub/scrubd/ctmap"
@@ -359,12 +362,19 @@ func (s *scrubRun) deleteByIndex(ip netip.Addr) error {
 		return nil
 	}
 	s.res.PerIP[ip.String()] = scrub.MethodIndex
+	// The deletes' helper starts now, while the forms are computed: a
+	// thread woken on an idle CPU takes tens of µs to run (longer on a
+	// busy one), about what the forms take.
+	var h *deleteHelper
+	if len(k4)+len(k6) >= parallelMin/3 {
+		h = startDeleteHelper()
+	}
 	// Every key the index holds, plus the forms Cilium may re-create them
 	// in (index.Covered): the one definition the audit checks.
 	buf := coverBufs.Get().(*coverBuf)
 	x4, x6 := index.AppendCovered(buf.k4[:0], buf.k6[:0], k4, k6)
 	s.steps.Mark("take")
-	left4, left6, err := s.c.deleteKeys(s.ctx, x4, x6, s.res.Deleted)
+	left4, left6, err := s.c.deleteKeys(s.ctx, x4, x6, s.res.Deleted, h)
 	s.steps.Mark("delete")
 	s.c.ix.Return(ip, left4, left6)
 	if cap(x4)+cap(x6) <= maxPooledKeys {
@@ -482,12 +492,14 @@ func (c *Backend) syncIndex(ctx context.Context) error {
 // it deleted before it.
 //
 // It reorders k4 and k6 (each map's keys together), and the left lists are
-// copies: the caller may reuse both slices.
-func (c *Backend) deleteKeys(ctx context.Context, k4 []ctmap.CTKey4, k6 []ctmap.CTKey6, deleted map[string]int) (left4 []ctmap.CTKey4, left6 []ctmap.CTKey6, err error) {
+// copies: the caller may reuse both slices. h, when not nil, is the helper
+// the caller started (startDeleteHelper); deleteKeys hands it the work
+// whether or not it uses it.
+func (c *Backend) deleteKeys(ctx context.Context, k4 []ctmap.CTKey4, k6 []ctmap.CTKey6, deleted map[string]int, h *deleteHelper) (left4 []ctmap.CTKey4, left6 []ctmap.CTKey6, err error) {
 	tcp4, any4 := splitTCP(k4, ctmap.TCP4)
 	tcp6, any6 := splitTCP(k6, ctmap.TCP6)
-	// The keys in jobs of at most deleteUnit keys of one CT map each, in
-	// map order. The calling goroutine takes jobs from the front; a scrub
+	// The keys in units of at most deleteUnit keys of one CT map each, in
+	// map order. The calling goroutine takes units from the front; a scrub
 	// of parallelMin keys or more also starts a helper that takes them
 	// from the back, on the other CPU when the machine gives it one. Each
 	// map has its own LRU lists and bucket locks, so the two meet on one
@@ -496,61 +508,138 @@ func (c *Backend) deleteKeys(ctx context.Context, k4 []ctmap.CTKey4, k6 []ctmap.
 	// thread ran up to hundreds of µs after it was woken (make bench at
 	// 1 M, load 27 on 2 cores: median 0.24 ms, as long as the TCP map's
 	// share of a 1,000-key scrub), and with one job per map the caller
-	// sat idle for it. It waits only for jobs the helper has taken.
+	// sat idle for it. It waits only for units the helper has taken.
 	var mu sync.Mutex // left4, left6
 	q := &deleteQueue{}
-	for _, j := range []struct {
-		k    ctmap.Kind
-		keys []ctmap.CTKey4
-	}{{ctmap.TCP4, tcp4}, {ctmap.Any4, any4}} {
-		for lo := 0; lo < len(j.keys); lo += deleteUnit {
-			q.jobs = append(q.jobs, newDeleteJob(ctx, c, j.k, j.keys[lo:min(lo+deleteUnit, len(j.keys))], &mu, &left4))
-		}
-	}
-	for _, j := range []struct {
-		k    ctmap.Kind
-		keys []ctmap.CTKey6
-	}{{ctmap.TCP6, tcp6}, {ctmap.Any6, any6}} {
-		for lo := 0; lo < len(j.keys); lo += deleteUnit {
-			q.jobs = append(q.jobs, newDeleteJob(ctx, c, j.k, j.keys[lo:min(lo+deleteUnit, len(j.keys))], &mu, &left6))
-		}
-	}
-	q.hi = len(q.jobs)
-	var helped map[string]int
-	if len(q.jobs) > 1 && len(k4)+len(k6) >= parallelMin {
-		helped = map[string]int{}
-		go q.work(false, helped)
+	q.add(newDeletePart(ctx, c, ctmap.TCP4, tcp4, &mu, &left4))
+	q.add(newDeletePart(ctx, c, ctmap.Any4, any4, &mu, &left4))
+	q.add(newDeletePart(ctx, c, ctmap.TCP6, tcp6, &mu, &left6))
+	q.add(newDeletePart(ctx, c, ctmap.Any6, any6, &mu, &left6))
+	q.hi = len(q.units)
+	if len(q.units) < 2 || len(k4)+len(k6) < parallelMin {
+		h.hand(&deleteQueue{}) // nothing for a helper: it returns at once
+		h = nil
+	} else if h == nil || !h.hand(q) {
+		h = &deleteHelper{counts: map[string]int{}}
+		go q.work(false, h.counts)
 	}
 	q.work(true, deleted)
 	q.helper.Wait()
-	for name, n := range helped {
-		deleted[name] += n
+	if h != nil {
+		for name, n := range h.counts {
+			deleted[name] += n
+		}
 	}
-	var errs []error
-	for _, j := range q.jobs {
-		errs = append(errs, j.err)
-	}
-	return left4, left6, errors.Join(errs...)
+	return left4, left6, errors.Join(q.errs...)
 }
 
-// deleteUnit is the most keys of one job of deleteKeys: one run of the
-// delete program. Small enough that the caller and the helper share a
-// scrub's keys evenly, large enough that a run's fixed cost (a syscall,
-// the test run's setup) is small beside its keys'.
+// A deleteHelper is deleteKeys' helper started before its keys are known
+// (startDeleteHelper): it spins on its CPU until deleteKeys hands it the
+// work, at most helperSpin, then gives up.
+type deleteHelper struct {
+	state  atomic.Int32 // helperWaiting, then helperHanded or helperGaveUp
+	q      atomic.Pointer[deleteQueue]
+	counts map[string]int // written by the helper for the units it took
+}
+
+const (
+	helperWaiting = iota
+	helperHanded
+	helperGaveUp
+)
+
+// helperSpin bounds the helper's wait for its work: about what the forms
+// of a few thousand keys take.
+const helperSpin = 500 * time.Microsecond
+
+// startDeleteHelper starts a helper where the process may run two
+// goroutines at once, else returns nil.
+func startDeleteHelper() *deleteHelper {
+	if runtime.GOMAXPROCS(0) < 2 {
+		return nil
+	}
+	h := &deleteHelper{counts: map[string]int{}}
+	go h.run()
+	return h
+}
+
+func (h *deleteHelper) run() {
+	// Spinning, not blocking: a goroutine woken from a channel wait is
+	// another wake-up of a thread, the latency this helper started early
+	// to hide. Each turn yields the CPU (sched_yield), so on a machine
+	// that put this thread beside the caller's the caller runs first.
+	deadline := time.Now().Add(helperSpin)
+	for h.state.Load() == helperWaiting {
+		if time.Now().After(deadline) {
+			if h.state.CompareAndSwap(helperWaiting, helperGaveUp) {
+				return
+			}
+			break
+		}
+		runtime.Gosched()
+		unix.RawSyscall(unix.SYS_SCHED_YIELD, 0, 0, 0)
+	}
+	h.q.Load().work(false, h.counts)
+}
+
+// hand gives the helper q; false when the helper gave up waiting (or h is
+// nil), and the caller starts another.
+func (h *deleteHelper) hand(q *deleteQueue) bool {
+	if h == nil {
+		return false
+	}
+	h.q.Store(q)
+	return h.state.CompareAndSwap(helperWaiting, helperHanded)
+}
+
+// deleteUnit is the most keys of one unit of deleteKeys' work: small enough
+// that the caller and the helper share a scrub's keys evenly, large enough
+// that a program run's fixed cost (a syscall, the test run's setup, about
+// 5 µs) is small beside its keys'.
 const deleteUnit = 256
 
-// deleteQueue is deleteKeys' list of jobs, taken from both ends.
+// maxRunUnits is the most units the caller deletes in one program run
+// (delChunk keys).
+const maxRunUnits = delChunk / deleteUnit
+
+// deleteQueue is deleteKeys' work: each map's keys (parts) cut in units,
+// taken from both ends.
 type deleteQueue struct {
+	parts []deletePart
+	units []deleteRange // in part order
+
 	mu     sync.Mutex
-	jobs   []*deleteJob
-	lo, hi int            // jobs[lo:hi] are not taken yet
-	helper sync.WaitGroup // jobs the helper has taken and not finished
+	lo, hi int            // units[lo:hi] are not taken yet
+	errs   []error        // of the runs so far
+	helper sync.WaitGroup // units the helper has taken and not finished
 }
 
-// work runs jobs until none is left, from the front (the caller) or from
-// the back (the helper), adding counts to deleted. A failed job does not
-// stop the others: each map's keys are deleted or left on their own (when
-// ctx ends every later job returns at once with its keys left).
+// deleteRange is keys [lo, hi) of parts[part].
+type deleteRange struct{ part, lo, hi int }
+
+// add appends p and its units: as few as hold its keys at deleteUnit each,
+// of equal size (no run for a short tail).
+func (q *deleteQueue) add(p deletePart) {
+	if p.n == 0 {
+		return
+	}
+	q.parts = append(q.parts, p)
+	units := (p.n + deleteUnit - 1) / deleteUnit
+	for i := range units {
+		q.units = append(q.units, deleteRange{len(q.parts) - 1, i * p.n / units, (i + 1) * p.n / units})
+	}
+}
+
+// work deletes units until none is left, from the front (the caller) or
+// from the back (the helper), adding counts to deleted. The helper takes
+// one unit at a time; the caller up to half of the units left (at most
+// maxRunUnits, all of one map) in one program run: while the helper has
+// no CPU, as at a load of 10 and more on 2 cores, 13 runs of a 3,000-key
+// scrub became 6, each run's fixed cost saved (about 45 µs a scrub at 1 M,
+// chunks of 256 against 1,024 keys), and the units left are still enough
+// for a helper that starts. A failed run does not stop the others: each
+// map's keys are deleted or left on their own (when ctx ends every later
+// run returns at once with its keys left).
 func (q *deleteQueue) work(front bool, deleted map[string]int) {
 	for {
 		q.mu.Lock()
@@ -558,19 +647,28 @@ func (q *deleteQueue) work(front bool, deleted map[string]int) {
 			q.mu.Unlock()
 			return
 		}
-		var j *deleteJob
+		var r deleteRange
 		if front {
-			j = q.jobs[q.lo]
-			q.lo++
+			r = q.units[q.lo]
+			n := min(max(1, (q.hi-q.lo)/2), maxRunUnits)
+			for q.lo++; n > 1 && q.lo < q.hi && q.units[q.lo].part == r.part; n-- {
+				r.hi = q.units[q.lo].hi
+				q.lo++
+			}
 		} else {
 			q.hi--
-			j = q.jobs[q.hi]
+			r = q.units[q.hi]
 			// Counted before the lock is released: the caller's Wait
-			// comes after it has found no job left, so after this Add.
+			// comes after it has found no unit left, so after this Add.
 			q.helper.Add(1)
 		}
 		q.mu.Unlock()
-		j.err = j.run(deleted)
+		err := q.parts[r.part].run(r.lo, r.hi, deleted)
+		if err != nil {
+			q.mu.Lock()
+			q.errs = append(q.errs, err)
+			q.mu.Unlock()
+		}
 		if !front {
 			q.helper.Done()
 		}
@@ -602,20 +700,21 @@ func splitTCP[K interface{ Kind() ctmap.Kind }](keys []K, tcp ctmap.Kind) (tcpKe
 	return keys[:n], keys[n:]
 }
 
-// deleteJob is part of one CT map's share of a scrub's deletes
-// (deleteKeys).
-type deleteJob struct {
-	run func(deleted map[string]int) error // adds the keys it did not attempt to the left list
-	err error
+// deletePart is one CT map's share of a scrub's deletes (deleteKeys).
+type deletePart struct {
+	n   int                                            // keys
+	run func(lo, hi int, deleted map[string]int) error // deletes keys [lo, hi); adds those it did not attempt to the left list
 }
 
-// newDeleteJob returns the job deleting keys (all of kind k) from c's maps;
-// mu guards *left, which the other jobs of the scrub may add to at once.
-func newDeleteJob[K ctmap.CTKey4 | ctmap.CTKey6](ctx context.Context, c *Backend, k ctmap.Kind, keys []K, mu *sync.Mutex, left *[]K) *deleteJob {
-	return &deleteJob{
-		run: func(deleted map[string]int) error {
+// newDeletePart returns the part deleting keys (all of kind k) from c's
+// maps; mu guards *left, which the other runs of the scrub may add to at
+// once.
+func newDeletePart[K ctmap.CTKey4 | ctmap.CTKey6](ctx context.Context, c *Backend, k ctmap.Kind, keys []K, mu *sync.Mutex, left *[]K) deletePart {
+	return deletePart{
+		n: len(keys),
+		run: func(lo, hi int, deleted map[string]int) error {
 			var l []K
-			err := deleteFrom(ctx, c.maps.Map(k), c.del, k, keys, c.opts.DeleteChunk, deleted, &l)
+			err := deleteFrom(ctx, c.maps.Map(k), c.del, k, keys[lo:hi], c.opts.DeleteChunk, deleted, &l)
 			if len(l) > 0 {
 				mu.Lock()
 				*left = append(*left, l...)

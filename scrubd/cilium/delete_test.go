@@ -3,8 +3,10 @@ package cilium
 import (
 	"context"
 	"net/netip"
+	"runtime"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/cilium/ebpf"
 
@@ -79,7 +81,7 @@ func deleteSkipsAbsentKeys(t *testing.T, c *Backend, maps *ctmap.Maps, n byte) {
 		}
 	}
 	deleted := map[string]int{}
-	left4, left6, err := c.deleteKeys(context.Background(), k4, k6, deleted)
+	left4, left6, err := c.deleteKeys(context.Background(), k4, k6, deleted, nil)
 	if err != nil || len(left4)+len(left6) != 0 {
 		t.Fatalf("deleteKeys: err %v, %d+%d keys not attempted", err, len(left4), len(left6))
 	}
@@ -132,7 +134,7 @@ func TestDeleteKeysMapFails(t *testing.T) {
 		k6 = append(k6, ctmap.NewKey6(pod6, peer6, 80, port, 6, ctmap.FlagOut))
 	}
 	deleted := map[string]int{}
-	left4, left6, err := c.deleteKeys(context.Background(), k4, k6, deleted)
+	left4, left6, err := c.deleteKeys(context.Background(), k4, k6, deleted, nil)
 	if err == nil || !strings.Contains(err.Error(), "map not present") {
 		t.Fatalf("deleteKeys without the IPv6 maps: err %v, want one saying the map is not present", err)
 	}
@@ -205,6 +207,57 @@ func BenchmarkDeleteKeys(b *testing.B) {
 				}
 				if got := deleted[ctmap.TCP4.Name()] + deleted[ctmap.Any4.Name()]; got != len(present) {
 					b.Fatalf("%s: deleted %v, want %d in all", mode, deleted, len(present))
+				}
+			}
+		})
+	}
+}
+
+// TestDeleteKeysEarlyHelper: the scrub starts the deletes' helper before
+// its keys are known. Handed the work while it waits, or after it gave up
+// waiting (deleteKeys then starts another), or given a list too short to
+// share, every present key is deleted and counted once, whichever of the
+// two took it.
+func TestDeleteKeysEarlyHelper(t *testing.T) {
+	needRoot(t)
+	if runtime.GOMAXPROCS(0) < 2 {
+		t.Skip("GOMAXPROCS < 2: the scrub starts no early helper")
+	}
+	maps := pinnedMaps(t, 1<<16, false)
+	c := newCilium(t, maps, newIndex())
+	var val ctmap.Entry
+	for i, tc := range []struct {
+		name string
+		keys int
+		wait time.Duration
+	}{{"handed while waiting", 3000, 0}, {"after it gave up", 3000, 2 * helperSpin}, {"too few keys to share", 100, 0}} {
+		t.Run(tc.name, func(t *testing.T) {
+			pod, peer := netip.AddrFrom4([4]byte{10, 244, 1, byte(i)}), netip.MustParseAddr("192.0.2.11")
+			var keys []ctmap.CTKey4
+			present := 0
+			for port := range uint16(tc.keys) {
+				k := ctmap.NewKey4(pod, peer, 80, port, []uint8{6, 17}[port%2], ctmap.FlagOut)
+				keys = append(keys, k)
+				if port%3 == 0 {
+					if err := maps.Map(k.Kind()).Put(k, val); err != nil {
+						t.Fatal(err)
+					}
+					present++
+				}
+			}
+			h := startDeleteHelper()
+			time.Sleep(tc.wait)
+			deleted := map[string]int{}
+			left4, _, err := c.deleteKeys(context.Background(), keys, nil, deleted, h)
+			if err != nil || len(left4) != 0 {
+				t.Fatalf("deleteKeys: err %v, %d keys not attempted", err, len(left4))
+			}
+			if got := deleted[ctmap.TCP4.Name()] + deleted[ctmap.Any4.Name()]; got != present {
+				t.Fatalf("deleted %v, want %d in all", deleted, present)
+			}
+			for _, k := range keys {
+				if maps.Map(k.Kind()).Lookup(k, &val) == nil {
+					t.Fatalf("%s left", k)
 				}
 			}
 		})

@@ -7,6 +7,7 @@ import (
 	"path/filepath"
 	"sync/atomic"
 	"syscall"
+	"time"
 
 	"github.com/cilium/ebpf"
 )
@@ -84,7 +85,28 @@ type Maps struct {
 	// pins are the inodes of the pins last found to hold the maps held (0:
 	// unknown, or no pin): Replaced's cheap check.
 	pins [numSlots]atomic.Uint64
+	// dir is Root's stat when every pin was last found to be the one
+	// noted, taken when Root had not changed for dirSettle: while Root
+	// still has that mtime no pin under it was added, removed or renamed
+	// (bpffs sets a directory's mtime on each), and Replaced answers with
+	// that one stat.
+	dir atomic.Pointer[dirStamp]
 }
+
+// dirStamp identifies a directory and its last change.
+type dirStamp struct {
+	dev, ino uint64
+	mtime    syscall.Timespec
+}
+
+func stampOf(st *syscall.Stat_t) dirStamp {
+	return dirStamp{dev: st.Dev, ino: st.Ino, mtime: st.Mtim}
+}
+
+// dirSettle: a directory changed less than this before its stat may change
+// again within the same mtime tick (bpffs uses the coarse clock), so such a
+// stat is not kept as Maps.dir. A variable for tests.
+var dirSettle = time.Second
 
 // numSlots counts the maps Replaced watches: the CT maps and the SNAT maps.
 const numSlots = int(NumKinds) + 2
@@ -239,14 +261,25 @@ func (m *Maps) ID(k Kind) ebpf.MapID { return m.ids[k] }
 // Cilium's unpin and its re-create) does not count as replaced: the caller
 // checks again later. Maps made by FromMaps (no Root) are never replaced.
 //
-// It runs before every scrub, so on every CNI ADD and DEL: when each pin is
-// still the inode last found to hold the map held (a stat per map, a few
-// microseconds: a re-created map is pinned anew, as a new inode), that is
-// the answer; otherwise one BPF_OBJ_GET and one map info query per map
-// (about 0.1 ms each on a loaded node), which also notes the pins' inodes.
+// It runs before every scrub, so on every CNI ADD and DEL: while Root has
+// not changed since the pins were last found unchanged, one stat of Root
+// is the answer; when each pin is still the inode last found to hold the
+// map held (a stat per map, a few microseconds each: a re-created map is
+// pinned anew, as a new inode), that is the answer; otherwise one
+// BPF_OBJ_GET and one map info query per map (about 0.1 ms each on a
+// loaded node), which also notes the pins' inodes.
 func (m *Maps) Replaced() (bool, error) {
 	if m.Root == "" {
 		return false, nil
+	}
+	// Root is read before the pins: a pin changed after this stat changes
+	// Root's mtime after it too, so the stamp kept below no longer matches.
+	var ds syscall.Stat_t
+	dirErr := syscall.Stat(m.Root, &ds)
+	if dirErr == nil {
+		if s := m.dir.Load(); s != nil && *s == stampOf(&ds) {
+			return false, nil
+		}
 	}
 	var inos [numSlots]uint64
 	same := true
@@ -263,8 +296,13 @@ func (m *Maps) Replaced() (bool, error) {
 		}
 	}
 	if same {
+		if dirErr == nil && time.Since(time.Unix(ds.Mtim.Unix())) >= dirSettle {
+			st := stampOf(&ds)
+			m.dir.Store(&st)
+		}
 		return false, nil
 	}
+	m.dir.Store(nil)
 	var errs []error
 	for k := range numSlots {
 		if k == natSlot(true) && !m.HasIPv6() {

@@ -7,6 +7,7 @@ import (
 	"strings"
 	"syscall"
 	"testing"
+	"time"
 
 	"github.com/cilium/ebpf"
 )
@@ -179,5 +180,54 @@ func TestReplacedCheapCheck(t *testing.T) {
 	pin(t, root, Any6.Spec(1024))
 	if r, _ := m2.Replaced(); !r {
 		t.Fatal("IPv6 maps pinned after Open: not replaced")
+	}
+}
+
+// Once Root has not changed for dirSettle, Replaced answers from Root's
+// stat; a map re-created under it, or a pin added, changes Root's mtime and
+// is seen at once.
+func TestReplacedDirStamp(t *testing.T) {
+	defer func(d time.Duration) { dirSettle = d }(dirSettle)
+	dirSettle = 50 * time.Millisecond // bpffs's mtime ticks are a few ms
+	root := privateRoot(t)
+	held := pin(t, root, TCP4.Spec(1024))
+	pin(t, root, Any4.Spec(1024))
+	time.Sleep(2 * dirSettle)
+	m, err := Open(root)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer m.Close()
+	for i := range 3 { // looks up, then stats the pins and keeps Root's stamp, then Root only
+		if r, err := m.Replaced(); r || err != nil {
+			t.Fatalf("call %d: replaced %v, %v; want false", i, r, err)
+		}
+	}
+	if m.dir.Load() == nil {
+		t.Fatal("Root's stamp not kept")
+	}
+	if err := held.Unpin(); err != nil {
+		t.Fatal(err)
+	}
+	pin(t, root, TCP4.Spec(2048))
+	if r, err := m.Replaced(); !r || err != nil {
+		t.Fatalf("map re-created under a kept stamp: replaced %v, %v; want true", r, err)
+	}
+	m2, err := Open(root)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer m2.Close()
+	time.Sleep(2 * dirSettle)
+	for range 3 {
+		m2.Replaced()
+	}
+	if m2.dir.Load() == nil {
+		t.Fatal("Root's stamp not kept")
+	}
+	pin(t, root, TCP6.Spec(1024))
+	pin(t, root, Any6.Spec(1024))
+	if r, _ := m2.Replaced(); !r {
+		t.Fatal("IPv6 maps pinned under a kept stamp: not replaced")
 	}
 }
