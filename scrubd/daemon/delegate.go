@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/ctscrub/ctscrub/scrubd/api"
+	"github.com/ctscrub/ctscrub/scrubd/index"
 	"github.com/ctscrub/ctscrub/scrubd/scrub"
 )
 
@@ -184,6 +185,7 @@ func (d *Daemon) delegateIP(ctx context.Context, ip netip.Addr, reason scrub.Rea
 	if j < 0 {
 		return api.DelegateIP{Reason: "scrubd runs no Cilium backend on this node (backends " + strings.Join(d.backendNames(), ",") + ")"}
 	}
+	d.delegateOwnership(ip, reason)
 	res := d.scrub(ctx, []netip.Addr{ip}, reason, false, "", nil)[j]
 	a := api.DelegateIP{CTDeleted: res.Total}
 	for _, n := range res.NATDeleted {
@@ -215,3 +217,24 @@ func (d *Daemon) delegateIP(ctx context.Context, ip netip.Addr, reason scrub.Rea
 
 // outsideGlobal is the Cilium backend's OutsideGlobalMaps (scrubd/cilium).
 type outsideGlobal interface{ OutsideGlobalMaps() string }
+
+// delegateOwnership applies ownership.go's rule to a delegate scrub, which
+// carries no attachment: the index vouches for ip only when every owner it
+// had was one scrubd indexed. At an endpoint's create (before ctscrub's own
+// ADD in the chain) that means ip is released by a DEL scrubd saw; at its
+// delete, released or held by an attachment scrubd indexed. Otherwise (an
+// address a pod ctscrub never saw used, e.g. while the conflist did not
+// chain ctscrub) the IP is marked incomplete and its scrub sweeps.
+func (d *Daemon) delegateOwnership(ip netip.Addr, reason scrub.Reason) {
+	if !d.ix.Owns(ip) || !d.ix.State(ip).Complete {
+		return // it sweeps anyway
+	}
+	if _, ok := d.own.releasedAt(ip); ok {
+		return
+	}
+	if reason == scrub.ReasonDel && d.pods.holds(ip) {
+		return
+	}
+	d.ix.MarkIncomplete(ip, index.ReasonOwner)
+	d.log.Info("delegate scrub: the IP was neither released by a DEL scrubd saw nor held by a pod it indexed; it sweeps", "ip", ip, "reason", reason)
+}

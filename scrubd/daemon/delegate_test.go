@@ -340,3 +340,44 @@ func TestDelegateIncompleteWithMapsOutsideGlobal(t *testing.T) {
 		t.Errorf("%+v: want complete:false for the per-endpoint CT maps, with the %d global entries deleted", got, len(flows))
 	}
 }
+
+// An address a pod scrubd never saw used after its release (the conflist
+// not chaining ctscrub for a while): the delegate must not answer complete
+// from the index, which lacks that pod's flows. Fails without
+// delegateOwnership: the index scrub leaves the unseen pod's entries and
+// answers complete.
+func TestDelegateDistrustsAnUnseenOwner(t *testing.T) {
+	root := newCTRoot(t, 1<<16)
+	td, sock := startDelegate(t, root)
+	pod := mustAddr("10.244.3.9")
+	seen := podFlows(pod, 20)
+	root.put4(t, seen)
+	indexFlows(td.Daemon, pod, seen)
+	td.Daemon.own.release(pod) // a DEL scrubd saw let it go
+	// Then an owner scrubd never indexed: its flows are in the CT only, and
+	// the conflist watch's sign of it ends every release.
+	unseen := podFlows(pod, 60)[20:]
+	root.put4(t, unseen)
+	td.Daemon.unseenOwner("test: the conflist did not chain ctscrub")
+
+	for _, event := range []string{"endpoint-create", "endpoint-delete"} {
+		root.put4(t, unseen)
+		b, _ := json.Marshal(map[string]any{"api_version": 1, "caller": "cilium-agent", "event": event,
+			"endpoint_id": 7, "ips": []string{pod.String()}, "timeout_ms": 5000})
+		status, body, err := delegatePost(sock, string(b))
+		if err != nil || status != http.StatusOK {
+			t.Fatalf("%s: %d %s %v", event, status, body, err)
+		}
+		var resp api.DelegateResponse
+		if err := json.Unmarshal(body, &resp); err != nil || len(resp.IPs) != 1 {
+			t.Fatalf("%s: answer %s (%v)", event, body, err)
+		}
+		left := root.present4(t, unseen)
+		if got := resp.IPs[0]; got.Complete && left != 0 {
+			t.Errorf("%s: complete with %d entries of the unseen owner left: %+v", event, left, got)
+		}
+		if left != 0 {
+			t.Errorf("%s: %d entries of the unseen owner left", event, left)
+		}
+	}
+}

@@ -352,3 +352,18 @@ func (p *pods) held(containerID, ifname string, ip netip.Addr) bool {
 	}
 	return false
 }
+
+// holds reports whether any attachment scrubd indexed (active, or stopped
+// within the TTL) holds ip.
+func (p *pods) holds(ip netip.Addr) bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for _, m := range []map[api.Attachment]api.IndexedPod{p.active, p.stopped} {
+		for _, pod := range m {
+			if slices.Contains(pod.IPs, ip) {
+				return true
+			}
+		}
+	}
+	return false
+}
