@@ -136,15 +136,16 @@ func (d *day2) scrubdOOM(c *cluster) map[string]any {
 	ws := d.scrubdMemory(c)
 	limit := envOr("CTSCRUB_DAY2_OOM_LIMIT", "")
 	if limit == "" {
-		// Half of what it uses now, at least 8 MiB (below that the
-		// container's own start may fail before scrubd runs).
-		limit = strconv.FormatInt(max(8, ws/2/(1<<20)), 10) + "Mi"
+		// Half of what it uses once running, at least 4 MiB: enough for
+		// the Go runtime to start, not for scrubd to load its programs
+		// and seed its index, so the kernel's OOM killer ends it.
+		limit = strconv.FormatInt(max(4, ws/2/(1<<20)), 10) + "Mi"
 	}
 	rev := d.helmRevision(c, "ctscrub")
 	from := time.Now()
 	t.Logf("scrubd_oom: scrubd's working set %d MiB; helm upgrade --reuse-values resources.scrubd.limits.memory=%s", ws>>20, limit)
 	c.must(3*time.Minute, "helm", "upgrade", "ctscrub", filepath.Join(c.root, "conf/chart"), "-n", "kube-system", "--reuse-values",
-		"--set", "resources.scrubd.limits.memory="+limit)
+		"--set", "resources.scrubd.limits.memory="+limit, "--set", "resources.scrubd.requests.memory="+limit)
 	// The DaemonSet rolls one node at a time, in no set order: the worker's
 	// pod now, so that it is the worker's scrubd the limit meets.
 	c.kubectl("-n", "kube-system", "delete", "pod", c.podOn("kube-system", "app.kubernetes.io/name=ctscrub", d.node), "--wait=false")

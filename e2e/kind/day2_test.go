@@ -266,7 +266,9 @@ func (d *day2) ensureHolds(c *cluster) {
 		go func() {
 			sc := bufio.NewScanner(out)
 			for sc.Scan() {
-				if strings.HasPrefix(sc.Text(), "HTTP/1.1 200") {
+				// /hostname's body has no newline: the next answer's
+				// status line follows it on the same line.
+				if strings.Contains(sc.Text(), "HTTP/1.1 200") {
 					h.mu.Lock()
 					h.answers++
 					h.mu.Unlock()
