@@ -246,7 +246,12 @@ func (d *day2) ctscrubUpgrade(c *cluster) map[string]any {
 
 	from := time.Now()
 	t.Logf("ctscrub_upgrade: helm upgrade ctscrub to %s's chart and %s", prevRef, prevImage)
-	c.must(4*time.Minute, "helm", append([]string{"upgrade", "ctscrub", prevChart, "-n", "kube-system"}, imageArgs(prevImage)...)...)
+	// --force (replace, not patch): the earlier chart has no
+	// ServiceAccount, and a patch that drops serviceAccountName leaves the
+	// deprecated serviceAccount field the API server filled in, so the
+	// DaemonSet keeps naming the account the downgrade deleted and can
+	// create no pod (seen here: "serviceaccount ctscrub not found").
+	c.must(4*time.Minute, "helm", append([]string{"upgrade", "ctscrub", prevChart, "-n", "kube-system", "--force"}, imageArgs(prevImage)...)...)
 	c.must(6*time.Minute, "kubectl", "-n", "kube-system", "rollout", "status", "ds/ctscrub", "--timeout=6m")
 	d.waitRestarted(c, from, "app.kubernetes.io/name=ctscrub", "scrubd")
 	prevUp := time.Now()
