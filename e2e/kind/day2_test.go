@@ -3,11 +3,13 @@ package kind
 import (
 	"bufio"
 	"context"
+	"encoding/json"
 	"fmt"
 	"io"
 	"os"
 	"os/exec"
 	"regexp"
+	"slices"
 	"sort"
 	"strconv"
 	"strings"
@@ -713,6 +715,15 @@ func (d *day2) runStep(c *cluster, name string, run func(*cluster) map[string]an
 		t.Errorf("%s: no CT entry of any churn pod after its traffic: the stale and inherited checks could not fail", name)
 	}
 	failed += failedLive
+	// scrubd serves Cilium's maps again: a scrubd that runs with
+	// nf_conntrack alone deletes nothing of Cilium's, and the checks above
+	// would still pass on Cilium's own endpoint-delete walk.
+	backends, recorder := d.scrubdServing(c)
+	obj["scrubd_backends"] = backends
+	obj["scrubd_recorder"] = recorder
+	if !slices.Contains(backends, "cilium") || !recorder {
+		t.Errorf("%s: scrubd on %s serves backends %v, recorder %v after the step: want the cilium backend and its recorder", name, d.node, backends, recorder)
+	}
 	obj["stale_entries_left"] = stale
 	obj["inherited_entries"] = inherited
 	obj["live_entries_lost"] = liveLost
@@ -722,4 +733,24 @@ func (d *day2) runStep(c *cluster, name string, run func(*cluster) map[string]an
 	obj["churn_pods"] = pods
 	obj["churn_waves_unchecked"] = unchecked
 	obj["passed"] = !t.Failed()
+}
+
+// scrubdServing is what the worker's scrubd said it serves when it last
+// started ("scrubd serving": its backends and whether its recorder runs).
+func (d *day2) scrubdServing(c *cluster) ([]string, bool) {
+	c.t.Helper()
+	pod := c.podOn("kube-system", "app.kubernetes.io/name=ctscrub", d.node)
+	var line struct {
+		Msg      string   `json:"msg"`
+		Backends []string `json:"backends"`
+		Recorder bool     `json:"recorder"`
+	}
+	var backends []string
+	var recorder bool
+	for _, l := range strings.Split(c.kubectl("-n", "kube-system", "logs", pod, "-c", "scrubd"), "\n") {
+		if json.Unmarshal([]byte(l), &line) == nil && line.Msg == "scrubd serving" {
+			backends, recorder = line.Backends, line.Recorder
+		}
+	}
+	return backends, recorder
 }
