@@ -37,9 +37,18 @@ func (d *day2) nodeRestart(c *cluster) map[string]any {
 	d.fault(from, to)
 	t.Logf("node_restart: the node was down %s; Cilium and scrubd back %s after the stop", down.Round(time.Second), to.Sub(from).Round(time.Second))
 
+	// The live pods deleted and made again, as after a reboot: the kubelet
+	// tears their sandboxes of before the restart down with them (CNI DEL).
+	for _, h := range d.holds {
+		h.close()
+	}
+	d.holds = nil
+	c.must(4*time.Minute, "kubectl", "-n", d.ns, "delete", "pod", "-l", "role=live", "--wait=true", "--timeout=3m")
+	c.kubectl("apply", "-f", d.liveYAML)
+	c.must(5*time.Minute, "kubectl", "-n", d.ns, "wait", "--for=condition=Ready", "pod", "-l", "role=live", "--timeout=5m")
+
 	// What scrubd made of its state at start, and its scrubs of the old
-	// sandboxes' DELs (the kubelet and containerd tear them down after the
-	// restart).
+	// sandboxes' DELs.
 	pod := c.podOn("kube-system", "app.kubernetes.io/name=ctscrub", d.node)
 	var start []string
 	var oldDels, fromIndex int

@@ -100,6 +100,7 @@ type day2 struct {
 	// ciliumRev: Cilium's Helm revision on the previous version, for
 	// cilium_rollback.
 	ciliumRev int
+	liveYAML  string
 }
 
 type window struct{ from, to time.Time }
@@ -159,7 +160,8 @@ spec:
 ---
 `, d.ns, d.node, c.e.serverImage, i)
 	}
-	c.kubectl("apply", "-f", writeFile(c.t, c.t.TempDir(), "live.yaml", b.String()))
+	d.liveYAML = writeFile(c.t, c.t.TempDir(), "live.yaml", b.String())
+	c.kubectl("apply", "-f", d.liveYAML)
 	c.must(5*time.Minute, "kubectl", "-n", d.ns, "wait", "--for=condition=Ready", "pod", "-l", "role=live", "--timeout=5m")
 	d.ensureHolds(c)
 	ctx, cancel := context.WithCancel(c.ctx)
