@@ -143,16 +143,20 @@ func (d *day2) helmRevision(c *cluster, release string) int {
 func (d *day2) scrubdOOM(c *cluster) map[string]any {
 	t := c.t
 	ws := d.scrubdMemory(c)
+	// The working set counts the BPF maps the container created (the
+	// recorder's, after a node restart) and page cache; the next container
+	// reuses the pinned maps. Its resident set is what the limit must cut.
+	rss := d.scrubdRSS(c)
 	limit := envOr("CTSCRUB_DAY2_OOM_LIMIT", "")
 	if limit == "" {
-		// Half of what it uses once running, at least 4 MiB: enough for
-		// the Go runtime to start, not for scrubd to load its programs
-		// and seed its index, so the kernel's OOM killer ends it.
-		limit = strconv.FormatInt(max(4, ws/2/(1<<20)), 10) + "Mi"
+		// Half its resident set, at least 4 MiB: enough for the Go
+		// runtime to start, not for scrubd to load its programs and seed
+		// its index, so the kernel's OOM killer ends it.
+		limit = strconv.FormatInt(max(4, rss/2/(1<<20)), 10) + "Mi"
 	}
 	rev := d.helmRevision(c, "ctscrub")
 	from := time.Now()
-	t.Logf("scrubd_oom: scrubd's working set %d MiB; helm upgrade --reuse-values resources.scrubd.limits.memory=%s", ws>>20, limit)
+	t.Logf("scrubd_oom: scrubd's working set %d MiB, resident set %d MiB; helm upgrade --reuse-values resources.scrubd.limits.memory=%s", ws>>20, rss>>20, limit)
 	c.must(3*time.Minute, "helm", "upgrade", "ctscrub", filepath.Join(c.root, "conf/chart"), "-n", "kube-system", "--reuse-values",
 		"--set", "resources.scrubd.limits.memory="+limit, "--set", "resources.scrubd.requests.memory="+limit)
 	// The DaemonSet rolls one node at a time, in no set order: the worker's
@@ -309,7 +313,11 @@ func (d *day2) ciliumPrev(c *cluster) (chart, agent, operator string) {
 }
 
 func (d *day2) helmCilium(c *cluster, chart, agent, operator string) {
-	c.must(6*time.Minute, "helm", "upgrade", "cilium", chart, "-n", "kube-system", "--reuse-values",
+	// --reset-then-reuse-values: the new chart's defaults and the
+	// release's own values. --reuse-values carries the other chart's
+	// defaults too, and 1.17.6's schema refuses 1.18.8's
+	// (enableIPv4Masquerade: null).
+	c.must(6*time.Minute, "helm", "upgrade", "cilium", chart, "-n", "kube-system", "--reset-then-reuse-values",
 		"--set", "image.override="+agent, "--set", "operator.image.override="+operator)
 	c.must(10*time.Minute, "kubectl", "-n", "kube-system", "rollout", "status", "ds/cilium", "--timeout=10m")
 	c.must(5*time.Minute, "kubectl", "-n", "kube-system", "rollout", "status", "deploy/cilium-operator", "--timeout=5m")
@@ -361,4 +369,15 @@ func (d *day2) ciliumRollback(c *cluster) map[string]any {
 	to := time.Now()
 	d.fault(from, to)
 	return map[string]any{"to_revision": d.ciliumRev, "rollback_s": int(to.Sub(from).Seconds()), "note": fmt.Sprintf("helm rollback cilium %d", d.ciliumRev)}
+}
+
+// scrubdRSS is scrubd's resident set on the worker, bytes (VmRSS).
+func (d *day2) scrubdRSS(c *cluster) int64 {
+	out := strings.TrimSpace(c.must(time.Minute, "docker", "exec", d.node, "sh", "-c",
+		`awk '/^VmRSS:/{print $2}' /proc/$(pgrep -x scrubd)/status`))
+	kb, err := strconv.ParseInt(out, 10, 64)
+	if err != nil || kb == 0 {
+		c.t.Fatalf("scrubd's VmRSS on %s: %q", d.node, out)
+	}
+	return kb << 10
 }
