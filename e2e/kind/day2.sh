@@ -52,6 +52,15 @@ export CTSCRUB_PREV_REF CTSCRUB_PREV_IMAGE CTSCRUB_PREV_CHART=$prev_tree/conf/ch
 # Cilium's previous version: its images (cached, or built when asked) and chart.
 CILIUM_PREV_IMAGE= CILIUM_PREV_OPERATOR_IMAGE= CILIUM_PREV_CHART= CILIUM_PREV_UNAVAILABLE=
 prev_imgs=$WORK/cilium-$CILIUM_PREV_VERSION.images
+# 1.16 and 1.17 exit on this kernel (no /proc/modules) and fail to build
+# their datapath with clang 19: the change build.sh makes for 1.16
+# (images/cilium-1.16-patch.sh; docs/kind.md, "Cilium versions"), which
+# applies to 1.17.6's source too. Seen: the unpatched 1.17.6 agent in
+# CrashLoopBackOff, "open /proc/modules: no such file or directory".
+patched=
+case $CILIUM_PREV_VERSION in
+1.16.* | 1.17.*) export CILIUM_PATCH=$HERE/images/cilium-1.16-patch.sh; patched=-patched ;;
+esac
 if [[ $CILIUM_PREV_BUILD == 1 ]]; then
 	log "Cilium $CILIUM_PREV_VERSION images (built if not cached: 20-40 min cold; log $WORK/logs/cilium-$CILIUM_PREV_VERSION.log)"
 	CILIUM_VERSION=$CILIUM_PREV_VERSION CILIUM_DELEGATE=0 "$HERE/images/cilium.sh" >"$prev_imgs" 2>"$WORK/logs/cilium-$CILIUM_PREV_VERSION.log" ||
@@ -59,10 +68,10 @@ if [[ $CILIUM_PREV_BUILD == 1 ]]; then
 else
 	# The newest cached images of the version, without building.
 	{
-		docker images --format '{{.Repository}}:{{.Tag}}' | grep -m1 -E "^ctscrub-kind/cilium:$CILIUM_PREV_VERSION-[0-9a-f]{16}$" || true
-		docker images --format '{{.Repository}}:{{.Tag}}' | grep -m1 -E "^ctscrub-kind/cilium-operator-generic:$CILIUM_PREV_VERSION-[0-9a-f]{16}$" || true
+		docker images --format '{{.Repository}}:{{.Tag}}' | grep -m1 -E "^ctscrub-kind/cilium:$CILIUM_PREV_VERSION$patched-[0-9a-f]{16}$" || true
+		docker images --format '{{.Repository}}:{{.Tag}}' | grep -m1 -E "^ctscrub-kind/cilium-operator-generic:$CILIUM_PREV_VERSION$patched-[0-9a-f]{16}$" || true
 	} >"$prev_imgs"
-	[[ $(wc -l <"$prev_imgs") == 2 ]] || CILIUM_PREV_UNAVAILABLE="no cached ctscrub-kind/cilium:$CILIUM_PREV_VERSION images and CILIUM_PREV_BUILD=0 (a cold build takes 20-40 min of CPU)"
+	[[ $(wc -l <"$prev_imgs") == 2 ]] || CILIUM_PREV_UNAVAILABLE="no cached ctscrub-kind/cilium:$CILIUM_PREV_VERSION$patched images and CILIUM_PREV_BUILD=0 (a cold build takes 20-40 min of CPU)"
 fi
 if [[ -z $CILIUM_PREV_UNAVAILABLE ]]; then
 	CILIUM_PREV_IMAGE=$(grep '^ctscrub-kind/cilium:' "$prev_imgs")
