@@ -128,6 +128,10 @@ cilium-patch-test: ## Apply cilium/patches/v* to Cilium's module source, build t
 e2e-kind: ## Kind cluster, real Cilium (CILIUM_VERSION, default 1.18.8), ctscrub by its chart; 30 min cold, 6 cached (docs/kind.md); root
 	./e2e/kind/run.sh
 
+.PHONY: e2e-kind-day2
+e2e-kind-day2: ## Kind cluster with pods churning: node restart, scrubd OOM, ctscrub and Cilium (CILIUM_PREV_VERSION 1.17.6) upgrades (docs/kind.md, Day 2); root
+	./e2e/kind/day2.sh
+
 .PHONY: bench-cilium-node
 bench-cilium-node: ## Real Cilium in kind: pods start/stop on a full CT table, stock, GC at 60 s, with ctscrub, ctscrub as the patched agent's delegate (ENTRIES, EXPIRED, PODS, VARIANTS; images from make e2e-kind)
 	./bench/ciliumnode/run.sh

@@ -6,6 +6,7 @@ import (
 	"log/slog"
 	"os"
 	"slices"
+	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 
@@ -39,6 +40,9 @@ func Open(cfg Config, log *slog.Logger, version string) (*Daemon, error) {
 	opts.CTEntries = expiry.NewEntriesGauge()
 	if auto || slices.Contains(want, "cilium") {
 		maps, err := ctmap.Open(cfg.CTRoot)
+		if auto && errors.Is(err, os.ErrNotExist) {
+			maps, err = waitCiliumMaps(cfg, log, err)
+		}
 		switch {
 		case err == nil:
 			closers = append(closers, maps.Close)
@@ -124,6 +128,43 @@ func Open(cfg Config, log *slog.Logger, version string) (*Daemon, error) {
 		return nil, err
 	}
 	return d, nil
+}
+
+// ciliumMapsWait bounds how long scrubd waits, at start with backends:
+// auto, for Cilium's agent to create its CT maps when the node's CNI config
+// runs cilium-cni.
+var ciliumMapsWait = 2 * time.Minute
+
+// waitCiliumMaps: with backends auto and no CT maps, scrubd would run
+// with nf_conntrack alone for the rest of its life. On a node whose CNI
+// config runs cilium-cni that is wrong: the maps are missing because
+// Cilium's agent has not created them yet (a node restart empties bpffs, and
+// the kubelet may start scrubd before the agent). So scrubd waits for them,
+// and fails, for the kubelet to restart it, rather than start without
+// Cilium's backend. Without cilium-cni in the config it returns the
+// not-found error at once (an nf_conntrack node).
+func waitCiliumMaps(cfg Config, log *slog.Logger, notFound error) (*ctmap.Maps, error) {
+	file, ok := conflistRuns(cfg.CNIConfDir, "cilium-cni")
+	if !ok {
+		return nil, notFound
+	}
+	log.Info("Cilium's CT maps not found though the node's CNI config runs cilium-cni: waiting for Cilium's agent to create them",
+		"ct_root", cfg.CTRoot, "cni_conf", file, "wait", ciliumMapsWait.String())
+	deadline := time.Now().Add(ciliumMapsWait)
+	for {
+		maps, err := ctmap.Open(cfg.CTRoot)
+		if err == nil || !errors.Is(err, os.ErrNotExist) {
+			if err == nil {
+				log.Info("Cilium's CT maps found", "ct_root", cfg.CTRoot)
+			}
+			return maps, err
+		}
+		if time.Now().After(deadline) {
+			return nil, fmt.Errorf("Cilium's CT maps not found in %s after %s, though %s runs cilium-cni: is Cilium's agent running on this node? (scrubd exits rather than run without Cilium's backend; set backends: nfct if this node has no Cilium)",
+				cfg.CTRoot, ciliumMapsWait, file)
+		}
+		time.Sleep(time.Second)
+	}
 }
 
 // openExpiry builds the expiry pass; its metrics go on the daemon's registry

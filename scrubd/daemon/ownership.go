@@ -281,9 +281,19 @@ func (d *Daemon) watchConflist(ctx context.Context, dir string, every time.Durat
 // all is "not chained" (pods cannot start then, but the next one may come
 // without ctscrub).
 func conflistChains(dir string) (bool, string) {
+	path, ok := conflistRuns(dir, "ctscrub")
+	return ok, path
+}
+
+// conflistRuns reports whether the first CNI config file in dir runs a
+// plugin of type typ, and names the file ("" when there is none).
+func conflistRuns(dir, typ string) (string, bool) {
+	if dir == "" {
+		return "", false
+	}
 	ents, err := os.ReadDir(dir)
 	if err != nil {
-		return false, ""
+		return "", false
 	}
 	var names []string
 	for _, e := range ents {
@@ -294,12 +304,12 @@ func conflistChains(dir string) (bool, string) {
 	}
 	slices.Sort(names)
 	if len(names) == 0 {
-		return false, ""
+		return "", false
 	}
 	path := filepath.Join(dir, names[0])
 	data, err := os.ReadFile(path)
 	if err != nil {
-		return false, path
+		return path, false
 	}
 	var conf struct {
 		Type    string `json:"type"`
@@ -308,14 +318,14 @@ func conflistChains(dir string) (bool, string) {
 		} `json:"plugins"`
 	}
 	if json.Unmarshal(data, &conf) != nil {
-		return false, path
+		return path, false
 	}
 	for _, p := range conf.Plugins {
-		if p.Type == "ctscrub" {
-			return true, path
+		if p.Type == typ {
+			return path, true
 		}
 	}
-	return conf.Type == "ctscrub", path
+	return path, conf.Type == typ
 }
 
 func b2f(b bool) float64 {
