@@ -173,10 +173,7 @@ func (ix *Index) ServiceResolved(ip netip.Addr, s Service, id uint32, pending, d
 	if e == nil {
 		return
 	}
-	key := svcID4(&s.K4)
-	if s.V6 {
-		key = svcID6(&s.K6)
-	}
+	key := s.id()
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	st := e.svc[key]
@@ -211,10 +208,7 @@ func (ix *Index) ServiceNoEntry(ip netip.Addr, s Service, covered int64) {
 	if e == nil {
 		return
 	}
-	key := svcID4(&s.K4)
-	if s.V6 {
-		key = svcID6(&s.K6)
-	}
+	key := s.id()
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	st := e.svc[key]
@@ -233,10 +227,7 @@ func (ix *Index) ServiceUnsettle(ip netip.Addr, s Service) {
 	if e == nil {
 		return
 	}
-	key := svcID4(&s.K4)
-	if s.V6 {
-		key = svcID6(&s.K6)
-	}
+	key := s.id()
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	if st := e.svc[key]; st != nil && st.NoEntry && st.Since == s.Since {
@@ -311,4 +302,12 @@ func (s Service) String() string {
 		return s.K6.String()
 	}
 	return s.K4.String()
+}
+
+// id is the flow's key in an IP's service states.
+func (s *Service) id() svcID {
+	if s.V6 {
+		return svcID6(&s.K6)
+	}
+	return svcID4(&s.K4)
 }
