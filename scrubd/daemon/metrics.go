@@ -175,6 +175,15 @@ func newMetrics(d *Daemon, reg *prometheus.Registry) *metrics {
 			return 0
 		}),
 		prometheus.NewCounterFunc(prometheus.CounterOpts{
+			Name: "ctscrub_service_repick_confirmed_total",
+			Help: "Flows to a per-packet load-balanced VIP whose backend was removed before their pod's scrub, confirmed at the scrub to have made no pick the index missed (or the pick made meanwhile deleted with them), so their pod IP stayed complete (docs/recorder.md, \"A backend removed before the scrub\").",
+		}, func() float64 {
+			if rc, ok := d.rec.(interface{ RepicksConfirmed() uint64 }); ok {
+				return float64(rc.RepicksConfirmed())
+			}
+			return 0
+		}),
+		prometheus.NewCounterFunc(prometheus.CounterOpts{
 			Name: "ctscrub_service_early_resolve_dropped_total",
 			Help: "Service records whose pod IP the early resolution's full queue did not take; the IP's next scrub or audit resolves it (or marks it incomplete).",
 		}, func() float64 {

@@ -111,6 +111,13 @@ type Hooks struct {
 	// (ReasonServiceUnresolved) where it cannot. Take and ScrubKeys call
 	// it first, so a scrub and the audit see the flows' current backends.
 	Resolve func(ip netip.Addr)
+	// Confirm is handed the Repick flows (SvcState.Repick) Take took, once
+	// Taken has made the recorder record every packet of ip again: it
+	// checks that no packet that passed before re-picked a backend unseen,
+	// and returns the OUT keys of picks it found made meanwhile. why != ""
+	// when it cannot tell: Take then marks ip incomplete. Without Confirm,
+	// Take marks such an IP.
+	Confirm func(ip netip.Addr, svcs []Service) (k4 []ctmap.CTKey4, k6 []ctmap.CTKey6, why string)
 }
 
 // resolve runs the Resolve hook for ip.
@@ -622,6 +629,14 @@ func (ix *Index) Take(ip netip.Addr) (k4 []ctmap.CTKey4, k6 []ctmap.CTKey6, st S
 		drop = ix.markLocked(e, ReasonServiceUnresolved)
 	}
 	st = e.stateLocked()
+	var repick []Service
+	if st.Complete {
+		for id, s := range e.svc {
+			if s.Repick {
+				repick = append(repick, id.service(s))
+			}
+		}
+	}
 	k4, k6 = e.list(nil, nil)
 	ix.keys.Add(-int64(len(k4) + len(k6)))
 	e.keys4, e.keys6 = keySet{}, keySet{}
@@ -631,8 +646,23 @@ func (ix *Index) Take(ip netip.Addr) (k4 []ctmap.CTKey4, k6 []ctmap.CTKey6, st S
 	if drop {
 		ix.dropSlot(ip, e)
 	}
-	if h := ix.hooks.Load(); h != nil && h.Taken != nil && len(k4)+len(k6) > 0 {
+	h := ix.hooks.Load()
+	taken := h != nil && h.Taken != nil && len(k4)+len(k6) > 0
+	if taken {
 		h.Taken(ip, k4, k6)
+	}
+	if len(repick) > 0 {
+		why := "a flow's backend was removed and no recorder can confirm that no packet re-picked"
+		if taken && h.Confirm != nil {
+			var x4 []ctmap.CTKey4
+			var x6 []ctmap.CTKey6
+			x4, x6, why = h.Confirm(ip, repick)
+			k4, k6 = append(k4, x4...), append(k6, x6...)
+		}
+		if why != "" {
+			ix.MarkIncomplete(ip, ReasonServiceUnresolved)
+			st.Complete, st.Incomplete = false, ReasonServiceUnresolved
+		}
 	}
 	return k4, k6, st
 }

@@ -31,6 +31,13 @@ type SvcState struct {
 	// made one; a backend was found removed, so the next packet re-picks;
 	// or the key came from a snapshot, with what was learnt lost).
 	Pending bool
+	// Repick: pending only because the entry's backend (ID) was found
+	// removed, so the flow's next packet re-picks. ID's OUT key is held:
+	// every pick up to that read is known. A scrub takes such a flow and
+	// confirms, once the recorder records every packet again, that no
+	// packet re-picked unseen (Hooks.Confirm); any other change to the
+	// state clears it.
+	Repick bool
 	// ID is the backend whose OUT key the index holds (0: none yet).
 	ID uint32
 	// Read are backend IDs the recorder read from the SERVICE entry, not
@@ -45,6 +52,8 @@ type SvcState struct {
 	// the first packet that found no entry, or a NoEntry state's Since).
 	// NoEntry: the latest packet known to have made no entry.
 	Since int64
+
+	seq uint32 // records applied to the state (a change since a list was taken)
 }
 
 type svcID struct {
@@ -120,6 +129,8 @@ func (ix *Index) serviceRecord(ip netip.Addr, id svcID, backend uint32, at int64
 		st = &SvcState{}
 		e.svc[id] = st
 	}
+	st.Repick = false // a packet passed: the next resolution reads what it did
+	st.seq++
 	switch {
 	case backend == 0 && st.NoEntry:
 		// The flow's cache entry was made again (evicted, or its
@@ -192,6 +203,7 @@ func (ix *Index) ServiceResolved(ip netip.Addr, s Service, id uint32, pending, d
 	}
 	st.ID = id
 	st.Pending = pending || laterPending
+	st.Repick = false
 	st.Read = append([]uint32(nil), later...)
 	if !st.Pending {
 		st.NoEntry, st.Since = false, 0
@@ -215,7 +227,34 @@ func (ix *Index) ServiceNoEntry(ip netip.Addr, s Service, covered int64) {
 	if st == nil || st.Pending != s.Pending || st.NoEntry != s.NoEntry || st.Since != s.Since || len(st.Read) != len(s.Read) || st.ID != s.ID {
 		return
 	}
-	st.Pending, st.NoEntry, st.Since = false, true, covered
+	st.Pending, st.NoEntry, st.Since, st.Repick = false, true, covered, false
+}
+
+// ServiceRepick stores that the final resolution read s's SERVICE entry
+// holding backend id, which is s's learnt backend and is gone from the
+// backend map: every pick so far is known (id's OUT key is held), and the
+// flow's next packet re-picks. Such a flow does not make its IP
+// incomplete by itself: Take hands it to Hooks.Confirm. Nothing changes
+// when a record arrived since the list was taken (it stays pending).
+func (ix *Index) ServiceRepick(ip netip.Addr, s Service, id uint32) {
+	e := ix.entry(ip, false)
+	if e == nil {
+		return
+	}
+	key := s.id()
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	st := e.svc[key]
+	if st == nil {
+		return
+	}
+	if st.seq != s.seq {
+		// A record since: what it read stays for the next resolution.
+		st.Read = append([]uint32(nil), st.Read[min(len(s.Read), len(st.Read)):]...)
+		st.ID, st.Pending, st.Repick = id, true, false
+		return
+	}
+	st.ID, st.Pending, st.Repick, st.Read, st.NoEntry, st.Since = id, true, true, nil, false, 0
 }
 
 // ServiceUnsettle turns a NoEntry state back into a pending one whose run
@@ -231,7 +270,7 @@ func (ix *Index) ServiceUnsettle(ip netip.Addr, s Service) {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	if st := e.svc[key]; st != nil && st.NoEntry && st.Since == s.Since {
-		st.Pending, st.NoEntry = true, false
+		st.Pending, st.NoEntry, st.Repick = true, false, false
 	}
 }
 
@@ -263,9 +302,11 @@ func (e *IPEntry) noteServiceKeysLocked(k4 []ctmap.CTKey4, k6 []ctmap.CTKey6) {
 
 // svcUnsettledLocked: one of e's service flows has a pick not resolved to
 // an OUT key in the set (pending, or backends read and not resolved).
+//
+// A Repick flow is settled up to its last read; Take confirms it.
 func (e *IPEntry) svcUnsettledLocked() bool {
 	for _, st := range e.svc {
-		if st.Pending || len(st.Read) > 0 {
+		if (st.Pending && !st.Repick) || len(st.Read) > 0 {
 			return true
 		}
 	}

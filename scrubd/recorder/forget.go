@@ -100,5 +100,6 @@ func (r *Recorder) hooks(ix *index.Index) *index.Hooks {
 				fail(ips, err)
 			}
 		},
+		Confirm: r.confirmRepicks,
 	}
 }

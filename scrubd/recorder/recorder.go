@@ -148,7 +148,8 @@ type Recorder struct {
 
 	bar atomic.Pointer[barrier] // Run's, while it runs
 
-	unresolved atomic.Uint64 // IPs Resolve marked incomplete
+	unresolved       atomic.Uint64 // IPs Resolve marked incomplete
+	repicksConfirmed atomic.Uint64 // flows confirmRepicks settled
 	// svcq: Run's early-resolution queue (its drops are a metric).
 	svcq atomic.Pointer[resolveQueue]
 }

@@ -547,12 +547,181 @@ func TestTakeWithPickPending(t *testing.T) {
 	if st := w.ix.State(c); !st.Complete {
 		t.Fatalf("%+v: a removed backend whose OUT key is indexed is no reason to mark", st)
 	}
-	// The re-pick, between the resolution and Take.
+	// The re-pick, between the resolution and Take. No recorder installed
+	// its hooks: nothing can confirm, so Take marks.
 	w.setBackend(8, b2)
 	w.pick(f, 8, b2)
 	_, _, st := w.ix.Take(c)
 	if st.Incomplete != index.ReasonServiceUnresolved {
 		t.Fatalf("Take: %+v, want incomplete (%s)", st, index.ReasonServiceUnresolved)
+	}
+}
+
+// confirmWorld installs the hooks a running recorder installs, minus the
+// kernel's flow cache (Taken: the test itself stands for "every packet is
+// recorded from now on"): Resolve final, and Confirm.
+func (w *svcWorld) confirmHooks() {
+	w.ix.SetHooks(&index.Hooks{
+		Taken:   func(netip.Addr, []ctmap.CTKey4, []ctmap.CTKey6) {},
+		Resolve: func(ip netip.Addr) { w.r.Resolve(w.ix, ip, true) },
+		Confirm: w.r.confirmRepicks,
+	})
+}
+
+// takenLeft lists the CT entries holding ip that a scrub of the keys Take
+// handed out (with their covered forms) would not delete.
+func (w *svcWorld) takenLeft(ip netip.Addr, k4 []ctmap.CTKey4, k6 []ctmap.CTKey6) []string {
+	w.t.Helper()
+	k4, k6 = index.Covered(k4, k6)
+	var out []string
+	for _, kind := range ctmap.Kinds {
+		if kind.IPv6() != w.v6 {
+			continue
+		}
+		it := w.ct.Map(kind).Iterate()
+		var v ctmap.Entry
+		if w.v6 {
+			var k ctmap.CTKey6
+			for it.Next(&k, &v) {
+				if k.Has(ip) && !slices.Contains(k6, k) {
+					out = append(out, k.String())
+				}
+			}
+		} else {
+			var k ctmap.CTKey4
+			for it.Next(&k, &v) {
+				if k.Has(ip) && !slices.Contains(k4, k) {
+					out = append(out, k.String())
+				}
+			}
+		}
+		if err := it.Err(); err != nil {
+			w.t.Fatal(err)
+		}
+	}
+	return out
+}
+
+// removedBeforeScrub: a flow's backend learnt, then removed (its pod
+// deleted, as the churn's Service loses its backends), before the
+// client's own scrub; the final resolution reads the SERVICE entry still
+// naming it. Found on kind with CILIUM_LB=default: such a client swept.
+func (w *svcWorld) removedBeforeScrub() (c netip.Addr, f flow) {
+	w.t.Helper()
+	c = w.client(1)
+	f = w.flow(c)
+	w.setBackend(7, netip.AddrPortFrom(w.addr(245, 0, 5), 8080))
+	w.record(f, 0)
+	w.pick(f, 7, netip.AddrPortFrom(w.addr(245, 0, 5), 8080))
+	w.r.Resolve(w.ix, c, false)
+	w.removeBackend(7)
+	w.r.Resolve(w.ix, c, true)
+	if st := w.ix.State(c); !st.Complete {
+		w.t.Fatalf("%+v: a removed backend whose OUT key is indexed is no reason to mark", st)
+	}
+	return c, f
+}
+
+// No packet re-picked: the scrub confirms it and stays on the index, with
+// every entry of the client's among the keys it deletes.
+func TestTakeConfirmsNoRepick(t *testing.T) {
+	bothFamilies(t, func(t *testing.T, w *svcWorld) {
+		c, _ := w.removedBeforeScrub()
+		w.confirmHooks()
+		t0 := time.Now()
+		k4, k6, st := w.ix.Take(c)
+		if !st.Complete {
+			t.Fatalf("Take: %+v, want complete (the pick is known and none was made since)", st)
+		}
+		if d := time.Since(t0); d < settleDelay {
+			t.Fatalf("Take returned after %v: it must wait %v for packets that passed the recorder", d, settleDelay)
+		}
+		if l := w.takenLeft(c, k4, k6); len(l) > 0 {
+			t.Fatalf("complete, but entries the scrub would not delete: %v", l)
+		}
+		if w.r.RepicksConfirmed() != 1 {
+			t.Fatalf("ctscrub_service_repick_confirmed_total = %d, want 1", w.r.RepicksConfirmed())
+		}
+	})
+}
+
+// A packet that passed the recorder before Take re-picked (Cilium handled
+// it after the resolution): the scrub finds the new pick and deletes its
+// OUT and RELATED entries too.
+func TestTakeConfirmFindsRepick(t *testing.T) {
+	bothFamilies(t, func(t *testing.T, w *svcWorld) {
+		c, f := w.removedBeforeScrub()
+		b2 := netip.AddrPortFrom(w.addr(245, 0, 6), 8080)
+		w.setBackend(8, b2)
+		w.confirmHooks()
+		go func() {
+			time.Sleep(settleDelay / 4) // while Take waits
+			w.pick(f, 8, b2)
+		}()
+		k4, k6, st := w.ix.Take(c)
+		if !st.Complete {
+			t.Fatalf("Take: %+v, want complete (the new pick's OUT entry is there to read)", st)
+		}
+		if l := w.takenLeft(c, k4, k6); len(l) > 0 {
+			t.Fatalf("complete, but entries the scrub would not delete: %v", l)
+		}
+		if n := len(k4) + len(k6); n != 5 {
+			t.Fatalf("Take handed %d keys, want 5 (SERVICE, OUT and RELATED to each backend)", n)
+		}
+	})
+}
+
+// What cannot be confirmed marks: the SERVICE entry gone before the scrub
+// could read it (a re-pick may have been made and its entry deleted), or
+// a re-pick to a backend removed in turn.
+func TestTakeConfirmCannotTell(t *testing.T) {
+	bothFamilies(t, func(t *testing.T, w *svcWorld) {
+		t.Run("entry gone", func(t *testing.T) {
+			c, f := w.removedBeforeScrub()
+			w.confirmHooks()
+			w.del(f.vip, f.client, f.cport, f.vport, f.proto, ctmap.FlagService)
+			_, _, st := w.ix.Take(c)
+			if st.Incomplete != index.ReasonServiceUnresolved {
+				t.Fatalf("Take: %+v, want incomplete (%s)", st, index.ReasonServiceUnresolved)
+			}
+			if st := w.ix.State(c); st.Complete {
+				t.Fatalf("after Take: %+v, want the mark kept for the next scrub", st)
+			}
+		})
+		w2 := newSvcWorld(t, w.v6)
+		t.Run("re-picked backend removed", func(t *testing.T) {
+			c, f := w2.removedBeforeScrub()
+			b2 := netip.AddrPortFrom(w2.addr(245, 0, 6), 8080)
+			w2.confirmHooks()
+			w2.pick(f, 8, b2) // backend 8 is not (or no longer) in the backend map
+			_, _, st := w2.ix.Take(c)
+			if st.Incomplete != index.ReasonServiceUnresolved {
+				t.Fatalf("Take: %+v, want incomplete (%s)", st, index.ReasonServiceUnresolved)
+			}
+			if w2.r.ServiceUnresolved() == 0 {
+				t.Fatal("ctscrub_service_unresolved_total not counted")
+			}
+		})
+	})
+}
+
+// A record after the final resolution (a packet passed the recorder, so
+// the next resolution must read what it did) ends the Repick state: Take
+// without a resolution in between marks, and confirms nothing.
+func TestRecordEndsRepick(t *testing.T) {
+	w := newSvcWorld(t, false)
+	c, f := w.removedBeforeScrub()
+	w.record(f, 0)
+	w.ix.SetHooks(&index.Hooks{
+		Taken:   func(netip.Addr, []ctmap.CTKey4, []ctmap.CTKey6) {},
+		Confirm: w.r.confirmRepicks,
+	})
+	_, _, st := w.ix.Take(c)
+	if st.Incomplete != index.ReasonServiceUnresolved {
+		t.Fatalf("Take: %+v, want incomplete (%s)", st, index.ReasonServiceUnresolved)
+	}
+	if w.r.RepicksConfirmed() != 0 {
+		t.Fatal("a flow with a record after its resolution was confirmed")
 	}
 }
 

@@ -271,7 +271,9 @@ func (r *Recorder) resolveOne(ix *index.Index, ip netip.Addr, ct *ctmap.Maps, be
 		if b != id {
 			return "the SERVICE entry's backend was removed before its address was read", 0, nil
 		}
-		ix.ServiceResolved(ip, s, id, true, false) // the next packet re-picks
+		// Every pick so far is known; the next packet re-picks (a scrub
+		// confirms none did unseen: confirmRepicks).
+		ix.ServiceRepick(ip, s, id)
 		return "", 0, nil
 	}
 	out := outKey(s, bk)
@@ -296,6 +298,81 @@ func (r *Recorder) resolveOne(ix *index.Index, ip netip.Addr, ct *ctmap.Maps, be
 	ix.ServiceResolved(ip, s, b, false, false)
 	return "", 0, nil
 }
+
+// confirmRepicks is index.Hooks.Confirm: Take handed a scrub the keys of
+// ip's flows whose backend the final resolution found removed (the pick it
+// read is indexed, the next packet re-picks) and the recorder now records
+// every packet of ip again (Taken). A packet that passed the recorder
+// before that without a record (its flow was cached) may still re-pick
+// once Cilium handles it:
+// after settleDelay every such packet has been handled, so the entry then
+// holds the last pick any of them made. The same backend: nothing was
+// re-picked unseen. Another backend: its OUT and RELATED keys are
+// returned for the scrub to delete, when its address is still known and
+// its OUT entry is there. Anything else (the entry gone, the new backend
+// removed too) cannot be told: why says so and ip sweeps.
+func (r *Recorder) confirmRepicks(ip netip.Addr, svcs []index.Service) (k4 []ctmap.CTKey4, k6 []ctmap.CTKey6, why string) {
+	time.Sleep(settleDelay)
+	fail := func(s *index.Service, why string, err error) ([]ctmap.CTKey4, []ctmap.CTKey6, string) {
+		r.opts.Log.Warn("recorder: service flow's backend unresolved; the IP is marked incomplete", "ip", ip, "why", why, "err", err,
+			"flow", s.String(), "backend_id", s.ID, "repick", true)
+		r.unresolved.Add(1)
+		return nil, nil, why
+	}
+	r.ctMu.RLock()
+	defer r.ctMu.RUnlock()
+	ct := r.opts.CT
+	if ct == nil {
+		return fail(&svcs[0], "no CT maps to read SERVICE entries from", nil)
+	}
+	be, err := ctmap.OpenBackends(r.opts.CTRoot)
+	if err != nil {
+		return fail(&svcs[0], "open backend maps", err)
+	}
+	defer be.Close()
+	for i := range svcs {
+		s := &svcs[i]
+		var e ctmap.Entry
+		if s.V6 {
+			err = ct.Map(s.K6.Kind()).Lookup(s.K6, &e)
+		} else {
+			err = ct.Map(s.K4.Kind()).Lookup(s.K4, &e)
+		}
+		if errors.Is(err, ebpf.ErrKeyNotExist) {
+			return fail(s, "the SERVICE entry of a flow whose backend was removed went before the scrub could see whether a packet re-picked", nil)
+		}
+		if err != nil {
+			return fail(s, "read SERVICE entry", err)
+		}
+		b := uint32(e.Decode().BackendID)
+		if b == s.ID {
+			r.repicksConfirmed.Add(1)
+			continue
+		}
+		bk, found, err := be.Lookup(s.V6, b)
+		if err != nil {
+			return fail(s, "read backend map", err)
+		}
+		if !found {
+			return fail(s, "a packet re-picked a backend that was removed before its address was read", nil)
+		}
+		o := outKey(*s, bk)
+		if !present(ct, *s, o) && !(bk.Addr == ip && !s.V6) {
+			return fail(s, "no OUT entry towards the backend a packet re-picked", nil)
+		}
+		if s.V6 {
+			k6 = append(k6, o.k6, o.k6.Related())
+		} else {
+			k4 = append(k4, o.k4, o.k4.Related())
+		}
+		r.repicksConfirmed.Add(1)
+	}
+	return k4, k6, ""
+}
+
+// RepicksConfirmed counts the flows confirmRepicks settled (no pick
+// missed, or the one made meanwhile added to the scrub).
+func (r *Recorder) RepicksConfirmed() uint64 { return r.repicksConfirmed.Load() }
 
 type outKeys struct {
 	k4 ctmap.CTKey4
