@@ -51,12 +51,27 @@ type snapshotIP struct {
 	Recs6      []byte // version 2: index.RecSize6 bytes per key
 	Keys4      []byte // version 1: ctmap.KeySize4 bytes per key
 	Keys6      []byte // version 1: ctmap.KeySize6 bytes per key
+	// Svc (added within version 2: gob leaves a field the reader does not
+	// know, so an earlier scrubd reads the file and restores the SERVICE
+	// keys as pending, as it always did): what was learnt of the IP's
+	// service flows (index.SnapshotSvc).
+	Svc []snapshotSvc
+}
+
+type snapshotSvc struct {
+	Key                      []byte
+	ID                       uint32
+	Pending, Repick, NoEntry bool
+	Since                    int64
 }
 
 func encodeIndex(s index.Snapshot) []snapshotIP {
 	out := make([]snapshotIP, len(s.IPs))
 	for i, ip := range s.IPs {
 		out[i] = snapshotIP{IP: ip.IP, Tracked: ip.Tracked, Incomplete: ip.Incomplete, Recs4: ip.Recs4, Recs6: ip.Recs6}
+		for _, ss := range ip.Svc {
+			out[i].Svc = append(out[i].Svc, snapshotSvc(ss))
+		}
 	}
 	return out
 }
@@ -65,6 +80,9 @@ func decodeIndex(version int, ips []snapshotIP) (index.Snapshot, error) {
 	var s index.Snapshot
 	for _, o := range ips {
 		ip := index.SnapshotIP{IP: o.IP, Tracked: o.Tracked, Incomplete: o.Incomplete, Recs4: o.Recs4, Recs6: o.Recs6}
+		for _, ss := range o.Svc {
+			ip.Svc = append(ip.Svc, index.SnapshotSvc(ss))
+		}
 		if version == 1 {
 			if len(o.Keys4)%ctmap.KeySize4 != 0 || len(o.Keys6)%ctmap.KeySize6 != 0 {
 				return s, fmt.Errorf("keys of %s: truncated", o.IP)

@@ -66,3 +66,57 @@ func TestSnapshotFormatVersions(t *testing.T) {
 		t.Error("truncated version 2 records accepted")
 	}
 }
+
+// The service states added to version 2 go both ways through gob: this
+// scrubd restores them, and an earlier one (its snapshotIP had no Svc; the
+// type below is that struct as it was) reads the same file, dropping them.
+func TestSnapshotServiceStatesCompatible(t *testing.T) {
+	pod, vip := netip.MustParseAddr("10.0.0.1"), netip.MustParseAddr("10.96.0.10")
+	ix := index.New(index.Config{})
+	ix.Hold(pod)
+	ix.Track(pod)
+	svc := ctmap.NewKey4(vip, pod, 40001, 80, ctmap.ProtoTCP, ctmap.FlagService)
+	ix.ServiceRecordAt4(pod, svc, 0, 100)
+	for _, s := range ix.Services(pod) {
+		ix.Add4(ctmap.NewKey4(pod, netip.MustParseAddr("10.0.1.7"), 8080, 40001, ctmap.ProtoTCP, ctmap.FlagOut))
+		ix.ServiceResolved(pod, s, 7, false, false)
+	}
+	var buf bytes.Buffer
+	if err := gob.NewEncoder(&buf).Encode(snapshotFile{Version: snapshotVersion, IPs: encodeIndex(ix.Snapshot())}); err != nil {
+		t.Fatal(err)
+	}
+	raw := buf.Bytes()
+
+	var f snapshotFile
+	if err := gob.NewDecoder(bytes.NewReader(raw)).Decode(&f); err != nil {
+		t.Fatal(err)
+	}
+	snap, err := decodeIndex(f.Version, f.IPs)
+	if err != nil {
+		t.Fatal(err)
+	}
+	back := index.New(index.Config{})
+	if err := back.Restore(snap); err != nil {
+		t.Fatal(err)
+	}
+	if s := back.Services(pod); len(s) != 1 || s[0].Pending || s[0].ID != 7 {
+		t.Fatalf("restored %+v, want the flow settled on backend 7", s)
+	}
+
+	type earlierIP struct {
+		IP                         netip.Addr
+		Tracked                    bool
+		Incomplete                 string
+		Recs4, Recs6, Keys4, Keys6 []byte
+	}
+	var old struct {
+		Version int
+		IPs     []earlierIP
+	}
+	if err := gob.NewDecoder(bytes.NewReader(raw)).Decode(&old); err != nil {
+		t.Fatalf("an earlier scrubd cannot read the file: %v", err)
+	}
+	if len(old.IPs) != 1 || len(old.IPs[0].Recs4) != 2*index.RecSize4 {
+		t.Fatalf("an earlier scrubd read %+v", old.IPs)
+	}
+}

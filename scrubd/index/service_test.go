@@ -78,9 +78,10 @@ func TestReturnServiceKeyPending(t *testing.T) {
 	}
 }
 
-// A snapshot keeps keys, not the service state: a restored SERVICE key is
-// pending; a client with a read not yet resolved is written incomplete
-// (restored pending only, that read's OUT entry would be missed).
+// A snapshot keeps the keys and what was learnt of the service flows; a
+// snapshot without the states (an earlier scrubd's) restores a SERVICE
+// key pending; a client with a read not yet resolved is written
+// incomplete (restored, that read's OUT entry would be missed).
 func TestSnapshotServiceState(t *testing.T) {
 	ix := resolvedClient(t)
 	snap := ix.Snapshot()
@@ -91,8 +92,19 @@ func TestSnapshotServiceState(t *testing.T) {
 	if st := back.State(svcClient); !st.Complete || st.Keys != 2 {
 		t.Fatalf("restored: %+v, want complete with 2 keys", st)
 	}
+	live := ix.Services(svcClient)
+	if s := back.Services(svcClient); len(s) != 1 || s[0].Pending || s[0].ID != live[0].ID {
+		t.Fatalf("restored state %+v, want it settled as before the snapshot (%+v)", s, live)
+	}
+	for i := range snap.IPs {
+		snap.IPs[i].Svc = nil
+	}
+	back = New(Config{})
+	if err := back.Restore(snap); err != nil {
+		t.Fatal(err)
+	}
 	if s := back.Services(svcClient); len(s) != 1 || !s[0].Pending {
-		t.Fatalf("restored state %+v, want the SERVICE key pending", s)
+		t.Fatalf("restored without states: %+v, want the SERVICE key pending", s)
 	}
 
 	ix.ServiceRecord4(svcClient, svcKey, 8) // a re-pick read, not resolved

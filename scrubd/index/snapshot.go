@@ -25,6 +25,20 @@ type SnapshotIP struct {
 	Incomplete string
 	Recs4      []byte
 	Recs6      []byte
+	// Svc is what was learnt of the IP's service flows (SvcState), each
+	// under its whole SERVICE key (ctmap.KeySize4 or KeySize6 bytes). A
+	// SERVICE key among the records without a state here restores as
+	// pending (nothing learnt), as before snapshots kept them.
+	Svc []SnapshotSvc
+}
+
+// SnapshotSvc is one service flow's state in a snapshot. Backends read and
+// not resolved are not kept (the IP is marked instead).
+type SnapshotSvc struct {
+	Key                      []byte
+	ID                       uint32
+	Pending, Repick, NoEntry bool
+	Since                    int64
 }
 
 // Snapshot copies the index. The caller makes sure nothing changes it
@@ -42,6 +56,17 @@ func (ix *Index) Snapshot() Snapshot {
 				// the SERVICE key is only pending, and the OUT entry of
 				// such a read could be missed.
 				si.Incomplete = ReasonServiceUnresolved
+			}
+			for id, st := range e.svc {
+				if len(st.Read) > 0 {
+					continue
+				}
+				k := id.b[:ctmap.KeySize4]
+				if id.v6 {
+					k = id.b[:]
+				}
+				si.Svc = append(si.Svc, SnapshotSvc{Key: append([]byte(nil), k...), ID: st.ID,
+					Pending: st.Pending, Repick: st.Repick, NoEntry: st.NoEntry, Since: st.Since})
 			}
 			if e.keys4.n > 0 {
 				si.Recs4 = e.keys4.records(make([]byte, 0, e.keys4.n*RecSize4), RecSize4)
@@ -125,5 +150,28 @@ func (ix *Index) restoreIP(si SnapshotIP) error {
 	e.pruneAt = max(1024, 2*e.size())
 	k4, k6 := e.list(nil, nil)
 	e.noteServiceKeysLocked(k4, k6)
+	for _, ss := range si.Svc {
+		var id svcID
+		switch {
+		case si.IP.Is4() && len(ss.Key) == ctmap.KeySize4:
+			k := ctmap.CTKey4(ss.Key)
+			if k.Flags()&ctmap.FlagService == 0 || k.SAddr() != si.IP {
+				return fmt.Errorf("service state under %v, not a SERVICE key of the IP", k)
+			}
+			id = svcID4(&k)
+		case si.IP.Is6() && len(ss.Key) == ctmap.KeySize6:
+			k := ctmap.CTKey6(ss.Key)
+			if k.Flags()&ctmap.FlagService == 0 || k.SAddr() != si.IP {
+				return fmt.Errorf("service state under %v, not a SERVICE key of the IP", k)
+			}
+			id = svcID6(&k)
+		default:
+			return fmt.Errorf("service state under a key of %d bytes", len(ss.Key))
+		}
+		if e.svc == nil {
+			e.svc = map[svcID]*SvcState{}
+		}
+		e.svc[id] = &SvcState{ID: ss.ID, Pending: ss.Pending, Repick: ss.Repick && ss.Pending, NoEntry: ss.NoEntry, Since: ss.Since}
+	}
 	return nil
 }
