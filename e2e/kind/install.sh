@@ -68,8 +68,16 @@ else
 	[[ -n $DOCKER_DATA_ROOT ]] && args+=(--data-root "$DOCKER_DATA_ROOT")
 	log "starting dockerd ${args[*]} (log: $DOCKERD_LOG)"
 	# setsid: the engine outlives this script and is not killed by a Ctrl-C
-	# in the terminal that started it.
-	setsid nohup dockerd "${args[@]}" >>"$DOCKERD_LOG" 2>&1 </dev/null &
+	# in the terminal that started it. Without the caller's descriptors: one
+	# inherited (a `flock <file> make e2e-kind` serialising runs) would be
+	# held by the engine for good, and the next run would wait forever.
+	(
+		for fd in /proc/$BASHPID/fd/*; do
+			fd=${fd##*/}
+			((fd > 2)) && eval "exec $fd>&-"
+		done
+		exec setsid nohup dockerd "${args[@]}" >>"$DOCKERD_LOG" 2>&1 </dev/null
+	) &
 	for _ in $(seq 60); do docker info >/dev/null 2>&1 && break; sleep 0.5; done
 	docker info >/dev/null 2>&1 || { tail -20 "$DOCKERD_LOG" >&2; log "dockerd did not start"; exit 1; }
 fi
