@@ -3,6 +3,7 @@ package conformance
 import (
 	"fmt"
 	"net/netip"
+	"slices"
 	"time"
 
 	"github.com/ctscrub/ctscrub/scrubd/cilium"
@@ -213,9 +214,47 @@ type Case struct {
 	// end complete.
 	NoEntries string
 	Run       func(e *Env) (pods []*Pod, reasons []string)
-	// After runs once the case is checked (undoes what must not reach the
-	// next cases).
-	After func(e *Env)
+	// After runs once the case is checked, with the case's pods (a scrub
+	// of them, or undoing what must not reach the next cases).
+	After func(e *Env, pods []*Pod)
+}
+
+// ScrubByIndex takes ip's keys as a scrub does (index.Take, with the
+// recorder's hooks as scrubd installs them, so service flows are resolved
+// and confirmed) and fails the case unless ip stays complete and every CT
+// entry holding it is among the keys taken or their covered forms.
+func (e *Env) ScrubByIndex(ip netip.Addr) {
+	n := e.N
+	n.Ix.SetHooks(n.Rec.Hooks(n.Ix))
+	k4, k6, st := n.Ix.Take(ip)
+	n.Ix.SetHooks(nil)
+	if !st.Complete {
+		e.Fail("scrub of %s: %+v, want complete (on the index)", ip, st)
+		return
+	}
+	c4, c6 := index.Covered(k4, k6)
+	for _, kind := range ctmap.Kinds {
+		it := n.CT.Map(kind).Iterate()
+		var v ctmap.Entry
+		if kind.IPv6() {
+			var k ctmap.CTKey6
+			for it.Next(&k, &v) {
+				if k.Has(ip) && !slices.Contains(c6, k) {
+					e.Fail("scrub of %s on the index leaves %s in %s", ip, k, kind.Name())
+				}
+			}
+		} else {
+			var k ctmap.CTKey4
+			for it.Next(&k, &v) {
+				if k.Has(ip) && !slices.Contains(c4, k) {
+					e.Fail("scrub of %s on the index leaves %s in %s", ip, k, kind.Name())
+				}
+			}
+		}
+		if err := it.Err(); err != nil {
+			e.Fail("iterate %s: %v", kind.Name(), err)
+		}
+	}
 }
 
 func (e *Env) icmpProto() uint8 {
@@ -380,6 +419,24 @@ var Cases = []Case{
 		e.Expect("re-picked twice", e.N.Send(a, TCPFrame(AP(e.IP(a), 40005), AP(vip, 80), ACK)))
 		return []*Pod{a}, nil
 	}},
+	// Backends removed after the early resolution read them, before the
+	// client's scrub (a Deployment's pods deleted with their clients: the
+	// kind churn on the default install). The scrub's resolution reads
+	// the SERVICE entries still naming them; every pick is known, so the
+	// scrub itself (Take, with the recorder's hooks as scrubd installs
+	// them) must stay on the index and take every entry of the client's.
+	{Name: "service-backend-removed-before-scrub", NotStandin: notRepick, Run: func(e *Env) ([]*Pod, []string) {
+		a, r1, r2, vip := e.Pod("a"), e.Remote(), e.Remote(), e.VIP()
+		tcp := e.N.AddService(ProtoTCP, AP(vip, 80), AP(r1, 8080), 0)
+		udp := e.N.AddService(ProtoUDP, AP(vip, 53), AP(r2, 5353), 0)
+		e.Expect("SYN to VIP", e.N.Send(a, TCPFrame(AP(e.IP(a), 40009), AP(vip, 80), SYN)))
+		e.Expect("SYN-ACK", e.N.FromNetdev(TCPFrame(AP(r1, 8080), AP(e.IP(a), 40009), SYN|ACK)))
+		e.Expect("UDP to VIP", e.N.Send(a, UDPFrame(AP(e.IP(a), 40010), AP(vip, 53))))
+		e.N.Settle(a)
+		e.N.RemoveBackend(e.V6, tcp)
+		e.N.RemoveBackend(e.V6, udp)
+		return []*Pod{a}, nil
+	}, After: func(e *Env, pods []*Pod) { e.ScrubByIndex(e.IP(pods[0])) }},
 	// A backend removed before anything read its address, with the
 	// flow's OUT entry towards it left: that cannot be learnt, so the
 	// client must come out incomplete with the new reason.
@@ -587,7 +644,7 @@ var Cases = []Case{
 		e.N.PinExtraCT(fmt.Sprintf("cilium_ct4_%05d", a.ID), e.N.LXC.CT[ctmap.TCP4])
 		e.Expect("SYN", e.N.Send(a, TCPFrame(AP(e.IP(a), 40001), AP(w, 443), SYN)))
 		return []*Pod{a}, []string{cilium.ReasonLocalCT}
-	}, After: func(e *Env) { e.N.UnpinExtraCT() }},
+	}, After: func(e *Env, _ []*Pod) { e.N.UnpinExtraCT() }},
 	// Per-cluster CT maps (cluster-aware addressing): the outer
 	// array-of-maps and cluster 1's inner map pinned under the agent's
 	// names. From 1.19 Cilium's bpf_lxc (test build) carries both, inner
@@ -599,7 +656,7 @@ var Cases = []Case{
 		e.N.PinPerClusterCT()
 		e.Expect("SYN", e.N.Send(a, TCPFrame(AP(e.IP(a), 40001), AP(w, 443), SYN)))
 		return []*Pod{a}, []string{cilium.ReasonPerClusterCT}
-	}, After: func(e *Env) { e.N.UnpinExtraCT() }},
+	}, After: func(e *Env, _ []*Pod) { e.N.UnpinExtraCT() }},
 }
 
 // l7ID is the first identity of the L7 case's peers.

@@ -81,7 +81,7 @@ func TestConformance(t *testing.T) {
 							t.Errorf("wrong reason: %s", w)
 						}
 						if c.After != nil {
-							c.After(e)
+							c.After(e, pods)
 						}
 						if c.Marks != "" {
 							for _, ip := range ips {

@@ -75,13 +75,23 @@ func (r *Recorder) ForgetIPs(ips ...netip.Addr) error {
 	return nil
 }
 
-// hooks keeps the flow caches in step with the index (see index.Hooks): an
+// Hooks keeps the flow caches in step with the index (see index.Hooks): an
 // IP whose keys a scrub takes has its flows forgotten before the scrub
 // deletes the entries, and so does an IP declared complete (a sweep is about
 // to remove all its entries, or a fresh pod), so every entry created from
 // then on is recorded, including flows to service VIPs that mark it
 // incomplete again. When forgetting fails the IP is marked incomplete: a
-// flow still cached would not be recorded when its entry comes back.
+// flow still cached would not be recorded when its entry comes back. A
+// scrub's Take resolves first (Resolve, the final resolution) and has
+// flows whose backend was removed confirmed (Confirm, confirmRepicks).
+// Without Sync, which Run adds: code that drains the recorder itself
+// (e2e/conformance) installs these to scrub as scrubd does.
+func (r *Recorder) Hooks(ix *index.Index) *index.Hooks {
+	h := r.hooks(ix)
+	h.Resolve = func(ip netip.Addr) { r.Resolve(ix, ip, true) }
+	return h
+}
+
 func (r *Recorder) hooks(ix *index.Index) *index.Hooks {
 	fail := func(ips []netip.Addr, err error) {
 		r.opts.Log.Error("recorder: forget cached flows failed; the IPs are marked incomplete", "ips", ips, "err", err)

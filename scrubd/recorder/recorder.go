@@ -672,8 +672,7 @@ func (r *Recorder) Run(ctx context.Context, ix *index.Index) error {
 	defer bar.pos.close()
 	r.bar.Store(bar)
 	defer r.bar.Store(nil)
-	hooks := r.hooks(ix)
-	hooks.Resolve = func(ip netip.Addr) { r.Resolve(ix, ip, true) }
+	hooks := r.Hooks(ix)
 	hooks.Sync = func(ctx context.Context) error {
 		if err := bar.wait(ctx); err != nil {
 			return err
