@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # `make e2e-kind-day2`: day-2 operations on the kind cluster of `make
 # e2e-kind`, with pods churning throughout (TestKindDay2, docs/kind.md "Day
-# 2"): the worker node restarted, scrubd OOM-killed, ctscrub upgraded from an
+# 2"): what the expiry sweep does beside Cilium's GC and SNAT mappings, the
+# worker node restarted, scrubd OOM-killed, ctscrub upgraded from an
 # earlier commit's chart and image, Cilium upgraded from CILIUM_PREV_VERSION
 # and rolled back. Builds what the steps need, brings the cluster up
 # (cluster.sh up), runs the test, and deletes the cluster (also on failure
@@ -91,6 +92,9 @@ down() {
 }
 trap 'down; exit 130' INT TERM
 trap 'rc=$?; down || rc=1; exit $rc' EXIT
+# BPF masquerade: the expiry_sweep step's flows get SNAT mappings, whose
+# fate beside their expired CT entries the step measures.
+export CILIUM_HELM_ARGS="${CILIUM_HELM_ARGS:-} --set bpf.masquerade=true"
 "$HERE/cluster.sh" up >"$WORK/run.env"
 set -a
 # shellcheck disable=SC1091

@@ -20,7 +20,8 @@ import (
 
 // TestKindDay2: what operators do to a running cluster, with pods churning
 // throughout on the worker (`make e2e-kind-day2`, e2e/kind/day2.sh). Steps,
-// each a subtest: node_restart (the worker's kind container stopped and
+// each a subtest: expiry_sweep (the chart's default expiry mode beside
+// Cilium's GC and SNAT mappings: day2_expiry_test.go), node_restart (the worker's kind container stopped and
 // started), scrubd_oom (scrubd OOM-killed by a real memory limit and
 // restarted by the kubelet), ctscrub_upgrade (ctscrub taken back to the
 // chart and image of an earlier commit, then upgraded to this tree's),
@@ -62,6 +63,7 @@ func TestKindDay2(t *testing.T) {
 		sandboxes bool
 	}
 	steps := []step{
+		{name: "expiry_sweep", run: d.expirySweep},
 		{name: "node_restart", run: d.nodeRestart, sandboxes: true},
 		{name: "scrubd_oom", run: d.scrubdOOM},
 		{name: "ctscrub_upgrade", run: d.ctscrubUpgrade},
