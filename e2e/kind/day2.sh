@@ -58,13 +58,15 @@ prev_imgs=$WORK/cilium-$CILIUM_PREV_VERSION.images
 # (images/cilium-1.16-patch.sh; docs/kind.md, "Cilium versions"), which
 # applies to 1.17.6's source too. Seen: the unpatched 1.17.6 agent in
 # CrashLoopBackOff, "open /proc/modules: no such file or directory".
-patched=
+# Given to that build only: exported, the build of the current version's
+# images (cluster.sh) would apply it to 1.18.8 and fail.
+patched= prev_patch=
 case $CILIUM_PREV_VERSION in
-1.16.* | 1.17.*) export CILIUM_PATCH=$HERE/images/cilium-1.16-patch.sh; patched=-patched ;;
+1.16.* | 1.17.*) prev_patch=$HERE/images/cilium-1.16-patch.sh; patched=-patched ;;
 esac
 if [[ $CILIUM_PREV_BUILD == 1 ]]; then
 	log "Cilium $CILIUM_PREV_VERSION images (built if not cached: 20-40 min cold; log $WORK/logs/cilium-$CILIUM_PREV_VERSION.log)"
-	CILIUM_VERSION=$CILIUM_PREV_VERSION CILIUM_DELEGATE=0 "$HERE/images/cilium.sh" >"$prev_imgs" 2>"$WORK/logs/cilium-$CILIUM_PREV_VERSION.log" ||
+	CILIUM_VERSION=$CILIUM_PREV_VERSION CILIUM_DELEGATE=0 CILIUM_PATCH=$prev_patch "$HERE/images/cilium.sh" >"$prev_imgs" 2>"$WORK/logs/cilium-$CILIUM_PREV_VERSION.log" ||
 		CILIUM_PREV_UNAVAILABLE="images/cilium.sh failed for $CILIUM_PREV_VERSION: see $WORK/logs/cilium-$CILIUM_PREV_VERSION.log"
 else
 	# The newest cached images of the version, without building.
