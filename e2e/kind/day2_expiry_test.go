@@ -230,3 +230,14 @@ cilium_datapath_conntrack_gc_runs_total                                  family=
 		t.Error("a histogram's summary line was read as a value")
 	}
 }
+
+// The capability list day2 gives the previous Cilium is cluster.sh's.
+func TestCiliumAgentCapsMatchClusterSh(t *testing.T) {
+	sh := string(readFile(t, moduleRoot(t), "e2e/kind/cluster.sh"))
+	if !strings.Contains(sh, `"`+ciliumAgentCaps+`"`) {
+		t.Fatalf("cluster.sh does not set %s", ciliumAgentCaps)
+	}
+	if !oldCiliumCaps("ctscrub-kind/cilium:1.17.6-patched-ba0454f4b4a71328") || oldCiliumCaps("ctscrub-kind/cilium:1.18.8-9d42040558482804") {
+		t.Fatal("oldCiliumCaps reads the version from the tag wrongly")
+	}
+}

@@ -317,10 +317,28 @@ func (d *day2) helmCilium(c *cluster, chart, agent, operator string) {
 	// release's own values. --reuse-values carries the other chart's
 	// defaults too, and 1.17.6's schema refuses 1.18.8's
 	// (enableIPv4Masquerade: null).
-	c.must(6*time.Minute, "helm", "upgrade", "cilium", chart, "-n", "kube-system", "--reset-then-reuse-values",
-		"--set", "image.override="+agent, "--set", "operator.image.override="+operator)
+	args := []string{"upgrade", "cilium", chart, "-n", "kube-system", "--reset-then-reuse-values",
+		"--set", "image.override=" + agent, "--set", "operator.image.override=" + operator}
+	if oldCiliumCaps(agent) {
+		// As cluster.sh installs 1.16: the agent's bpftool (Debian's)
+		// wants CAP_BPF and CAP_PERFMON, which these charts leave out.
+		// Seen: 1.17.6's agent "could not run bpftool" without them.
+		args = append(args, "--set", ciliumAgentCaps)
+	}
+	c.must(6*time.Minute, "helm", args...)
 	c.must(10*time.Minute, "kubectl", "-n", "kube-system", "rollout", "status", "ds/cilium", "--timeout=10m")
 	c.must(5*time.Minute, "kubectl", "-n", "kube-system", "rollout", "status", "deploy/cilium-operator", "--timeout=5m")
+}
+
+// ciliumAgentCaps is the capability list cluster.sh gives Cilium 1.16's
+// agent (TestCiliumAgentCapsMatchClusterSh keeps the two the same).
+const ciliumAgentCaps = "securityContext.capabilities.ciliumAgent={CHOWN,KILL,NET_ADMIN,NET_RAW,IPC_LOCK,SYS_MODULE,SYS_ADMIN,SYS_RESOURCE,PERFMON,BPF,DAC_OVERRIDE,FOWNER,SETGID,SETUID}"
+
+// oldCiliumCaps: the agent image (ctscrub-kind/cilium:<version>-...) is
+// 1.16 or 1.17, whose charts leave CAP_BPF and CAP_PERFMON out.
+func oldCiliumCaps(image string) bool {
+	_, tag, _ := strings.Cut(image, ":")
+	return strings.HasPrefix(tag, "1.16.") || strings.HasPrefix(tag, "1.17.")
 }
 
 // ciliumUpgrade: the cluster's Cilium is first taken to the previous
