@@ -399,6 +399,9 @@ func ctCleanMetric(k *kube) ([2]float64, error) {
 // install-cni init container chains ctscrub after cilium-cni in Cilium's own
 // conflist (docs/plugin.md, option 2). Waits for the rollout and the chain.
 func installCtscrub(k *kube, cfg config, mode string) error {
+	if err := removeLeftSandboxes(k); err != nil {
+		return err
+	}
 	raw, err := os.ReadFile(filepath.Join(cfg.root, "conf", "scrubd.yaml"))
 	if err != nil {
 		return err
@@ -456,6 +459,32 @@ func installCtscrub(k *kube, cfg config, mode string) error {
 		}
 	}
 	log.Printf("ctscrub installed, expiry mode %s", mode)
+	return nil
+}
+
+// removeLeftSandboxes removes the worker's pod sandboxes that are no longer
+// ready (an earlier variant's pods whose sandbox the kubelet has not
+// garbage-collected yet, failed RunPodSandbox calls among them) before
+// ctscrub comes: the runtime's CNI DEL of such a sandbox would otherwise
+// reach ctscrub, which never indexed it, and scrubd would rightly stop
+// trusting every released address (docs/daemon.md, "Ownership"), turning
+// the next variant's scrubs into sweeps. Seen on 2026-12-02: cilium_only
+// before ctscrub_delegate, 2 failed sandboxes, 17 of 20 creates answered
+// incomplete. A node that ran pods before ctscrub came has the same, once.
+func removeLeftSandboxes(k *kube) error {
+	out, err := run(k.ctx, time.Minute, "", "docker", "exec", k.worker, "crictl", "pods", "-q", "--state", "NotReady")
+	if err != nil {
+		return fmt.Errorf("list the worker's sandboxes: %w", err)
+	}
+	ids := strings.Fields(out)
+	for _, id := range ids {
+		if _, err := run(k.ctx, time.Minute, "", "docker", "exec", k.worker, "crictl", "rmp", "-f", id); err != nil {
+			return fmt.Errorf("remove sandbox %s: %w", id, err)
+		}
+	}
+	if len(ids) > 0 {
+		log.Printf("removed %d sandboxes no longer ready before installing ctscrub", len(ids))
+	}
 	return nil
 }
 
