@@ -210,3 +210,26 @@ func between(s, a, b string) string {
 	}
 	return s
 }
+
+// delegateWithin reads the histogram's cumulative buckets per event.
+func TestDelegateWithin(t *testing.T) {
+	before := `ctscrub_delegate_request_duration_seconds_bucket{caller="cilium-agent",event="endpoint-create",le="0.01"} 1
+ctscrub_delegate_request_duration_seconds_bucket{caller="cilium-agent",event="endpoint-create",le="0.1"} 1
+ctscrub_delegate_request_duration_seconds_bucket{caller="cilium-agent",event="endpoint-create",le="+Inf"} 1
+`
+	after := `ctscrub_delegate_request_duration_seconds_bucket{caller="cilium-agent",event="endpoint-create",le="0.005"} 9
+ctscrub_delegate_request_duration_seconds_bucket{caller="cilium-agent",event="endpoint-create",le="0.01"} 18
+ctscrub_delegate_request_duration_seconds_bucket{caller="cilium-agent",event="endpoint-create",le="0.1"} 20
+ctscrub_delegate_request_duration_seconds_bucket{caller="cilium-agent",event="endpoint-create",le="+Inf"} 21
+`
+	got := delegateWithin(before, after)
+	want := map[string]float64{"endpoint-create le=0.01": 17, "endpoint-create le=0.1": 19, "endpoint-create le=+Inf": 20}
+	if len(got) != len(want) {
+		t.Fatalf("delegateWithin = %v, want %v", got, want)
+	}
+	for k, v := range want {
+		if got[k] != v {
+			t.Errorf("%s = %v, want %v", k, got[k], v)
+		}
+	}
+}

@@ -215,6 +215,11 @@ type variantResult struct {
 	// answers by "event/outcome".
 	ScrubdScrubs    map[string]float64 `json:"scrubd_scrubs,omitempty"`
 	DelegateAnswers map[string]float64 `json:"delegate_answers,omitempty"`
+	// DelegateWithin: scrubd's own time for the delegate's requests, from
+	// its histogram (ctscrub_delegate_request_duration_seconds): requests
+	// per "event le=<s>" answered within 10 ms, 100 ms, and in all (+Inf).
+	// Beside waitingForCTClean it tells scrubd's share of a slow wait.
+	DelegateWithin map[string]float64 `json:"delegate_within,omitempty"`
 	// ctscrub_delegate: the free addresses of the worker's range given a
 	// pod in the warm-up, and the measured pods' addresses not among them.
 	WarmIPs int `json:"warm_ips,omitempty"`

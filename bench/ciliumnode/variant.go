@@ -281,6 +281,7 @@ func runVariant(ctx context.Context, cfg config, k *kube, maps *ctmap.Maps, f *f
 		}
 		v.ScrubdScrubs = scrubCounts(scrubdBefore, text)
 		v.DelegateAnswers = delegateAnswers(scrubdBefore, text)
+		v.DelegateWithin = delegateWithin(scrubdBefore, text)
 	}
 	v.MetricCTClean.Count = metricAfter[0] - metricBefore[0]
 	v.MetricCTClean.SumS = metricAfter[1] - metricBefore[1]
@@ -295,8 +296,8 @@ func runVariant(ctx context.Context, cfg config, k *kube, maps *ctmap.Maps, f *f
 	v.Measured.Regens, v.Measured.Sandboxes, v.Measured.Stops, v.Measured.CNIAdd, v.Measured.CNIDel = ct.N, sb.N, st.N, ad.N, dl.N
 	log.Printf("waitingForCTClean %s; regeneration %s; RunPodSandbox %s; StopPodSandbox %s; cilium-cni ADD %s, DEL %s; failed pods %d, failed RunPodSandbox calls %d; metric waitingForCTClean: %v observations, %.2fs in all",
 		ct, rg, sb, st, ad, dl, v.FailedPods, v.SandboxFailures, v.MetricCTClean.Count, v.MetricCTClean.SumS)
-	log.Printf("CPU over %.0fs: cilium-agent %.2fs, scrubd %.2fs; Cilium GC runs %.0f; delegate: %.0f scrubs delegated, %.0f walks after asking %v; scrubd's scrubs %v, delegate answers %v",
-		v.CPUWindowS, v.AgentCPUS, v.ScrubdCPUS, v.CiliumGCRuns, v.DelegatedScrubs, v.FallbackWalks, v.FallbackCauses, v.ScrubdScrubs, v.DelegateAnswers)
+	log.Printf("CPU over %.0fs: cilium-agent %.2fs, scrubd %.2fs; Cilium GC runs %.0f; delegate: %.0f scrubs delegated, %.0f walks after asking %v; scrubd's scrubs %v, delegate answers %v, within %v",
+		v.CPUWindowS, v.AgentCPUS, v.ScrubdCPUS, v.CiliumGCRuns, v.DelegatedScrubs, v.FallbackWalks, v.FallbackCauses, v.ScrubdScrubs, v.DelegateAnswers, v.DelegateWithin)
 	return v, v.EntriesBefore, nil
 }
 
@@ -653,6 +654,19 @@ func delegateAnswers(before, after string) map[string]float64 {
 	const name = "ctscrub_delegate_requests_total"
 	return deltaBy(promSamples(before, name), promSamples(after, name), func(l map[string]string) string {
 		return l["event"] + "/" + l["outcome"]
+	})
+}
+
+// delegateWithin is scrubd's delegate requests during the variant by
+// "event le=<bound>", for the bounds 0.01, 0.1 and +Inf of its histogram.
+func delegateWithin(before, after string) map[string]float64 {
+	const name = "ctscrub_delegate_request_duration_seconds_bucket"
+	return deltaBy(promSamples(before, name), promSamples(after, name), func(l map[string]string) string {
+		switch l["le"] {
+		case "0.01", "0.1", "+Inf":
+			return l["event"] + " le=" + l["le"]
+		}
+		return ""
 	})
 }
 
