@@ -77,14 +77,16 @@ func (d *day2) expirySweep(c *cluster) map[string]any {
 	scrubAfter := promSums(c.metrics(d.node))
 	agentAfter := promSums(c.agentMetrics(agent))
 	obj := map[string]any{
-		"flows":                    expiryFlows,
-		"ct_entries_made":          ct0,
-		"nat_mappings_made":        nat0,
-		"ct_gone_s":                int(goneAfter.Seconds()),
-		"nat_mappings_left":        len(left),
-		"scrubd_expired_deleted":   scrubAfter["ctscrub_expiry_deleted_total"] - scrubBefore["ctscrub_expiry_deleted_total"],
-		"scrubd_nat_deleted":       scrubAfter["ctscrub_expiry_nat_deleted_total"] - scrubBefore["ctscrub_expiry_nat_deleted_total"],
-		"cilium_gc_runs":           agentAfter["cilium_datapath_conntrack_gc_runs_total"] - agentBefore["cilium_datapath_conntrack_gc_runs_total"],
+		"flows":                  expiryFlows,
+		"ct_entries_made":        ct0,
+		"nat_mappings_made":      nat0,
+		"ct_gone_s":              int(goneAfter.Seconds()),
+		"nat_mappings_left":      len(left),
+		"scrubd_expired_deleted": scrubAfter["ctscrub_expiry_deleted_total"] - scrubBefore["ctscrub_expiry_deleted_total"],
+		"scrubd_nat_deleted":     scrubAfter["ctscrub_expiry_nat_deleted_total"] - scrubBefore["ctscrub_expiry_nat_deleted_total"],
+		// Cilium counts each endpoint's scrub of a map as a GC run too:
+		// with the churn going these are mostly those walks.
+		"cilium_ct_walks":          agentAfter["cilium_datapath_conntrack_gc_runs_total"] - agentBefore["cilium_datapath_conntrack_gc_runs_total"],
 		"cilium_gc_deleted_last":   agentAfter["cilium_datapath_conntrack_gc_entries{status=deleted}"],
 		"cilium_gc_interval_s":     agentAfter["cilium_datapath_conntrack_gc_interval_seconds"],
 		"cilium_gc_interval_s_was": agentBefore["cilium_datapath_conntrack_gc_interval_seconds"],
