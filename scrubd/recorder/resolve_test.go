@@ -207,6 +207,12 @@ func (w *svcWorld) record(f flow, backend uint32) {
 func (w *svcWorld) left(ip netip.Addr) []string {
 	w.t.Helper()
 	k4, k6, _ := w.ix.ScrubKeys(ip)
+	return w.outside(ip, k4, k6)
+}
+
+// outside lists the CT entries holding ip that are not among k4 and k6.
+func (w *svcWorld) outside(ip netip.Addr, k4 []ctmap.CTKey4, k6 []ctmap.CTKey6) []string {
+	w.t.Helper()
 	var out []string
 	for _, kind := range ctmap.Kinds {
 		if kind.IPv6() != w.v6 {
@@ -573,33 +579,7 @@ func (w *svcWorld) confirmHooks() {
 func (w *svcWorld) takenLeft(ip netip.Addr, k4 []ctmap.CTKey4, k6 []ctmap.CTKey6) []string {
 	w.t.Helper()
 	k4, k6 = index.Covered(k4, k6)
-	var out []string
-	for _, kind := range ctmap.Kinds {
-		if kind.IPv6() != w.v6 {
-			continue
-		}
-		it := w.ct.Map(kind).Iterate()
-		var v ctmap.Entry
-		if w.v6 {
-			var k ctmap.CTKey6
-			for it.Next(&k, &v) {
-				if k.Has(ip) && !slices.Contains(k6, k) {
-					out = append(out, k.String())
-				}
-			}
-		} else {
-			var k ctmap.CTKey4
-			for it.Next(&k, &v) {
-				if k.Has(ip) && !slices.Contains(k4, k) {
-					out = append(out, k.String())
-				}
-			}
-		}
-		if err := it.Err(); err != nil {
-			w.t.Fatal(err)
-		}
-	}
-	return out
+	return w.outside(ip, k4, k6)
 }
 
 // removedBeforeScrub: a flow's backend learnt, then removed (its pod

@@ -212,12 +212,7 @@ func (r *Recorder) resolveOne(ix *index.Index, ip netip.Addr, ct *ctmap.Maps, be
 		id = b
 	}
 	// The entry now: the backend of the flow's last packet.
-	var e ctmap.Entry
-	if s.V6 {
-		err = ct.Map(s.K6.Kind()).Lookup(s.K6, &e)
-	} else {
-		err = ct.Map(s.K4.Kind()).Lookup(s.K4, &e)
-	}
+	e, err := serviceEntry(ct, &s)
 	if errors.Is(err, ebpf.ErrKeyNotExist) {
 		if pending {
 			// A service without backends: Cilium dropped the packets
@@ -332,12 +327,7 @@ func (r *Recorder) confirmRepicks(ip netip.Addr, svcs []index.Service) (k4 []ctm
 	defer be.Close()
 	for i := range svcs {
 		s := &svcs[i]
-		var e ctmap.Entry
-		if s.V6 {
-			err = ct.Map(s.K6.Kind()).Lookup(s.K6, &e)
-		} else {
-			err = ct.Map(s.K4.Kind()).Lookup(s.K4, &e)
-		}
+		e, err := serviceEntry(ct, s)
 		if errors.Is(err, ebpf.ErrKeyNotExist) {
 			return fail(s, "the SERVICE entry of a flow whose backend was removed went before the scrub could see whether a packet re-picked", nil)
 		}
@@ -373,6 +363,16 @@ func (r *Recorder) confirmRepicks(ip netip.Addr, svcs []index.Service) (k4 []ctm
 // RepicksConfirmed counts the flows confirmRepicks settled (no pick
 // missed, or the one made meanwhile added to the scrub).
 func (r *Recorder) RepicksConfirmed() uint64 { return r.repicksConfirmed.Load() }
+
+// serviceEntry reads s's SERVICE entry.
+func serviceEntry(ct *ctmap.Maps, s *index.Service) (e ctmap.Entry, err error) {
+	if s.V6 {
+		err = ct.Map(s.K6.Kind()).Lookup(s.K6, &e)
+	} else {
+		err = ct.Map(s.K4.Kind()).Lookup(s.K4, &e)
+	}
+	return e, err
+}
 
 type outKeys struct {
 	k4 ctmap.CTKey4
