@@ -251,30 +251,29 @@ func (d *Daemon) Run(ctx context.Context) error {
 	d.started = time.Now()
 	// The socket first: a second scrubd on the same node fails here, before
 	// it touches the state file, the snapshot or the recorder's links.
-	apiLn, err := listenUnix(d.cfg.Socket)
+	apiLn, err := listenAPI(d.cfg.Socket)
 	if err != nil {
 		return err
 	}
 	var delegateLn net.Listener
 	if d.cfg.DelegateSocket != "" {
 		if delegateLn, err = listenUnix(d.cfg.DelegateSocket); err != nil {
-			apiLn.Close()
+			apiLn.discard()
 			return fmt.Errorf("delegate socket: %w", err)
 		}
 	}
 	if err := d.restore(); err != nil {
-		apiLn.Close()
+		apiLn.discard()
 		if delegateLn != nil {
 			delegateLn.Close()
 		}
 		return err
 	}
-	apiSrv := &http.Server{
-		Handler:           d.rootOnly(d.apiHandler()),
-		BaseContext:       func(net.Listener) context.Context { return d.workCtx },
-		ConnContext:       func(ctx context.Context, c net.Conn) context.Context { return peerCredContext(acceptContext(ctx), c) },
-		ReadHeaderTimeout: 10 * time.Second,
-	}
+	// The API: each request served on the thread that accepted it
+	// (direct.go); at most one goroutine per admitted request and the
+	// spares wait in accept, the rest in the socket's backlog.
+	apiSrv := newDirectServer(d.rootOnly(d.apiHandler()), func() context.Context { return d.workCtx },
+		directConnContext, d.log, d.cfg.QueueLimit+directSpares)
 
 	// The delegate socket: its one path, for root only, as the API.
 	var delegateSrv *http.Server
@@ -291,7 +290,7 @@ func (d *Daemon) Run(ctx context.Context) error {
 	if d.cfg.MetricsAddr != "" && d.cfg.MetricsAddr != "off" {
 		mln, err := net.Listen("tcp", d.cfg.MetricsAddr)
 		if err != nil {
-			apiLn.Close()
+			apiLn.discard()
 			if delegateLn != nil {
 				delegateLn.Close()
 			}
@@ -323,7 +322,16 @@ func (d *Daemon) Run(ctx context.Context) error {
 	// Stopped before the API's shutdown, which removes the socket.
 	watchCtx, stopWatch := context.WithCancel(context.Background())
 	watchDone := make(chan struct{})
-	go func() { d.watchSocket(watchCtx, apiSrv, d.cfg.Socket); close(watchDone) }()
+	go func() {
+		d.watchSocket(watchCtx, d.cfg.Socket, func() (func() error, error) {
+			ln, err := listenAPI(d.cfg.Socket)
+			if err != nil {
+				return nil, err
+			}
+			return func() error { return apiSrv.Serve(ln) }, nil
+		})
+		close(watchDone)
+	}()
 	delegateDone := make(chan struct{})
 	if delegateSrv != nil {
 		go func() {
@@ -331,7 +339,16 @@ func (d *Daemon) Run(ctx context.Context) error {
 				d.log.Error("serve delegate API", "socket", d.cfg.DelegateSocket, "err", err)
 			}
 		}()
-		go func() { d.watchSocket(watchCtx, delegateSrv, d.cfg.DelegateSocket); close(delegateDone) }()
+		go func() {
+			d.watchSocket(watchCtx, d.cfg.DelegateSocket, func() (func() error, error) {
+				ln, err := listenUnix(d.cfg.DelegateSocket)
+				if err != nil {
+					return nil, err
+				}
+				return func() error { return delegateSrv.Serve(ln) }, nil
+			})
+			close(delegateDone)
+		}()
 	} else {
 		close(delegateDone)
 	}
@@ -534,20 +551,8 @@ func (d *Daemon) restore() error {
 // listenUnix creates the API socket 0600 in a 0700 directory. A stale socket
 // left by a killed daemon is replaced; a live one is an error.
 func listenUnix(path string) (net.Listener, error) {
-	dir := filepath.Dir(path)
-	if _, err := os.Stat(dir); errors.Is(err, os.ErrNotExist) {
-		if err := os.MkdirAll(dir, 0o700); err != nil {
-			return nil, fmt.Errorf("socket directory %s: %w", dir, err)
-		}
-	}
-	if _, err := os.Lstat(path); err == nil {
-		if c, err := net.DialTimeout("unix", path, time.Second); err == nil {
-			c.Close()
-			return nil, fmt.Errorf("socket %s: another scrubd is serving it (stop it first, or set --socket)", path)
-		}
-		if err := os.Remove(path); err != nil {
-			return nil, fmt.Errorf("remove stale socket %s: %w", path, err)
-		}
+	if err := prepareSocket(path); err != nil {
+		return nil, err
 	}
 	// The umask makes the socket 0600 from its first instant; Chmod repeats it
 	// for file systems that ignore the umask on sockets.
@@ -562,6 +567,43 @@ func listenUnix(path string) (net.Listener, error) {
 		return nil, fmt.Errorf("chmod socket %s: %w", path, err)
 	}
 	return ln, nil
+}
+
+// listenAPI is listenUnix for the direct server (direct.go).
+func listenAPI(path string) (*directListener, error) {
+	if err := prepareSocket(path); err != nil {
+		return nil, err
+	}
+	l, err := listenDirect(path)
+	if err != nil {
+		return nil, err
+	}
+	if err := os.Chmod(path, 0o600); err != nil {
+		l.discard()
+		return nil, fmt.Errorf("chmod socket %s: %w", path, err)
+	}
+	return l, nil
+}
+
+// prepareSocket makes path's directory and removes a stale socket there;
+// it fails while another scrubd serves it.
+func prepareSocket(path string) error {
+	dir := filepath.Dir(path)
+	if _, err := os.Stat(dir); errors.Is(err, os.ErrNotExist) {
+		if err := os.MkdirAll(dir, 0o700); err != nil {
+			return fmt.Errorf("socket directory %s: %w", dir, err)
+		}
+	}
+	if _, err := os.Lstat(path); err == nil {
+		if c, err := net.DialTimeout("unix", path, time.Second); err == nil {
+			c.Close()
+			return fmt.Errorf("socket %s: another scrubd is serving it (stop it first, or set --socket)", path)
+		}
+		if err := os.Remove(path); err != nil {
+			return fmt.Errorf("remove stale socket %s: %w", path, err)
+		}
+	}
+	return nil
 }
 
 // statsLoop refreshes ctscrub_ct_entries and ctscrub_ct_max_entries.

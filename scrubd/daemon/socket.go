@@ -46,6 +46,15 @@ func peerCredContext(ctx context.Context, c net.Conn) context.Context {
 	return context.WithValue(ctx, peerKey{}, p)
 }
 
+// directConnContext is peerCredContext and acceptContext for a connection
+// of the direct server (direct.go), whose socket is fd.
+func directConnContext(ctx context.Context, fd int) context.Context {
+	ctx = acceptContext(ctx)
+	var p peer
+	p.cred, p.err = unix.GetsockoptUcred(fd, unix.SOL_SOCKET, unix.SO_PEERCRED)
+	return context.WithValue(ctx, peerKey{}, p)
+}
+
 // rootOnly refuses every request from a connection whose peer is not root,
 // or whose credentials could not be read.
 func (d *Daemon) rootOnly(next http.Handler) http.Handler {
@@ -78,7 +87,7 @@ const socketCheckEvery = time.Second
 // can reach it, and every CNI ADD on the node would fail (or, for the
 // delegate socket, Cilium would walk again). A new listener on the same path
 // is served by the same server (Shutdown stops both).
-func (d *Daemon) watchSocket(ctx context.Context, srv *http.Server, path string) {
+func (d *Daemon) watchSocket(ctx context.Context, path string, listen func() (serve func() error, err error)) {
 	t := time.NewTicker(socketCheckEvery)
 	defer t.Stop()
 	for {
@@ -90,14 +99,14 @@ func (d *Daemon) watchSocket(ctx context.Context, srv *http.Server, path string)
 		if _, err := os.Lstat(path); !errors.Is(err, os.ErrNotExist) {
 			continue
 		}
-		ln, err := listenUnix(path)
+		serve, err := listen()
 		if err != nil {
 			d.log.Error("API socket removed; listening again failed (retrying)", "socket", path, "err", err)
 			continue
 		}
 		d.log.Warn("API socket removed under the daemon: listening again", "socket", path)
 		go func() {
-			if err := srv.Serve(ln); err != nil && !errors.Is(err, http.ErrServerClosed) {
+			if err := serve(); err != nil && !errors.Is(err, http.ErrServerClosed) {
 				d.log.Error("serve API on the re-created socket", "err", err)
 			}
 		}()
