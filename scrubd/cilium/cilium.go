@@ -362,19 +362,34 @@ func (s *scrubRun) deleteByIndex(ip netip.Addr) error {
 		return nil
 	}
 	s.res.PerIP[ip.String()] = scrub.MethodIndex
-	// The deletes' helper starts now, while the forms are computed: a
-	// thread woken on an idle CPU takes tens of µs to run (longer on a
-	// busy one), about what the forms take.
-	var h *deleteHelper
-	if len(k4)+len(k6) >= parallelMin/3 {
-		h = startDeleteHelper()
-	}
 	// Every key the index holds, plus the forms Cilium may re-create them
 	// in (index.Covered): the one definition the audit checks.
 	buf := coverBufs.Get().(*coverBuf)
-	x4, x6 := index.AppendCovered(buf.k4[:0], buf.k6[:0], k4, k6)
-	s.steps.Mark("take")
-	left4, left6, err := s.c.deleteKeys(s.ctx, x4, x6, s.res.Deleted, h)
+	var x4 []ctmap.CTKey4
+	var x6 []ctmap.CTKey6
+	var left4 []ctmap.CTKey4
+	var left6 []ctmap.CTKey6
+	var err error
+	if h := s.earlyHelper(len(k4) + len(k6)); h != nil {
+		// The index's keys go to the deletes' helper at once, and the
+		// caller makes their forms meanwhile (about 0.1 ms for 1,000
+		// keys, cold caches), then joins it: the helper's thread, woken
+		// on an idle CPU, takes tens of µs to run, and has the keys
+		// when it does. The forms are the keys Covered adds: each key
+		// is tried once.
+		j := s.c.newDeleteJob(s.ctx)
+		j.add(k4, k6)
+		j.share(h)
+		var f4, f6 int
+		x4, f4, x6, f6 = index.AppendCoveredKeysFirst(buf.k4[:0], buf.k6[:0], k4, k6)
+		s.steps.Mark("take")
+		j.add(x4[f4:], x6[f6:])
+		left4, left6, err = j.finish(s.res.Deleted, nil)
+	} else {
+		x4, x6 = index.AppendCovered(buf.k4[:0], buf.k6[:0], k4, k6)
+		s.steps.Mark("take")
+		left4, left6, err = s.c.deleteKeys(s.ctx, x4, x6, s.res.Deleted, nil)
+	}
 	s.steps.Mark("delete")
 	s.c.ix.Return(ip, left4, left6)
 	if cap(x4)+cap(x6) <= maxPooledKeys {
@@ -382,6 +397,16 @@ func (s *scrubRun) deleteByIndex(ip netip.Addr) error {
 		coverBufs.Put(buf)
 	}
 	return err
+}
+
+// earlyHelper starts the deletes' helper for a scrub of n index keys
+// whose covered list is long enough to share (about three forms a key),
+// where the process may run two goroutines at once; else nil.
+func (s *scrubRun) earlyHelper(n int) *deleteHelper {
+	if n < parallelMin/3 {
+		return nil
+	}
+	return startDeleteHelper()
 }
 
 // sweep runs the shared sweep for the IPs the index path left. Each IP's keys
@@ -496,41 +521,102 @@ func (c *Backend) syncIndex(ctx context.Context) error {
 // the caller started (startDeleteHelper); deleteKeys hands it the work
 // whether or not it uses it.
 func (c *Backend) deleteKeys(ctx context.Context, k4 []ctmap.CTKey4, k6 []ctmap.CTKey6, deleted map[string]int, h *deleteHelper) (left4 []ctmap.CTKey4, left6 []ctmap.CTKey6, err error) {
+	j := c.newDeleteJob(ctx)
+	j.add(k4, k6)
+	return j.finish(deleted, h)
+}
+
+// A deleteJob is one scrub's deletes, given in one or more lists (add):
+// the keys in units of at most deleteUnit keys of one CT map each. The
+// calling goroutine takes units from the front; a scrub of parallelMin keys
+// or more also has a helper that takes them from the back, on the other
+// CPU when the machine gives it one. Each map has its own LRU lists and
+// bucket locks, so the two meet on one map's locks only where their ends
+// of the list meet. The caller never waits for the helper to start: on a
+// busy machine the helper's thread ran up to hundreds of µs after it was
+// woken (make bench at 1 M, load 27 on 2 cores: median 0.24 ms, as long as
+// the TCP map's share of a 1,000-key scrub), and with one job per map the
+// caller sat idle for it. It waits only for units the helper has taken.
+//
+// A helper handed the job before its last list (share) deletes the units
+// there are while the caller makes the next list: the index scrub hands it
+// the index's own keys and computes their covered forms meanwhile.
+type deleteJob struct {
+	c   *Backend
+	ctx context.Context
+	q   *deleteQueue
+
+	mu           sync.Mutex // left4, left6
+	left4        []ctmap.CTKey4
+	left6        []ctmap.CTKey6
+	keys, shared int
+	early        *deleteHelper // handed the queue by share
+}
+
+func (c *Backend) newDeleteJob(ctx context.Context) *deleteJob {
+	return &deleteJob{c: c, ctx: ctx, q: &deleteQueue{}}
+}
+
+// add queues keys for deletion; it reorders k4 and k6 (each map's keys
+// together) and reads them until finish returns.
+func (j *deleteJob) add(k4 []ctmap.CTKey4, k6 []ctmap.CTKey6) {
 	tcp4, any4 := splitTCP(k4, ctmap.TCP4)
 	tcp6, any6 := splitTCP(k6, ctmap.TCP6)
-	// The keys in units of at most deleteUnit keys of one CT map each, in
-	// map order. The calling goroutine takes units from the front; a scrub
-	// of parallelMin keys or more also starts a helper that takes them
-	// from the back, on the other CPU when the machine gives it one. Each
-	// map has its own LRU lists and bucket locks, so the two meet on one
-	// map's locks only where their ends of the list meet. The caller
-	// never waits for the helper to start: on a busy machine the helper's
-	// thread ran up to hundreds of µs after it was woken (make bench at
-	// 1 M, load 27 on 2 cores: median 0.24 ms, as long as the TCP map's
-	// share of a 1,000-key scrub), and with one job per map the caller
-	// sat idle for it. It waits only for units the helper has taken.
-	var mu sync.Mutex // left4, left6
-	q := &deleteQueue{}
-	q.add(newDeletePart(ctx, c, ctmap.TCP4, tcp4, &mu, &left4))
-	q.add(newDeletePart(ctx, c, ctmap.Any4, any4, &mu, &left4))
-	q.add(newDeletePart(ctx, c, ctmap.TCP6, tcp6, &mu, &left6))
-	q.add(newDeletePart(ctx, c, ctmap.Any6, any6, &mu, &left6))
-	q.hi = len(q.units)
-	if len(q.units) < 2 || len(k4)+len(k6) < parallelMin {
-		h.hand(&deleteQueue{}) // nothing for a helper: it returns at once
-		h = nil
-	} else if h == nil || !h.hand(q) {
-		h = &deleteHelper{counts: map[string]int{}}
-		go q.work(false, h.counts)
+	j.q.add(newDeletePart(j.ctx, j.c, ctmap.TCP4, tcp4, &j.mu, &j.left4))
+	j.q.add(newDeletePart(j.ctx, j.c, ctmap.Any4, any4, &j.mu, &j.left4))
+	j.q.add(newDeletePart(j.ctx, j.c, ctmap.TCP6, tcp6, &j.mu, &j.left6))
+	j.q.add(newDeletePart(j.ctx, j.c, ctmap.Any6, any6, &j.mu, &j.left6))
+	j.keys += len(k4) + len(k6)
+}
+
+// share hands the job to h (an early helper) before its last list is
+// added: h deletes what is queued and waits for the rest. It reports
+// whether h took it.
+func (j *deleteJob) share(h *deleteHelper) bool {
+	if h.hand(j.q) {
+		j.early = h
+		return true
+	}
+	return false
+}
+
+// finish deletes the job's keys with the caller's goroutine and a helper
+// (h, or the one share handed the job, or one it starts), adds the counts
+// to deleted and returns the keys not attempted.
+func (j *deleteJob) finish(deleted map[string]int, h *deleteHelper) (left4 []ctmap.CTKey4, left6 []ctmap.CTKey6, err error) {
+	q := j.q
+	q.mu.Lock()
+	q.sealed = true
+	units := len(q.pending)
+	helperGone := q.helperLeft
+	q.mu.Unlock()
+	helpers := make([]*deleteHelper, 0, 2)
+	if j.early != nil {
+		helpers = append(helpers, j.early)
+	}
+	switch {
+	case units < 2 || j.keys < parallelMin:
+		h.hand(&deleteQueue{sealed: true}) // nothing for a helper: it returns at once
+	case j.early != nil && !helperGone:
+		h.hand(&deleteQueue{sealed: true})
+	case h != nil && h.hand(q):
+		helpers = append(helpers, h)
+	default:
+		// No helper waiting (none started, or it gave up): start one.
+		nh := &deleteHelper{counts: map[string]int{}}
+		helpers = append(helpers, nh)
+		go q.work(false, nh.counts)
 	}
 	q.work(true, deleted)
 	q.helper.Wait()
-	if h != nil {
+	// A helper writes its counts only in the units it took, all finished
+	// now (q.helper); one still on its way out takes none.
+	for _, h := range helpers {
 		for name, n := range h.counts {
 			deleted[name] += n
 		}
 	}
-	return left4, left6, errors.Join(q.errs...)
+	return j.left4, j.left6, errors.Join(q.errs...)
 }
 
 // A deleteHelper is deleteKeys' helper started before its keys are known
@@ -576,10 +662,14 @@ func (h *deleteHelper) run() {
 			}
 			break
 		}
-		runtime.Gosched()
-		unix.RawSyscall(unix.SYS_SCHED_YIELD, 0, 0, 0)
+		yield()
 	}
 	h.q.Load().work(false, h.counts)
+}
+
+func yield() {
+	runtime.Gosched()
+	unix.RawSyscall(unix.SYS_SCHED_YIELD, 0, 0, 0)
 }
 
 // hand gives the helper q; false when the helper gave up waiting (or h is
@@ -602,16 +692,16 @@ const deleteUnit = 256
 // (delChunk keys).
 const maxRunUnits = delChunk / deleteUnit
 
-// deleteQueue is deleteKeys' work: each map's keys (parts) cut in units,
-// taken from both ends.
+// deleteQueue is a deleteJob's work: each list's maps' keys (parts) cut in
+// units, taken from both ends.
 type deleteQueue struct {
-	parts []deletePart
-	units []deleteRange // in part order
-
-	mu     sync.Mutex
-	lo, hi int            // units[lo:hi] are not taken yet
-	errs   []error        // of the runs so far
-	helper sync.WaitGroup // units the helper has taken and not finished
+	mu         sync.Mutex
+	parts      []deletePart
+	pending    []deleteRange  // units not taken yet, in part order
+	sealed     bool           // no more parts will be added
+	helperLeft bool           // the helper waited for more units in vain and returned
+	errs       []error        // of the runs so far
+	helper     sync.WaitGroup // units the helper has taken and not finished
 }
 
 // deleteRange is keys [lo, hi) of parts[part].
@@ -623,10 +713,12 @@ func (q *deleteQueue) add(p deletePart) {
 	if p.n == 0 {
 		return
 	}
+	q.mu.Lock()
+	defer q.mu.Unlock()
 	q.parts = append(q.parts, p)
 	units := (p.n + deleteUnit - 1) / deleteUnit
 	for i := range units {
-		q.units = append(q.units, deleteRange{len(q.parts) - 1, i * p.n / units, (i + 1) * p.n / units})
+		q.pending = append(q.pending, deleteRange{len(q.parts) - 1, i * p.n / units, (i + 1) * p.n / units})
 	}
 }
 
@@ -639,31 +731,49 @@ func (q *deleteQueue) add(p deletePart) {
 // chunks of 256 against 1,024 keys), and the units left are still enough
 // for a helper that starts. A failed run does not stop the others: each
 // map's keys are deleted or left on their own (when ctx ends every later
-// run returns at once with its keys left).
+// run returns at once with its keys left). The helper, finding no unit
+// before the queue is sealed, spins for more up to helperSpin.
 func (q *deleteQueue) work(front bool, deleted map[string]int) {
+	var idleSince time.Time
 	for {
 		q.mu.Lock()
-		if q.lo >= q.hi {
+		if len(q.pending) == 0 {
+			if front || q.sealed {
+				q.mu.Unlock()
+				return
+			}
+			if idleSince.IsZero() {
+				idleSince = time.Now()
+			} else if time.Since(idleSince) > helperSpin {
+				q.helperLeft = true
+				q.mu.Unlock()
+				return
+			}
 			q.mu.Unlock()
-			return
+			yield()
+			continue
 		}
+		idleSince = time.Time{}
 		var r deleteRange
 		if front {
-			r = q.units[q.lo]
-			n := min(max(1, (q.hi-q.lo)/2), maxRunUnits)
-			for q.lo++; n > 1 && q.lo < q.hi && q.units[q.lo].part == r.part; n-- {
-				r.hi = q.units[q.lo].hi
-				q.lo++
+			r = q.pending[0]
+			n := min(max(1, len(q.pending)/2), maxRunUnits)
+			i := 1
+			for ; n > 1 && i < len(q.pending) && q.pending[i].part == r.part; n-- {
+				r.hi = q.pending[i].hi
+				i++
 			}
+			q.pending = q.pending[i:]
 		} else {
-			q.hi--
-			r = q.units[q.hi]
+			r = q.pending[len(q.pending)-1]
+			q.pending = q.pending[:len(q.pending)-1]
 			// Counted before the lock is released: the caller's Wait
 			// comes after it has found no unit left, so after this Add.
 			q.helper.Add(1)
 		}
+		p := q.parts[r.part]
 		q.mu.Unlock()
-		err := q.parts[r.part].run(r.lo, r.hi, deleted)
+		err := p.run(r.lo, r.hi, deleted)
 		if err != nil {
 			q.mu.Lock()
 			q.errs = append(q.errs, err)

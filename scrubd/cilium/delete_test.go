@@ -263,3 +263,65 @@ func TestDeleteKeysEarlyHelper(t *testing.T) {
 		})
 	}
 }
+
+// TestDeleteJobShared: the index scrub hands the deletes' helper its keys
+// before it has made their forms, and adds the forms after. Whether the
+// helper deletes while the forms are made, or has given up waiting for
+// them (finish starts another), or there is none, every present key of
+// both lists is deleted and counted once and none is left.
+func TestDeleteJobShared(t *testing.T) {
+	needRoot(t)
+	if runtime.GOMAXPROCS(0) < 2 {
+		t.Skip("GOMAXPROCS < 2: the scrub starts no early helper")
+	}
+	maps := pinnedMaps(t, 1<<16, false)
+	c := newCilium(t, maps, newIndex())
+	var val ctmap.Entry
+	for i, tc := range []struct {
+		name   string
+		helper bool
+		wait   time.Duration // between the first list and the second
+	}{{"helper deletes while the forms are made", true, 0}, {"helper gave up waiting for the forms", true, 3 * helperSpin}, {"no helper", false, 0}} {
+		t.Run(tc.name, func(t *testing.T) {
+			pod, peer := netip.AddrFrom4([4]byte{10, 244, 2, byte(i)}), netip.MustParseAddr("192.0.2.12")
+			var first, second []ctmap.CTKey4
+			present := 0
+			for port := range uint16(1500) {
+				k := ctmap.NewKey4(pod, peer, 80, port, []uint8{6, 17}[port%2], ctmap.FlagOut)
+				if port < 500 {
+					first = append(first, k)
+				} else {
+					second = append(second, k)
+				}
+				if port%3 == 0 {
+					if err := maps.Map(k.Kind()).Put(k, val); err != nil {
+						t.Fatal(err)
+					}
+					present++
+				}
+			}
+			j := c.newDeleteJob(context.Background())
+			j.add(first, nil)
+			if tc.helper {
+				if !j.share(startDeleteHelper()) {
+					t.Fatal("a helper just started did not take the job")
+				}
+			}
+			time.Sleep(tc.wait)
+			j.add(second, nil)
+			deleted := map[string]int{}
+			left4, _, err := j.finish(deleted, nil)
+			if err != nil || len(left4) != 0 {
+				t.Fatalf("finish: err %v, %d keys not attempted", err, len(left4))
+			}
+			if got := deleted[ctmap.TCP4.Name()] + deleted[ctmap.Any4.Name()]; got != present {
+				t.Fatalf("deleted %v, want %d in all", deleted, present)
+			}
+			for _, k := range append(first, second...) {
+				if maps.Map(k.Kind()).Lookup(k, &val) == nil {
+					t.Fatalf("%s left", k)
+				}
+			}
+		})
+	}
+}

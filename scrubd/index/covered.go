@@ -43,14 +43,26 @@ func (ix *Index) ScrubKeys(ip netip.Addr) (k4 []ctmap.CTKey4, k6 []ctmap.CTKey6,
 // host firewall creates IN (pod to node) and OUT (node to pod) twins with
 // their RELATED entries. Two failed deletes per flow when absent.
 func Covered(k4 []ctmap.CTKey4, k6 []ctmap.CTKey6) ([]ctmap.CTKey4, []ctmap.CTKey6) {
-	return covered(nil, k4), covered(nil, k6)
+	return AppendCovered(nil, nil, k4, k6)
 }
 
 // AppendCovered is Covered appending to dst4 and dst6 (a scrub's reused
 // buffers: a fresh 42 KB slice per scrub of 1,000 keys is fresh memory the
 // process faults in, between two GC cycles of a large index).
 func AppendCovered(dst4 []ctmap.CTKey4, dst6 []ctmap.CTKey6, k4 []ctmap.CTKey4, k6 []ctmap.CTKey6) ([]ctmap.CTKey4, []ctmap.CTKey6) {
-	return covered(dst4, k4), covered(dst6, k6)
+	x4, _ := covered(dst4, k4, false)
+	x6, _ := covered(dst6, k6, false)
+	return x4, x6
+}
+
+// AppendCoveredKeysFirst is AppendCovered with the keys (each once) first
+// and their forms after them: x4[f4:] and x6[f6:] are the keys Covered adds
+// to k4 and k6. The index scrub starts deleting k4 and k6 while it makes
+// the forms.
+func AppendCoveredKeysFirst(dst4 []ctmap.CTKey4, dst6 []ctmap.CTKey6, k4 []ctmap.CTKey4, k6 []ctmap.CTKey6) (x4 []ctmap.CTKey4, f4 int, x6 []ctmap.CTKey6, f6 int) {
+	x4, f4 = covered(dst4, k4, true)
+	x6, f6 = covered(dst6, k6, true)
+	return x4, f4, x6, f6
 }
 
 // key is CTKey4 or CTKey6. covered works on the key's bytes (layout in
@@ -149,18 +161,19 @@ func mirror[K key](k K) K {
 // 0.22 ms with a table of int32 through the keys' methods and
 // hash/maphash, 0.115 ms with forms passed by value (warm caches; session
 // 6); on 2026-12-02's loaded machine 0.13 ms passed by value, 0.08 ms made
-// in place (minimum of alternating runs; docs/bench.md).
-func covered[K key](dst, keys []K) []K {
+// in place (minimum of alternating runs; docs/bench.md). keysFirst puts
+// every key before every form; from is where the forms start.
+func covered[K key](dst, keys []K, keysFirst bool) (out []K, from int) {
 	if len(keys) == 0 {
-		return dst
+		return dst, len(dst)
 	}
 	if 6*len(keys) < 1<<16 {
-		return coverWith[K, uint16](dst, keys, &slotPools[0])
+		return coverWith[K, uint16](dst, keys, &slotPools[0], keysFirst)
 	}
-	return coverWith[K, uint32](dst, keys, &slotPools[1])
+	return coverWith[K, uint32](dst, keys, &slotPools[1], keysFirst)
 }
 
-func coverWith[K key, S slot](dst, keys []K, pool *sync.Pool) []K {
+func coverWith[K key, S slot](dst, keys []K, pool *sync.Pool, keysFirst bool) ([]K, int) {
 	size := 1
 	for 3*size < 4*6*len(keys) {
 		size <<= 1
@@ -173,6 +186,17 @@ func coverWith[K key, S slot](dst, keys []K, pool *sync.Pool) []K {
 	c := coverSet[K, S]{out: slices.Grow(dst, 3*len(keys)), base: base, slots: (*tab)[:size], mask: uint64(size - 1)}
 	c.out = c.out[:cap(c.out)]
 	n := base
+	if keysFirst {
+		for i := range keys {
+			if n+1 > len(c.out) {
+				c.out = slices.Grow(c.out[:n], 1+len(keys)-i)
+				c.out = c.out[:cap(c.out)]
+			}
+			c.out[n] = keys[i]
+			n = c.keep(n)
+		}
+	}
+	from := n
 	for i := range keys {
 		if n+6 > len(c.out) { // room for this key's forms
 			c.out = slices.Grow(c.out[:n], 6+3*(len(keys)-i))
@@ -180,8 +204,10 @@ func coverWith[K key, S slot](dst, keys []K, pool *sync.Pool) []K {
 		}
 		k := &keys[i]
 		flags := bytesOf(k)[len(*k)-1]
-		c.out[n] = *k
-		n = c.keep(n)
+		if !keysFirst {
+			c.out[n] = *k
+			n = c.keep(n)
+		}
 		if flags&ctmap.FlagService != 0 {
 			continue
 		}
@@ -208,7 +234,10 @@ func coverWith[K key, S slot](dst, keys []K, pool *sync.Pool) []K {
 	}
 	clear(c.slots)
 	pool.Put(tab)
-	return c.out[:n]
+	if !keysFirst {
+		from = base
+	}
+	return c.out[:n], from
 }
 
 // Mirror4 is the key of the same flow with the other side as the initiator:

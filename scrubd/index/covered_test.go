@@ -1,6 +1,7 @@
 package index
 
 import (
+	"bytes"
 	"net/netip"
 	"slices"
 	"testing"
@@ -133,6 +134,26 @@ func TestCoveredMatchesReference(t *testing.T) {
 		got4, got6 = AppendCovered(slices.Clone(pre4), slices.Clone(pre6), k4, k6)
 		if !slices.Equal(got4, append(pre4, want4...)) || !slices.Equal(got6, append(pre6, want6...)) {
 			t.Fatalf("%d keys: AppendCovered did not append Covered's keys after the buffer's", n)
+		}
+		// Keys first: the same set, the keys (each once, in their
+		// order) before every form, appended after the buffer's.
+		x4, f4, x6, f6 := AppendCoveredKeysFirst(slices.Clone(pre4), slices.Clone(pre6), k4, k6)
+		if !slices.Equal(x4[:len(pre4)], pre4) || !slices.Equal(x6[:len(pre6)], pre6) {
+			t.Fatalf("%d keys: AppendCoveredKeysFirst changed the buffer's keys", n)
+		}
+		if !slices.Equal(x4[len(pre4):f4], slices.Compact(slices.Clone(k4))) || !slices.Equal(x6[len(pre6):f6], k6) {
+			t.Fatalf("%d keys: AppendCoveredKeysFirst's first %d and %d keys are not the indexed keys", n, f4-len(pre4), f6-len(pre6))
+		}
+		sorted4, sorted6 := slices.Clone(x4[len(pre4):]), slices.Clone(x6[len(pre6):])
+		ref4, ref6 := slices.Clone(want4), slices.Clone(want6)
+		for _, l := range [][]ctmap.CTKey4{sorted4, ref4} {
+			slices.SortFunc(l, func(a, b ctmap.CTKey4) int { return bytes.Compare(a[:], b[:]) })
+		}
+		for _, l := range [][]ctmap.CTKey6{sorted6, ref6} {
+			slices.SortFunc(l, func(a, b ctmap.CTKey6) int { return bytes.Compare(a[:], b[:]) })
+		}
+		if !slices.Equal(sorted4, ref4) || !slices.Equal(sorted6, ref6) {
+			t.Fatalf("%d keys: AppendCoveredKeysFirst gave %d and %d keys, Covered %d and %d (or other keys)", n, len(sorted4), len(sorted6), len(ref4), len(ref6))
 		}
 	}
 }
