@@ -9,6 +9,7 @@ import (
 	"log/slog"
 	"net/http"
 	"os"
+	"runtime/debug"
 	"strconv"
 	"sync"
 	"sync/atomic"
@@ -230,6 +231,11 @@ func (s *directServer) serveConn(fd int) {
 	s.inFlight.Add(1)
 	s.mu.Unlock()
 	defer func() {
+		// As net/http: a handler's panic ends its connection (the caller
+		// reads a cut answer), not the daemon.
+		if v := recover(); v != nil && v != http.ErrAbortHandler {
+			s.log.Error("API handler panicked", "panic", v, "stack", string(debug.Stack()))
+		}
 		cancel()
 		s.mu.Lock()
 		delete(s.conns, fd)

@@ -221,3 +221,27 @@ func TestDirectServerShutdown(t *testing.T) {
 		t.Error("Serve did not return after Shutdown")
 	}
 }
+
+// A handler's panic ends its connection, not the server.
+func TestDirectServerHandlerPanic(t *testing.T) {
+	path, _, _ := startDirect(t, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Path == "/panic" {
+			panic("handler bug")
+		}
+		io.WriteString(w, "fine")
+	}))
+	c := unixClient(path)
+	if resp, err := c.Get("http://scrubd/panic"); err == nil {
+		resp.Body.Close()
+		t.Errorf("a panicking handler answered %s, want the connection cut", resp.Status)
+	}
+	resp, err := c.Get("http://scrubd/after")
+	if err != nil {
+		t.Fatalf("request after a handler's panic: %v", err)
+	}
+	b, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if string(b) != "fine" {
+		t.Errorf("request after a handler's panic: %q", b)
+	}
+}
