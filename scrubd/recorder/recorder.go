@@ -857,17 +857,28 @@ func (r *Recorder) ReloadPrograms() error {
 			m.Close()
 		}
 	}()
-	repl["rec_front4"] = r.objs.RecFront4
+	// The recorder's own maps are the ones Load opened, which the reader
+	// reads, not whatever the pin dir holds now: with the pins gone (a
+	// cleanup script, a bpffs remount) a load by pin path made fresh maps,
+	// and the new programs recorded into a ring no one read (make soak).
+	own := r.ownMaps()
+	for name := range spec.Maps {
+		if strings.HasPrefix(name, "rec_") && own[name] == nil {
+			return fmt.Errorf("recorder: reload: map %s is not among the recorder's own (ownMaps)", name)
+		}
+	}
+	for name, m := range own {
+		repl[name] = m
+	}
 	var objs bpf.RecorderObjects
-	if err := spec.LoadAndAssign(&objs, &ebpf.CollectionOptions{
-		Maps:            ebpf.MapOptions{PinPath: r.opts.PinDir},
-		MapReplacements: repl,
-	}); err != nil {
-		delete(repl, "rec_front4") // r's own: not closed by the defer
+	err = spec.LoadAndAssign(&objs, &ebpf.CollectionOptions{MapReplacements: repl})
+	for name := range own {
+		delete(repl, name) // r's own: not closed by the defer
+	}
+	if err != nil {
 		return fmt.Errorf("recorder: reload BPF programs over the service maps under %s: %w", r.opts.CTRoot, err)
 	}
-	delete(repl, "rec_front4")
-	objs.RecorderMaps.Close() // the same kernel maps as r.objs's (pins, front cache clone)
+	objs.RecorderMaps.Close() // clones of r.objs's and of the service maps
 	r.progMu.Lock()
 	r.prog = [2]*ebpf.Program{objs.RecorderIngress, objs.RecorderEgress}
 	r.vip, r.svc = vip, ids
@@ -882,6 +893,18 @@ func (r *Recorder) ReloadPrograms() error {
 	r.opts.Log.Warn("recorder: Cilium's service maps changed; programs reloaded over the maps pinned now",
 		"vip_detection_v4", vip[0], "vip_detection_v6", vip[1])
 	return nil
+}
+
+// ownMaps are the recorder's own maps, by name in its BPF object: every
+// map of it but Cilium's.
+func (r *Recorder) ownMaps() map[string]*ebpf.Map {
+	m := r.objs.RecorderMaps
+	return map[string]*ebpf.Map{
+		"rec_events": m.RecEvents, "rec_flows4": m.RecFlows4, "rec_flows6": m.RecFlows6,
+		"rec_foreign_total": m.RecForeignTotal, "rec_front4": m.RecFront4, "rec_gen": m.RecGen,
+		"rec_lost_ip": m.RecLostIp, "rec_lost_overflow": m.RecLostOverflow, "rec_lost_total": m.RecLostTotal,
+		"rec_owner": m.RecOwner,
+	}
 }
 
 // programs are the programs Attach puts on interfaces now.

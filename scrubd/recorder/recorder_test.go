@@ -550,6 +550,41 @@ func TestServiceMapRecreatedReload(t *testing.T) {
 	}
 }
 
+// The recorder's pins removed under it (a cleanup script, a bpffs
+// remount), then Cilium's maps re-created: ReloadPrograms must put the new
+// programs on the maps the reader reads, not on fresh ones made where the
+// pins were. Found by make soak (the pins fault at 45 %, the CT maps fault
+// at 65 %): after the reload no pod's flow was recorded, and every pod's
+// DEL said complete by the index with its entries left.
+func TestReloadAfterPinsRemoved(t *testing.T) {
+	w := newWorld(t, 1)
+	a, remote := w.pods[0], w.node.Remote
+	if err := a.TCP(remote.Addr4, netpods.EchoPort); err != nil {
+		t.Fatal(err)
+	}
+	w.requireIndexed(t, []netip.Addr{a.Addr4}, 2)
+	pins, err := os.ReadDir(w.pinDir)
+	if err != nil || len(pins) == 0 {
+		t.Fatalf("the recorder's pins under %s: %d, %v", w.pinDir, len(pins), err)
+	}
+	for _, p := range pins {
+		if err := os.RemoveAll(filepath.Join(w.pinDir, p.Name())); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := w.rec.ReloadPrograms(); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := w.rec.Attach(a.Path, "eth0"); err != nil {
+		t.Fatal(err)
+	}
+	// A new flow through the reloaded programs reaches the index.
+	if err := a.UDP(remote.Addr4, netpods.EchoPort); err != nil {
+		t.Fatal(err)
+	}
+	w.requireIndexed(t, []netip.Addr{a.Addr4}, 3)
+}
+
 // hasServiceKey: ip's keys include a SERVICE key (a flow of its to a VIP).
 func hasServiceKey(ix *index.Index, ip netip.Addr) bool {
 	k4, k6, _ := ix.KeysOf(ip)
