@@ -143,15 +143,16 @@ func (s *directServer) Serve(l *directListener) error {
 		l.discard()
 		return http.ErrServerClosed
 	}
-	s.lns[l] = true
 	if s.hangups == nil {
 		w, err := newHangupWatch()
 		if err != nil {
 			s.mu.Unlock()
+			l.discard()
 			return err
 		}
 		s.hangups = w
 	}
+	s.lns[l] = true
 	s.mu.Unlock()
 	var loops sync.WaitGroup
 	l.loops.Store(directSpares)
