@@ -61,7 +61,19 @@ func TestKindMetrics(t *testing.T) {
 	}
 	for _, crd := range []string{"podmonitors", "servicemonitors", "prometheusrules"} {
 		c.must(2*time.Minute, "kubectl", "apply", "--server-side", "-f", filepath.Join(modInfo.Dir, "example", "prometheus-operator-crd", "monitoring.coreos.com_"+crd+".yaml"))
-		c.must(time.Minute, "kubectl", "wait", "--for=condition=Established", "crd/"+crd+".monitoring.coreos.com", "--timeout=1m")
+		// kubectl wait fails at once, not waits, while a CRD just applied
+		// has no status conditions yet ("accessor error: <nil>"): retried
+		// within the same minute.
+		for deadline := time.Now().Add(time.Minute); ; {
+			out, err := c.run(time.Minute, "kubectl", "wait", "--for=condition=Established", "crd/"+crd+".monitoring.coreos.com", "--timeout=1m")
+			if err == nil {
+				break
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("CRD %s not Established within 1 min: %v: %s", crd, err, out)
+			}
+			time.Sleep(time.Second)
+		}
 	}
 	rendered, err := helmTemplate(t, monitoringOn...)
 	if err != nil {
