@@ -61,7 +61,15 @@ func (d *Daemon) followServiceMaps(sr serviceReloader) {
 		return
 	}
 	if err := sr.ReloadPrograms(); err != nil {
-		d.log.Error("Cilium's service maps changed but the recorder could not reload its programs; retrying every second", "err", err)
+		// The old programs go on reading maps Cilium no longer fills: no
+		// IP indexed meanwhile can be trusted either.
+		n := 0
+		for _, ip := range d.ix.IPs() {
+			d.ix.MarkIncomplete(ip, index.ReasonServiceMaps)
+			n++
+		}
+		d.log.Error("Cilium's service maps changed but the recorder could not reload its programs; every indexed IP marked incomplete, retrying every second",
+			"err", err, "ips_marked_incomplete", n)
 		return
 	}
 	active, _ := d.pods.list()

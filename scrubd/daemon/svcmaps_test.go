@@ -2,6 +2,7 @@ package daemon
 
 import (
 	"context"
+	"errors"
 	"net/netip"
 	"testing"
 
@@ -77,4 +78,28 @@ func recorderOn(t *testing.T, netns string) bool {
 		t.Fatal(err)
 	}
 	return on
+}
+
+// failingReloader: Cilium's service maps changed and the recorder cannot
+// reload its programs over them.
+type failingReloader struct{}
+
+func (failingReloader) ServiceMapsChanged() bool { return true }
+func (failingReloader) ReloadPrograms() error    { return errors.New("reload refused") }
+
+// While the recorder cannot follow changed service maps, its old programs
+// read maps Cilium no longer fills: every indexed IP is marked incomplete
+// at each try, so its scrub sweeps instead of trusting the index.
+func TestServiceMapsReloadFailureMarksIncomplete(t *testing.T) {
+	root := newCTRoot(t, 1<<16)
+	td := startDaemon(t, testConfig(t, root))
+	ip := mustAddr("10.244.3.3")
+	indexFlows(td.Daemon, ip, podFlows(ip, 10))
+	if st := td.Index().State(ip); !st.Complete {
+		t.Fatalf("%s before the failed reload: %+v, want complete", ip, st)
+	}
+	td.followServiceMaps(failingReloader{})
+	if st := td.Index().State(ip); st.Complete || st.Incomplete != index.ReasonServiceMaps {
+		t.Errorf("%s after a failed reload: complete %v, reason %q; want incomplete for %q", ip, st.Complete, st.Incomplete, index.ReasonServiceMaps)
+	}
 }
