@@ -384,8 +384,9 @@ func (s *scrubRun) deleteByIndex(ip netip.Addr) error {
 		x4, f4, x6, f6 = index.AppendCoveredKeysFirst(buf.k4[:0], buf.k6[:0], k4, k6)
 		s.steps.Mark("take")
 		j.add(x4[f4:], x6[f6:])
-		left4, left6, err = j.finish(s.res.Deleted, nil)
+		left4, left6, err = j.finish(s.res.Deleted)
 	} else {
+		// Too few keys to share: one list, one program run per map.
 		x4, x6 = index.AppendCovered(buf.k4[:0], buf.k6[:0], k4, k6)
 		s.steps.Mark("take")
 		left4, left6, err = s.c.deleteKeys(s.ctx, x4, x6, s.res.Deleted, nil)
@@ -518,12 +519,15 @@ func (c *Backend) syncIndex(ctx context.Context) error {
 //
 // It reorders k4 and k6 (each map's keys together), and the left lists are
 // copies: the caller may reuse both slices. h, when not nil, is the helper
-// the caller started (startDeleteHelper); deleteKeys hands it the work
+// the caller started (startDeleteHelper); deleteKeys hands it the job
 // whether or not it uses it.
 func (c *Backend) deleteKeys(ctx context.Context, k4 []ctmap.CTKey4, k6 []ctmap.CTKey6, deleted map[string]int, h *deleteHelper) (left4 []ctmap.CTKey4, left6 []ctmap.CTKey6, err error) {
 	j := c.newDeleteJob(ctx)
 	j.add(k4, k6)
-	return j.finish(deleted, h)
+	if h != nil {
+		j.share(h)
+	}
+	return j.finish(deleted)
 }
 
 // A deleteJob is one scrub's deletes, given in one or more lists (add):
@@ -546,11 +550,11 @@ type deleteJob struct {
 	ctx context.Context
 	q   *deleteQueue
 
-	mu           sync.Mutex // left4, left6
-	left4        []ctmap.CTKey4
-	left6        []ctmap.CTKey6
-	keys, shared int
-	early        *deleteHelper // handed the queue by share
+	mu    sync.Mutex // left4, left6
+	left4 []ctmap.CTKey4
+	left6 []ctmap.CTKey6
+	keys  int
+	early *deleteHelper // handed the queue by share
 }
 
 func (c *Backend) newDeleteJob(ctx context.Context) *deleteJob {
@@ -581,9 +585,10 @@ func (j *deleteJob) share(h *deleteHelper) bool {
 }
 
 // finish deletes the job's keys with the caller's goroutine and a helper
-// (h, or the one share handed the job, or one it starts), adds the counts
-// to deleted and returns the keys not attempted.
-func (j *deleteJob) finish(deleted map[string]int, h *deleteHelper) (left4 []ctmap.CTKey4, left6 []ctmap.CTKey6, err error) {
+// (the one share handed the job, or one it starts when that one gave up
+// or there is none), adds the counts to deleted and returns the keys not
+// attempted. A job too small to share starts none.
+func (j *deleteJob) finish(deleted map[string]int) (left4 []ctmap.CTKey4, left6 []ctmap.CTKey6, err error) {
 	q := j.q
 	q.mu.Lock()
 	q.sealed = true
@@ -594,15 +599,7 @@ func (j *deleteJob) finish(deleted map[string]int, h *deleteHelper) (left4 []ctm
 	if j.early != nil {
 		helpers = append(helpers, j.early)
 	}
-	switch {
-	case units < 2 || j.keys < parallelMin:
-		h.hand(&deleteQueue{sealed: true}) // nothing for a helper: it returns at once
-	case j.early != nil && !helperGone:
-		h.hand(&deleteQueue{sealed: true})
-	case h != nil && h.hand(q):
-		helpers = append(helpers, h)
-	default:
-		// No helper waiting (none started, or it gave up): start one.
+	if units >= 2 && j.keys >= parallelMin && (j.early == nil || helperGone) {
 		nh := &deleteHelper{counts: map[string]int{}}
 		helpers = append(helpers, nh)
 		go q.work(false, nh.counts)

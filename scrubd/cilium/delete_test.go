@@ -310,7 +310,7 @@ func TestDeleteJobShared(t *testing.T) {
 			time.Sleep(tc.wait)
 			j.add(second, nil)
 			deleted := map[string]int{}
-			left4, _, err := j.finish(deleted, nil)
+			left4, _, err := j.finish(deleted)
 			if err != nil || len(left4) != 0 {
 				t.Fatalf("finish: err %v, %d keys not attempted", err, len(left4))
 			}
