@@ -154,7 +154,9 @@ type GCResponse struct {
 	// IPs a valid attachment holds now.
 	Results []scrub.Result `json:"results,omitempty"`
 	// Skipped are dropped attachments' IPs left alone: an ADD took them
-	// while the GC ran, and their new pod's entries are live.
+	// while the GC ran, and their new pod's entries are live; or a sign of
+	// an unseen owner came after the dropped attachment's start, so a pod
+	// scrubd never saw may hold them (they are marked incomplete instead).
 	Skipped []netip.Addr `json:"skipped,omitempty"`
 }
 

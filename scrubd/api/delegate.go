@@ -36,6 +36,12 @@ type DelegateRequest struct {
 	// TimeoutMS is the caller's deadline, from when the request arrives:
 	// scrubd answers within it or not at all.
 	TimeoutMS int64 `json:"timeout_ms"`
+	// DeadlineUnixMS, when set, is the caller's own deadline (Unix time in
+	// milliseconds, the node's clock, which caller and scrubd share): the
+	// time the request spent queued before scrubd read it counts against
+	// it. scrubd answers before the earlier of the two deadlines, or not at
+	// all.
+	DeadlineUnixMS int64 `json:"deadline_unix_ms,omitempty"`
 }
 
 // DelegateResponse is the 200 answer: one DelegateIP per requested IP, in

@@ -30,6 +30,7 @@ import (
 	"github.com/ctscrub/ctscrub/scrubd/api"
 	"github.com/ctscrub/ctscrub/scrubd/expiry"
 	"github.com/ctscrub/ctscrub/scrubd/index"
+	"github.com/ctscrub/ctscrub/scrubd/owner"
 	"github.com/ctscrub/ctscrub/scrubd/recorder"
 	"github.com/ctscrub/ctscrub/scrubd/scrub"
 )
@@ -123,7 +124,7 @@ type Daemon struct {
 	admitted     atomic.Int64  // requests admitted, running or queued
 	ready        atomic.Bool
 	exp          *expiry.Runner // nil without the Cilium backend
-	own          ownership      // which IPs a clean DEL released (ownership.go)
+	own          *owner.Rule    // the ownership rule: which IPs the index may vouch for (ownership.go)
 	late         sync.WaitGroup // late DEL scrubs waiting or running (late.go)
 	chained      prometheus.Gauge
 	started      time.Time
@@ -166,6 +167,7 @@ func New(opts Options) (*Daemon, error) {
 		log:      opts.Logger,
 		version:  opts.Version,
 		pods:     newPods(opts.Config.StateFile, opts.Config.StoppedTTL.Duration),
+		own:      owner.New(),
 		flights:  flights{m: make(map[flightKey]*flight)},
 		slots:    make(chan struct{}, opts.Config.MaxInFlight),
 		indexes:  opts.Indexes,
@@ -484,6 +486,7 @@ func (d *Daemon) restore() error {
 	// complete (index.Release).
 	active, _ := d.pods.list()
 	for _, pod := range active {
+		d.own.Start(pod.Attachment, pod.IPs)
 		for _, ip := range pod.IPs {
 			d.ix.Hold(ip)
 		}
@@ -517,7 +520,7 @@ func (d *Daemon) restore() error {
 				}
 				if ifindex != 0 && ifindex != pod.Ifindex {
 					pod.Ifindex = ifindex
-					if _, err := d.pods.start(pod); err != nil {
+					if _, err := d.startPod(pod); err != nil {
 						return err
 					}
 				}
@@ -531,7 +534,7 @@ func (d *Daemon) restore() error {
 						d.log.Warn("detach recorder of a pod gone while scrubd was down", "container_id", pod.ContainerID, "ifname", pod.IfName, "err", err)
 					}
 				}
-				if _, _, err := d.pods.stop(pod.Attachment); err != nil {
+				if _, _, err := d.stopPod(pod.Attachment); err != nil {
 					return err
 				}
 			}

@@ -12,7 +12,7 @@ import (
 	"time"
 
 	"github.com/ctscrub/ctscrub/scrubd/api"
-	"github.com/ctscrub/ctscrub/scrubd/index"
+	"github.com/ctscrub/ctscrub/scrubd/owner"
 	"github.com/ctscrub/ctscrub/scrubd/scrub"
 )
 
@@ -45,17 +45,19 @@ func delegateCallerLabel(c string) string {
 	return "other"
 }
 
-// delegateEvent maps the caller's event to its metrics label and to the
-// scrub reason of the scrub metrics and logs. An event this scrubd does not
-// know is counted as "unknown"; the scrub is the same for every event.
-func delegateEvent(e string) (label string, reason scrub.Reason) {
+// delegateEvent maps the caller's event to its metrics label, to the scrub
+// reason of the scrub metrics and logs, and to the ownership rule's event.
+// An event this scrubd does not know is counted as "unknown" and judged by
+// the rule's strictest case (owner.Unknown: the index only for a released
+// IP, no change of state).
+func delegateEvent(e string) (label string, reason scrub.Reason, ev owner.Event) {
 	switch e {
 	case api.DelegateEventCreate:
-		return e, scrub.ReasonAdd
+		return e, scrub.ReasonAdd, owner.Create
 	case api.DelegateEventDelete:
-		return e, scrub.ReasonDel
+		return e, scrub.ReasonDel, owner.Delete
 	}
-	return api.DelegateEventUnknown, scrub.ReasonDel
+	return api.DelegateEventUnknown, scrub.ReasonDel, owner.Unknown
 }
 
 // delegateHandler serves the delegate socket: its one path, nothing else of
@@ -79,7 +81,7 @@ func (d *Daemon) handleDelegate(w http.ResponseWriter, r *http.Request) {
 	// Unknown fields are ignored: the contract lets a newer caller add some.
 	err := json.NewDecoder(io.LimitReader(r.Body, maxBody)).Decode(&req)
 	caller := delegateCallerLabel(req.Caller)
-	event, reason := delegateEvent(req.Event)
+	event, reason, ev := delegateEvent(req.Event)
 	outcome := "complete"
 	defer func() {
 		d.m.delegateRequests.WithLabelValues(caller, event, outcome).Inc()
@@ -130,20 +132,50 @@ func (d *Daemon) handleDelegate(w http.ResponseWriter, r *http.Request) {
 	defer release()
 
 	deadline := arrived.Add(timeout)
+	if req.DeadlineUnixMS > 0 {
+		// The caller's own deadline counts the time the request waited
+		// before scrubd read it.
+		if own := time.UnixMilli(req.DeadlineUnixMS); own.Before(deadline) {
+			deadline = own
+		}
+		if !time.Now().Before(deadline) {
+			outcome = "late"
+			d.log.Warn("delegate request read after the caller's deadline: not answered", "caller", req.Caller, "event", req.Event,
+				"endpoint_id", req.EndpointID, "ips", req.IPs, "deadline_unix_ms", req.DeadlineUnixMS)
+			panic(http.ErrAbortHandler)
+		}
+	}
 	// The work stops a little before the deadline so that the answer, with
 	// whatever was done, still reaches the caller in time (as withDeadline).
-	margin := min(timeout/4, 50*time.Millisecond)
+	margin := min(time.Until(deadline)/4, 50*time.Millisecond)
 	ctx, cancel := context.WithDeadline(r.Context(), deadline.Add(-margin))
 	defer cancel()
 	answers := make([]api.DelegateIP, len(ips))
+	var pod []netip.Addr
+	for _, ip := range ips {
+		if d.checkPodIP(ip) == nil {
+			pod = append(pod, ip)
+		}
+	}
+	// The ownership rule first, for the request's pod IPs at once; then
+	// each IP's scrub, after any flight that may have judged the index
+	// before the rule's marks (it would answer with that earlier decision).
+	t := d.own.Begin(ev, api.Attachment{}, pod)
+	d.applyVerdicts(t, ev, pod, "caller", req.Caller, "endpoint_id", req.EndpointID)
+	seq := d.flights.started()
 	var wg sync.WaitGroup
 	for i, ip := range ips {
 		wg.Go(func() {
-			answers[i] = d.delegateIP(ctx, ip, reason)
+			answers[i] = d.delegateIP(ctx, ip, reason, seq)
 			answers[i].IP = req.IPs[i]
 		})
 	}
 	wg.Wait()
+	complete := map[netip.Addr]bool{}
+	for i, ip := range ips {
+		complete[ip] = answers[i].Complete
+	}
+	t.EndEach(func(ip netip.Addr) bool { return complete[ip] })
 	for _, a := range answers {
 		if !a.Complete {
 			outcome = "incomplete"
@@ -172,7 +204,7 @@ type natGapper interface{ NATGap(ipv6 bool) string }
 // per-IP flight: index, fail-closed marks, the sweep) and says whether it
 // is complete in the contract's sense: every CT entry of the IP gone from
 // Cilium's global maps, and the SNAT mappings of those deleted with them.
-func (d *Daemon) delegateIP(ctx context.Context, ip netip.Addr, reason scrub.Reason) api.DelegateIP {
+func (d *Daemon) delegateIP(ctx context.Context, ip netip.Addr, reason scrub.Reason, seq uint64) api.DelegateIP {
 	if e := d.checkPodIP(ip); e != nil {
 		return api.DelegateIP{Reason: "not scrubbed: " + e.Message}
 	}
@@ -185,7 +217,9 @@ func (d *Daemon) delegateIP(ctx context.Context, ip netip.Addr, reason scrub.Rea
 	if j < 0 {
 		return api.DelegateIP{Reason: "scrubd runs no Cilium backend on this node (backends " + strings.Join(d.backendNames(), ",") + ")"}
 	}
-	d.delegateOwnership(ip, reason)
+	if err := d.flights.settle(ctx, flightKey{ip: ip}, seq); err != nil {
+		return api.DelegateIP{Reason: "cancelled while an earlier scrub of the IP finished (deadline or caller gone)"}
+	}
 	res := d.scrub(ctx, []netip.Addr{ip}, reason, false, "", nil)[j]
 	a := api.DelegateIP{CTDeleted: res.Total}
 	for _, n := range res.NATDeleted {
@@ -217,24 +251,3 @@ func (d *Daemon) delegateIP(ctx context.Context, ip netip.Addr, reason scrub.Rea
 
 // outsideGlobal is the Cilium backend's OutsideGlobalMaps (scrubd/cilium).
 type outsideGlobal interface{ OutsideGlobalMaps() string }
-
-// delegateOwnership applies ownership.go's rule to a delegate scrub, which
-// carries no attachment: the index vouches for ip only when every owner it
-// had was one scrubd indexed. At an endpoint's create (before ctscrub's own
-// ADD in the chain) that means ip is released by a DEL scrubd saw; at its
-// delete, released or held by an attachment scrubd indexed. Otherwise (an
-// address a pod ctscrub never saw used, e.g. while the conflist did not
-// chain ctscrub) the IP is marked incomplete and its scrub sweeps.
-func (d *Daemon) delegateOwnership(ip netip.Addr, reason scrub.Reason) {
-	if !d.ix.Owns(ip) || !d.ix.State(ip).Complete {
-		return // it sweeps anyway
-	}
-	if _, ok := d.own.releasedAt(ip); ok {
-		return
-	}
-	if reason == scrub.ReasonDel && d.pods.holds(ip) {
-		return
-	}
-	d.ix.MarkIncomplete(ip, index.ReasonOwner)
-	d.log.Info("delegate scrub: the IP was neither released by a DEL scrubd saw nor held by a pod it indexed; it sweeps", "ip", ip, "reason", reason)
-}

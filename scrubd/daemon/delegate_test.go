@@ -353,7 +353,7 @@ func TestDelegateDistrustsAnUnseenOwner(t *testing.T) {
 	seen := podFlows(pod, 20)
 	root.put4(t, seen)
 	indexFlows(td.Daemon, pod, seen)
-	td.Daemon.own.release(pod) // a DEL scrubd saw let it go
+	releaseIP(td.Daemon, pod) // a DEL scrubd saw let it go
 	// Then an owner scrubd never indexed: its flows are in the CT only, and
 	// the conflist watch's sign of it ends every release.
 	unseen := podFlows(pod, 60)[20:]

@@ -26,8 +26,9 @@ type flight struct {
 	cancel context.CancelFunc
 	done   chan struct{}
 
-	waiters   int  // guarded by flights.mu
-	abandoned bool // guarded by flights.mu: cancelled, no longer joinable
+	seq       uint64 // the flight's number (flights.seq when it started)
+	waiters   int    // guarded by flights.mu
+	abandoned bool   // guarded by flights.mu: cancelled, no longer joinable
 
 	// Set before done is closed.
 	results []scrub.Result
@@ -50,6 +51,34 @@ type flights struct {
 	// abandoned ones (gone from m, no caller left, still stopping): they may
 	// hold keys they took from the index. Nil until the first flight.
 	live map[*flight]struct{}
+	seq  uint64 // flights started so far
+}
+
+// started is the number of the last flight started: every flight with a
+// number up to it may have made its decision already.
+func (g *flights) started() uint64 {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	return g.seq
+}
+
+// settle waits until no flight for key numbered up to seq is running (or
+// ctx ends): a caller that marked the IP since must not join a flight that
+// may have judged the index before the mark.
+func (g *flights) settle(ctx context.Context, key flightKey, seq uint64) error {
+	for {
+		g.mu.Lock()
+		f := g.m[key]
+		g.mu.Unlock()
+		if f == nil || f.seq > seq {
+			return nil
+		}
+		select {
+		case <-f.done:
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+	}
 }
 
 // join returns ip's running flight, or starts one with run. shared reports
@@ -62,7 +91,8 @@ func (g *flights) join(root context.Context, key flightKey, reason scrub.Reason,
 		return f, true
 	}
 	ctx, cancel := context.WithCancel(root)
-	f = &flight{key: key, reason: reason, still: still, ctx: ctx, cancel: cancel, done: make(chan struct{}), waiters: 1}
+	g.seq++
+	f = &flight{key: key, reason: reason, still: still, ctx: ctx, cancel: cancel, done: make(chan struct{}), waiters: 1, seq: g.seq}
 	g.m[key] = f
 	if g.live == nil {
 		g.live = make(map[*flight]struct{})

@@ -1,12 +1,15 @@
 package daemon
 
 import (
+	"context"
 	"fmt"
 	"net/http"
 	"net/netip"
 	"sync"
 
 	"github.com/ctscrub/ctscrub/scrubd/api"
+	"github.com/ctscrub/ctscrub/scrubd/index"
+	"github.com/ctscrub/ctscrub/scrubd/owner"
 	"github.com/ctscrub/ctscrub/scrubd/scrub"
 )
 
@@ -45,9 +48,6 @@ func (d *Daemon) handleGC(w http.ResponseWriter, r *http.Request) {
 		valid[a] = true
 	}
 	drop := func(pod api.IndexedPod) bool { return pod.Network == req.Network && !valid[pod.Attachment] }
-	// Before the listing: an ADD after it must be seen (ownership.go).
-	claim := d.own.claim()
-	defer claim.end()
 	active, stopped := d.pods.list()
 	keep := make(map[netip.Addr]bool)
 	for _, pod := range active {
@@ -59,6 +59,18 @@ func (d *Daemon) handleGC(w http.ResponseWriter, r *http.Request) {
 	}
 	resp := api.GCResponse{Dropped: []api.Attachment{}}
 	var scrubIPs []netip.Addr
+	var tickets []*owner.Ticket
+	defer func() {
+		// Whatever the scrub did: the dropped attachments' IPs are not
+		// released (their DEL was never seen), and those the rule would
+		// not let the GC scrub are marked incomplete.
+		for _, t := range tickets {
+			_, distrust := t.End(false)
+			for _, ip := range distrust {
+				d.ix.MarkIncomplete(ip, index.ReasonOwner)
+			}
+		}
+	}()
 	for _, pod := range active {
 		if !drop(pod) {
 			continue
@@ -70,27 +82,40 @@ func (d *Daemon) handleGC(w http.ResponseWriter, r *http.Request) {
 				return
 			}
 		}
-		if err := d.pods.forget(pod.Attachment); err != nil {
+		var ips []netip.Addr
+		for _, ip := range pod.IPs {
+			if !keep[ip] && d.checkPodIP(ip) == nil {
+				ips = append(ips, ip)
+			}
+		}
+		// Before the attachment goes: the rule judges it by its epoch.
+		t := d.own.Begin(owner.GC, pod.Attachment, ips)
+		tickets = append(tickets, t)
+		if err := d.forgetPod(pod.Attachment); err != nil {
 			writeError(w, &api.Error{Code: api.CodeInternal, Message: err.Error()})
 			return
 		}
 		resp.Dropped = append(resp.Dropped, pod.Attachment)
-		for _, ip := range pod.IPs {
-			if !keep[ip] && d.checkPodIP(ip) == nil {
+		for _, ip := range ips {
+			if t.Verdict(ip) == owner.Trust {
 				scrubIPs = append(scrubIPs, ip)
+			} else {
+				resp.Skipped = append(resp.Skipped, ip)
+				d.log.Info("gc: not scrubbing an IP a pod scrubd never saw may hold now (a sign of an unseen owner came after the dropped attachment's start); it sweeps at its next owner",
+					"ip", ip, "container_id", pod.ContainerID, "ifname", pod.IfName)
 			}
 		}
 	}
 	for _, pod := range stopped {
 		if drop(pod) {
-			if err := d.pods.forget(pod.Attachment); err != nil {
+			if err := d.forgetPod(pod.Attachment); err != nil {
 				writeError(w, &api.Error{Code: api.CodeInternal, Message: err.Error()})
 				return
 			}
 			resp.Dropped = append(resp.Dropped, pod.Attachment)
 		}
 	}
-	d.log.Info("gc", "network", req.Network, "valid", len(req.ValidAttachments), "dropped", len(resp.Dropped), "scrub_ips", scrubIPs)
+	d.log.Info("gc", "network", req.Network, "valid", len(req.ValidAttachments), "dropped", len(resp.Dropped), "scrub_ips", scrubIPs, "skipped", resp.Skipped)
 	if len(scrubIPs) > 0 {
 		release, e := d.admit()
 		if e != nil {
@@ -98,51 +123,51 @@ func (d *Daemon) handleGC(w http.ResponseWriter, r *http.Request) {
 			return
 		}
 		defer release()
-		var done bool
-		if resp.Results, resp.Skipped, done = d.scrubGC(w, r, claim, scrubIPs); done {
+		results, skipped := d.scrubGC(r.Context(), tickets, scrubIPs)
+		resp.Results = results
+		resp.Skipped = append(resp.Skipped, skipped...)
+		if !completed(results) {
+			d.answerScrub(w, r.Context(), results)
 			return
 		}
 	}
 	writeJSON(w, http.StatusOK, resp)
 }
 
-// scrubGC scrubs the IPs a GC dropped and releases them, except the IPs an
-// ADD took since the GC's listing: asked per IP under the backend's scrub
-// lock of the IP, as the late DEL asks (late.go), and again as the release is
-// made. done reports that it answered (a scrub that did not complete).
-func (d *Daemon) scrubGC(w http.ResponseWriter, r *http.Request, claim *gcClaim, ips []netip.Addr) (results []scrub.Result, skipped []netip.Addr, done bool) {
+// scrubGC scrubs the IPs a GC dropped, except the IPs an event gave a new
+// owner since the GC's listing (an ADD's scrub or index start, a delegate
+// create): asked per IP under the backend's scrub lock of the IP, as the
+// late DEL asks (late.go). Nothing is released: the dropped attachments'
+// DELs were never seen (scrubd/owner).
+func (d *Daemon) scrubGC(ctx context.Context, tickets []*owner.Ticket, ips []netip.Addr) (results []scrub.Result, skipped []netip.Addr) {
 	var mu sync.Mutex
 	newOwner := map[netip.Addr]bool{}
 	still := func(ip netip.Addr) bool {
-		if claim.untaken(ip) && d.pods.owner(ip) == nil {
-			return true
+		ok := d.pods.owner(ip) == nil
+		for _, t := range tickets {
+			if _, mine := t.Has(ip); mine && !t.Still(ip) {
+				ok = false
+			}
 		}
-		mu.Lock()
-		newOwner[ip] = true
-		mu.Unlock()
-		return false
+		if !ok {
+			mu.Lock()
+			newOwner[ip] = true
+			mu.Unlock()
+		}
+		return ok
 	}
-	results = d.scrub(r.Context(), ips, scrub.ReasonGC, false, "", still)
+	results = d.scrub(ctx, ips, scrub.ReasonGC, false, "", still)
 	mu.Lock()
 	defer mu.Unlock()
-	var free []netip.Addr
 	for _, ip := range ips {
-		switch {
-		case newOwner[ip]:
+		if newOwner[ip] {
 			skipped = append(skipped, ip)
-		case d.pods.owner(ip) == nil: // not owned by an ADD since the scrub
-			free = append(free, ip)
 		}
 	}
 	if len(skipped) > 0 {
 		d.log.Info("gc: not scrubbing IPs an ADD took while the GC ran", "ips", skipped)
 	}
-	if !completed(results) {
-		d.answerScrub(w, r.Context(), results)
-		return results, skipped, true
-	}
-	claim.release(free)
-	return results, skipped, false
+	return results, skipped
 }
 
 // checkGC refuses a GC that would drop more than its network's stale pods.

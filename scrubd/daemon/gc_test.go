@@ -182,7 +182,7 @@ func TestGCLeavesIPAnAddTookAlone(t *testing.T) {
 	if n := root.present4(t, live); n != len(live) {
 		t.Errorf("the GC deleted %d of the new pod's %d live entries", len(live)-n, len(live))
 	}
-	if _, ok := td.own.releasedAt(ip); ok {
+	if _, ok := td.own.Released(ip); ok {
 		t.Errorf("the GC released %s, which the new pod owns", ip)
 	}
 	if len(a.resp.Skipped) != 1 || a.resp.Skipped[0] != ip {

@@ -254,12 +254,10 @@ func (d *Daemon) handleScrub(w http.ResponseWriter, r *http.Request) {
 	}
 	defer release()
 	steps.Mark("check")
-	d.beforeScrub(req, ips) // ownership.go
+	t := d.beginScrub(req, ips) // ownership.go
 	steps.Mark("ownership")
 	results := d.scrub(r.Context(), ips, req.Reason, req.DryRun, req.ContainerID, nil)
-	if !req.DryRun {
-		d.afterScrub(req.Reason, req.ContainerID, ips, results)
-	}
+	d.endScrub(t, results)
 	steps.Mark("release")
 	d.answerScrub(w, r.Context(), results)
 }
@@ -528,10 +526,7 @@ func (d *Daemon) handleIndexStart(w http.ResponseWriter, r *http.Request) {
 			d.ix.Recorded(ip)
 		}
 	}
-	for _, ip := range ips {
-		d.own.forget(ip) // owned now: no longer released
-	}
-	displaced, err := d.pods.start(pod)
+	displaced, err := d.startPod(pod) // owned now: no longer released
 	steps.Mark("journal")
 	if err != nil {
 		writeError(w, &api.Error{Code: api.CodeInternal, Message: err.Error()})
@@ -634,10 +629,10 @@ func (d *Daemon) scrubFor(w http.ResponseWriter, r *http.Request, sreq api.Scrub
 	}
 	defer release()
 	steps := api.StepsFrom(r.Context())
-	d.beforeScrub(sreq, sreq.IPs) // ownership.go
+	t := d.beginScrub(sreq, sreq.IPs) // ownership.go
 	steps.Mark("ownership")
 	results = d.scrub(r.Context(), sreq.IPs, sreq.Reason, false, sreq.ContainerID, nil)
-	d.afterScrub(sreq.Reason, sreq.ContainerID, sreq.IPs, results)
+	d.endScrub(t, results)
 	steps.Mark("release")
 	for _, res := range results {
 		if res.Outcome != scrub.Complete {
@@ -668,7 +663,7 @@ func (d *Daemon) handleIndexStop(w http.ResponseWriter, r *http.Request) {
 			return
 		}
 	}
-	pod, known, err := d.pods.stop(req.Attachment)
+	pod, known, err := d.stopPod(req.Attachment)
 	steps.Mark("journal")
 	if err != nil {
 		writeError(w, &api.Error{Code: api.CodeInternal, Message: err.Error()})

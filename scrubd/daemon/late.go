@@ -10,6 +10,7 @@ import (
 	"github.com/vishvananda/netlink"
 
 	"github.com/ctscrub/ctscrub/scrubd/api"
+	"github.com/ctscrub/ctscrub/scrubd/owner"
 	"github.com/ctscrub/ctscrub/scrubd/recorder"
 	"github.com/ctscrub/ctscrub/scrubd/scrub"
 )
@@ -57,10 +58,10 @@ func (d *Daemon) scheduleLateDel(pod api.IndexedPod, netns string) {
 	if b == nil || d.rec == nil {
 		return // no recorder: nothing was indexed in the window
 	}
-	at := map[netip.Addr]time.Time{}
+	at := map[netip.Addr]owner.Mark{}
 	var ips []netip.Addr
 	for _, ip := range pod.IPs {
-		if t, ok := d.own.releasedAt(ip); ok {
+		if t, ok := d.own.Released(ip); ok {
 			at[ip] = t
 			ips = append(ips, ip)
 		}
@@ -71,7 +72,7 @@ func (d *Daemon) scheduleLateDel(pod api.IndexedPod, netns string) {
 	d.late.Go(func() { d.lateDel(b, pod, netns, ips, at) })
 }
 
-func (d *Daemon) lateDel(b scrub.Backend, pod api.IndexedPod, netns string, ips []netip.Addr, at map[netip.Addr]time.Time) {
+func (d *Daemon) lateDel(b scrub.Backend, pod api.IndexedPod, netns string, ips []netip.Addr, at map[netip.Addr]owner.Mark) {
 	ctx := d.workCtx
 	t0 := time.Now()
 	gone := false
@@ -94,7 +95,7 @@ func (d *Daemon) lateDel(b scrub.Backend, pod api.IndexedPod, netns string, ips 
 	}
 	var newOwner []netip.Addr
 	req := scrub.Request{IPs: ips, Reason: scrub.ReasonDelLate, IndexOnly: true, Still: func(ip netip.Addr) bool {
-		if d.own.still(ip, at[ip]) {
+		if d.own.Still(ip, at[ip]) {
 			return true
 		}
 		newOwner = append(newOwner, ip)

@@ -556,12 +556,14 @@ func TestDelKeepsRecordingUntilInterfaceGoes(t *testing.T) {
 		st, err := td.c.IndexIP(ctx, pod.Addr4)
 		return err == nil && st.Keys >= 2
 	})
-	res, err := td.c.Scrub(ctx, api.ScrubRequest{IPs: ips, Reason: scrub.ReasonDel, ContainerID: a.ContainerID})
+	// An operator's scrub (no container): a DEL scrub naming the stopped
+	// attachment would sweep (no stopped attachment vouches: scrubd/owner).
+	res, err := td.c.Scrub(ctx, api.ScrubRequest{IPs: ips, Reason: scrub.ReasonDel})
 	if err != nil {
-		t.Fatalf("second DEL scrub: %v", err)
+		t.Fatalf("second scrub: %v", err)
 	}
 	if m := res.Results[0].Method; m != scrub.MethodIndex {
-		t.Errorf("second DEL scrub used %s, want index", m)
+		t.Errorf("second scrub used %s, want index", m)
 	}
 	if left := root.entriesOf(t, pod.Addr4); left != 0 {
 		t.Errorf("%d CT entries of the pod left after a complete scrub", left)

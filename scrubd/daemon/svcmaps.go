@@ -10,6 +10,10 @@ import (
 	"github.com/ctscrub/ctscrub/scrubd/index"
 )
 
+// reasonNotReloaded marks the IPs of a pod whose interface kept the programs
+// over Cilium's old service maps.
+const reasonNotReloaded = "the recorder's reloaded programs could not be put on the pod's interface after Cilium's service maps changed"
+
 // ServiceMapsCheckEvery is how often scrubd compares Cilium's service maps
 // pinned under --ct-root with the ones the recorder's programs read.
 const ServiceMapsCheckEvery = time.Second
@@ -83,9 +87,18 @@ func (d *Daemon) followServiceMaps(sr serviceReloader) {
 		}
 		if _, err := d.rec.Attach(pod.Netns, pod.IfName); err != nil {
 			failed++
-			d.log.Warn("service maps changed: could not put the reloaded programs on an interface; its IPs stay incomplete until a sweep",
+			// The pod keeps programs that read maps Cilium no longer fills:
+			// no sweep may make its IPs complete while it lives (the sticky
+			// mark restore uses).
+			for _, ip := range pod.IPs {
+				d.ix.Unrecorded(ip, reasonNotReloaded)
+			}
+			d.log.Warn("service maps changed: could not put the reloaded programs on an interface; its IPs stay incomplete while the pod lives",
 				"container_id", pod.ContainerID, "ifname", pod.IfName, "netns", pod.Netns, "err", err)
 			continue
+		}
+		for _, ip := range pod.IPs {
+			d.ix.Recorded(ip)
 		}
 		moved++
 	}

@@ -1,0 +1,401 @@
+// Package owner is the ownership rule: it decides, for every scrub, whether
+// scrubd's index may vouch for an IP (the scrub deletes the indexed keys and
+// may answer complete) or must not (the IP is marked incomplete first and
+// its scrub sweeps the CT maps), and which IPs a finished scrub releases to
+// their next owner.
+//
+// The index holds the keys the recorder saw, and the recorder sees only the
+// pods ctscrub attached to. So the index is whole for an IP only while every
+// pod that held the IP since its last complete scrub was one scrubd indexed.
+// The rule keeps what it needs to know that, and nothing else:
+//
+//   - released IPs: the last owner was an attachment scrubd indexed and its
+//     DEL scrub completed;
+//   - created IPs: the delegate's endpoint-create scrub completed for an IP
+//     and no index start (ctscrub's ADD) has followed yet;
+//   - holders: the active attachments and the epoch each was indexed in.
+//
+// A sign of an unseen owner (the CNI config not chaining ctscrub, a DEL of an
+// attachment scrubd never indexed) cannot name the IP the unseen pod had, so
+// it starts a new epoch: every release, create and holder of an earlier epoch
+// stops counting. docs/design.md, "The completeness contract", states the
+// rule as the model-based test (model_test.go) checks it.
+//
+// Rule has no I/O and no clock: events in, verdicts out. It is safe for
+// concurrent use.
+package owner
+
+import (
+	"net/netip"
+	"sync"
+
+	"github.com/ctscrub/ctscrub/scrubd/api"
+)
+
+// Verdict is the rule's answer for one IP of a scrub.
+type Verdict uint8
+
+const (
+	// Sweep: the index may miss entries of the IP; mark it incomplete
+	// (index.ReasonOwner) so that its scrub sweeps.
+	Sweep Verdict = iota
+	// Trust: the index holds every entry of the IP.
+	Trust
+)
+
+func (v Verdict) String() string {
+	if v == Trust {
+		return "trust"
+	}
+	return "sweep"
+}
+
+// Event is what a scrub is for.
+type Event uint8
+
+const (
+	// Add is ctscrub's ADD scrub, before its index start.
+	Add Event = iota
+	// Del is ctscrub's DEL scrub of an attachment (Begin's a).
+	Del
+	// GC is a CNI GC's scrub of a dropped active attachment (Begin's a).
+	GC
+	// Create is the delegate's endpoint-create (Cilium's agent, before
+	// ctscrub's ADD in the chain).
+	Create
+	// Delete is the delegate's endpoint-delete.
+	Delete
+	// Unknown is a delegate event this scrubd does not know: judged by the
+	// strictest rule, with no effect on the state.
+	Unknown
+	// Operator is a scrub with no attachment (scrubctl, the audit): the
+	// index is trusted as it stands, nothing is released.
+	Operator
+)
+
+var eventNames = [...]string{"add", "del", "gc", "create", "delete", "unknown", "operator"}
+
+func (e Event) String() string {
+	if int(e) < len(eventNames) {
+		return eventNames[e]
+	}
+	return "event?"
+}
+
+type holder struct {
+	ips   []netip.Addr
+	epoch uint64
+}
+
+type ipState struct {
+	gen      uint64 // new (Rule.seq) at every event that gives the IP an owner
+	released bool
+	relEpoch uint64
+	created  bool
+	crEpoch  uint64
+}
+
+// Rule is the ownership state of one node's pod IPs. An IP's state is kept
+// once made (a few words): a scrub's ticket compares generations, and a
+// state dropped and made again would look unchanged. The IPs are the node's
+// pod IPs that scrubd was asked about, bounded by its pod CIDRs' use.
+type Rule struct {
+	mu        sync.Mutex
+	seq       uint64 // the last generation given out (ipState.gen)
+	epoch     uint64
+	unchained bool // the CNI config does not chain ctscrub now
+	ips       map[netip.Addr]*ipState
+	holders   map[api.Attachment]holder
+}
+
+// New returns the rule of a daemon that just started: nothing released,
+// nothing held.
+func New() *Rule {
+	return &Rule{ips: map[netip.Addr]*ipState{}, holders: map[api.Attachment]holder{}}
+}
+
+func (r *Rule) ip(ip netip.Addr) *ipState {
+	s := r.ips[ip]
+	if s == nil {
+		r.seq++
+		s = &ipState{gen: r.seq}
+		r.ips[ip] = s
+	}
+	return s
+}
+
+func (r *Rule) releasedLocked(ip netip.Addr) bool {
+	s := r.ips[ip]
+	return s != nil && s.released && s.relEpoch == r.epoch && !r.unchained
+}
+
+func (r *Rule) createdLocked(ip netip.Addr) bool {
+	s := r.ips[ip]
+	return s != nil && s.created && s.crEpoch == r.epoch && !r.unchained
+}
+
+// heldNowLocked reports whether an active attachment indexed in this epoch
+// holds ip.
+func (r *Rule) heldNowLocked(ip netip.Addr) bool {
+	if r.unchained {
+		return false
+	}
+	for _, h := range r.holders {
+		if h.epoch != r.epoch {
+			continue
+		}
+		for _, x := range h.ips {
+			if x == ip {
+				return true
+			}
+		}
+	}
+	return false
+}
+
+// takeLocked gives ip a new owner: its release and create end, and running
+// tickets see the change (Ticket.Still).
+func (r *Rule) takeLocked(ip netip.Addr) {
+	s := r.ip(ip)
+	r.seq++
+	s.gen = r.seq
+	s.released, s.created = false, false
+}
+
+// A Ticket is one scrub's view of the rule, from Begin to End.
+type Ticket struct {
+	r        *Rule
+	ev       Event
+	a        api.Attachment
+	epoch    uint64
+	gens     map[netip.Addr]uint64
+	verdicts map[netip.Addr]Verdict
+	// release: End may release the IPs (a DEL or GC of an attachment
+	// indexed in this epoch); create: End records a completed create.
+	release, create bool
+}
+
+// Verdict is the rule's answer for ip at Begin.
+func (t *Ticket) Verdict(ip netip.Addr) Verdict { return t.verdicts[ip] }
+
+// Still reports whether no event gave ip a new owner since Begin: a scrub
+// that may leave an IP alone (a GC's, a late DEL's) asks it before it
+// deletes.
+func (t *Ticket) Still(ip netip.Addr) bool {
+	t.r.mu.Lock()
+	defer t.r.mu.Unlock()
+	s := t.r.ips[ip]
+	return s != nil && s.gen == t.gens[ip]
+}
+
+// Begin applies the rule to a scrub of ips for ev (a is the attachment of a
+// Del or GC) and returns its ticket, whose Verdict says per IP whether the
+// index may be trusted. A GC's ticket also says, per IP, whether to scrub at
+// all (Verdict Trust) or leave the IP to its next owner's sweep (Sweep: the
+// dropped attachment is of an earlier epoch, and a pod scrubd never saw may
+// hold the IP now; its live entries must stay).
+func (r *Rule) Begin(ev Event, a api.Attachment, ips []netip.Addr) *Ticket {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	t := &Ticket{r: r, ev: ev, a: a, epoch: r.epoch, gens: make(map[netip.Addr]uint64, len(ips)), verdicts: make(map[netip.Addr]Verdict, len(ips))}
+	h, known := r.holders[a]
+	current := known && h.epoch == r.epoch && !r.unchained
+	switch ev {
+	case Del:
+		t.release = current
+	case GC:
+		// A dropped active attachment's DEL was never seen: whoever holds
+		// its IPs now, no release (issue 34, item 1).
+		t.release = false
+	case Create:
+		t.create = true
+	}
+	for _, ip := range ips {
+		v := Sweep
+		// A delegate create that no index start followed: a pod scrubd
+		// never saw holds (or held) the IP; only ctscrub's own ADD, right
+		// after the create in the chain, may take it from there.
+		unseen := r.ips[ip] != nil && r.ips[ip].created && ev != Add
+		switch ev {
+		case Add:
+			if r.releasedLocked(ip) || r.createdLocked(ip) {
+				v = Trust
+			}
+			r.takeLocked(ip)
+		case Del:
+			switch {
+			case current && holds(h, ip) && !unseen:
+				// The pod's own DEL, indexed in this epoch: its recorded
+				// keys are every entry of the IP.
+				v = Trust
+			case known && holds(h, ip):
+				// Indexed before a sign of an unseen owner: if this DEL is a
+				// retry of one that bypassed ctscrub, a pod scrubd never saw
+				// may have held the IP since. The scrub sweeps; nothing is
+				// released (t.release false).
+			default:
+				// Not indexed: a pod scrubd never saw had this IP.
+				r.takeLocked(ip)
+			}
+		case GC:
+			if current && holds(h, ip) && !unseen {
+				v = Trust
+			}
+		case Create:
+			if r.releasedLocked(ip) {
+				v = Trust
+			}
+			r.takeLocked(ip)
+		case Delete:
+			switch {
+			case unseen:
+				// A create no index start followed: the pod ran outside
+				// ctscrub (issue 34, item 3).
+				r.takeLocked(ip)
+			case r.releasedLocked(ip) || r.heldNowLocked(ip):
+				v = Trust
+			}
+		case Unknown:
+			if r.releasedLocked(ip) {
+				v = Trust
+			}
+		case Operator:
+			v = Trust
+		}
+		t.verdicts[ip] = v
+		t.gens[ip] = r.ip(ip).gen
+	}
+	return t
+}
+
+func holds(h holder, ip netip.Addr) bool {
+	for _, x := range h.ips {
+		if x == ip {
+			return true
+		}
+	}
+	return false
+}
+
+// End closes a scrub: completed reports that it completed on every backend
+// for every IP. It returns the IPs it released and those the caller must
+// mark incomplete now (a GC's IPs it did not let the GC scrub).
+func (t *Ticket) End(completed bool) (released, distrust []netip.Addr) {
+	return t.EndEach(func(netip.Addr) bool { return completed })
+}
+
+// EndEach is End with completion told per IP.
+func (t *Ticket) EndEach(completed func(netip.Addr) bool) (released, distrust []netip.Addr) {
+	r := t.r
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	for ip, v := range t.verdicts {
+		s := r.ip(ip)
+		still := s.gen == t.gens[ip] && r.epoch == t.epoch && !r.unchained
+		switch t.ev {
+		case Del:
+			if completed(ip) && t.release && still && v == Trust {
+				s.released, s.relEpoch = true, r.epoch
+				released = append(released, ip)
+			}
+		case GC:
+			if v == Sweep {
+				distrust = append(distrust, ip)
+			}
+		case Create:
+			if completed(ip) && still {
+				s.created, s.crEpoch = true, r.epoch
+			}
+		}
+	}
+	return released, distrust
+}
+
+// Start records an index start: a attaches ips, recorded from now on. Their
+// releases and creates end.
+func (r *Rule) Start(a api.Attachment, ips []netip.Addr) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	for _, ip := range ips {
+		r.takeLocked(ip)
+	}
+	r.holders[a] = holder{ips: append([]netip.Addr(nil), ips...), epoch: r.epoch}
+}
+
+// Stop records that a is no longer active (its DEL, or a GC dropped it).
+func (r *Rule) Stop(a api.Attachment) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	delete(r.holders, a)
+}
+
+// Unseen records a sign of an unseen owner: a new epoch, in which no earlier
+// release, create or holder counts. It returns how many releases ended.
+func (r *Rule) Unseen() int {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	n := 0
+	for ip := range r.ips {
+		if r.releasedLocked(ip) {
+			n++
+		}
+	}
+	r.epoch++
+	return n
+}
+
+// SetChained records the conflist watch's reading. While the CNI config
+// does not chain ctscrub nothing is trusted; the change either way starts a
+// new epoch (pods may have started unseen in between). It reports whether
+// the reading changed.
+func (r *Rule) SetChained(chained bool) bool {
+	r.mu.Lock()
+	changed := r.unchained == chained
+	r.unchained = !chained
+	r.mu.Unlock()
+	if changed || !chained {
+		r.Unseen()
+	}
+	return changed
+}
+
+// Released reports whether ip is released now, and a mark that Still
+// compares later (a late DEL scrubs only an IP still in the same release).
+func (r *Rule) Released(ip netip.Addr) (Mark, bool) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if !r.releasedLocked(ip) {
+		return Mark{}, false
+	}
+	return Mark{gen: r.ips[ip].gen, epoch: r.epoch}, true
+}
+
+// Mark is the moment of a release.
+type Mark struct{ gen, epoch uint64 }
+
+// Still reports whether ip is still in the release m was taken in.
+func (r *Rule) Still(ip netip.Addr, m Mark) bool {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.releasedLocked(ip) && r.ips[ip].gen == m.gen && r.epoch == m.epoch
+}
+
+// Holds reports whether an attachment indexed in this epoch holds ip.
+func (r *Rule) Holds(ip netip.Addr) bool {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.heldNowLocked(ip)
+}
+
+// Epoch is the number of signs of an unseen owner since the daemon started.
+func (r *Rule) Epoch() uint64 {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.epoch
+}
+
+// Has reports whether ip is one of the ticket's IPs, and its verdict.
+func (t *Ticket) Has(ip netip.Addr) (Verdict, bool) {
+	v, ok := t.verdicts[ip]
+	return v, ok
+}
