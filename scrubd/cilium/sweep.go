@@ -499,6 +499,7 @@ func (s *Sweeper) runner() {
 
 		s.mu.Lock()
 		p.err = err
+		p.filled = false // clearSet took the IPs out; the next pass may put them back
 		s.last = p.stats
 		s.running = nil
 		s.setStop(0)
