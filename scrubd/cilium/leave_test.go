@@ -372,3 +372,66 @@ func TestSweepLeaverRejoins(t *testing.T) {
 	}
 	setEmpty(t, sw)
 }
+
+// The same with the leave landing while the program walks a big map in the
+// kernel (the hooks cannot stop it there). Whatever the timing, no entry of
+// X made after its caller had its answer may go: from the removal on, the
+// program's set lookups miss X, and the one entry it may still delete (the
+// delayed delete of one matched just before) existed before. When the walk
+// ended before the cancel landed, the test is only weaker, and says so.
+func TestSweepLeaverMidWalk(t *testing.T) {
+	w, c := bigWorld(t, 1<<20)
+	sw := c.Sweeper()
+	x := netip.AddrFrom4([4]byte{10, 244, 0, 10})
+	y := netip.AddrFrom4([4]byte{10, 244, 0, 11})
+	hold := make(chan struct{})
+	g := 0
+	setHooks(sw, hooks{onTaken: func() {
+		if g++; g == 1 {
+			<-hold
+		}
+	}})
+	defer setHooks(sw, nil)
+	ctxX, cancelX := context.WithCancel(context.Background())
+	defer cancelX()
+	chs := sharedPass(t, sw, hold, []context.Context{ctxX, context.Background()}, []netip.Addr{x, y})
+	waitFor(t, sw.inProg.Load)
+	cancelX()
+	left := <-chs[0]
+	before := make(map[ctmap.CTKey4]bool, len(w.all4))
+	for k := range w.all4 {
+		before[k] = true
+	}
+	w.addFlows(x, remote4, 20, false) // the new pod's flows, while the pass walks
+	midWalk := sw.inProg.Load()
+	a := <-chs[1]
+	if a.err != nil || !a.r.Complete {
+		t.Fatalf("Y's caller: %+v, %v", a.r, a.err)
+	}
+	if !errors.Is(left.err, context.Canceled) || left.r.Complete {
+		t.Errorf("X's caller who left: %+v, %v; want incomplete and cancelled", left.r, left.err)
+	}
+	st := sw.lastStats()
+	t.Logf("new flows made while the program walked: %v; X's answer: %v deleted; pass: %d+%d entries visited", midWalk, left.r.Deleted, st[ctmap.TCP4].Visited, st[ctmap.Any4].Visited)
+	k4, _ := dump(t, w.maps)
+	n, lost := 0, 0
+	for k := range w.all4 {
+		if before[k] {
+			continue
+		}
+		n++
+		if !k4[k] {
+			lost++
+			t.Errorf("a new entry of X deleted after its caller left: %s", k)
+		}
+	}
+	if lost > 0 {
+		t.Errorf("%d of %d new entries of X deleted after its caller left", lost, n)
+	}
+	for k := range k4 {
+		if k.Has(y) {
+			t.Errorf("an entry of Y left: %s", k)
+		}
+	}
+	setEmpty(t, sw)
+}
