@@ -202,8 +202,10 @@ func withNAT(s *ebpf.CollectionSpec, keep map[string]*ebpf.MapSpec, repl map[str
 // Sweeper runs the sweep for sets of IPs. Callers that need the sweep at the
 // same moment share one pass: they join a pending set; a single runner takes
 // the whole set, runs one pass over every map and wakes each caller with the
-// counts of its own IPs. A caller whose ctx ends leaves; when no caller of
-// the running pass remains, the runner's stop flag ends the pass.
+// counts of its own IPs. A caller whose ctx ends leaves; an IP of the running
+// pass that no caller waits for any more leaves the kernel set at once (see
+// Sweeper.leave), and when no caller remains the runner's stop flag ends the
+// pass.
 type Sweeper struct {
 	progs      [ctmap.NumKinds]*mapProg
 	ips4, ips6 *ebpf.Map
@@ -240,8 +242,13 @@ type pass struct {
 	callers int                // callers still waiting
 	done    chan struct{}
 
+	// gone are the IPs of the started pass whose last caller left: out of
+	// ips, and out of the kernel set once the runner filled it (leave).
+	gone map[netip.Addr]bool
+
 	// Written by the runner under Sweeper.mu.
 	started bool
+	filled  bool // the IPs are in the kernel set and the filters (runPass)
 	perIP   map[netip.Addr]*[ctmap.NumKinds]int
 	natIP   map[netip.Addr]int   // SNAT mappings deleted with each IP's entries
 	swept   [ctmap.NumKinds]bool // maps fully swept
@@ -302,7 +309,7 @@ func (s *Sweeper) Sweep(ctx context.Context, ips []netip.Addr, dryRun bool) (Swe
 			}
 			return s.Sweep(ctx, ips, dryRun)
 		}
-		p = &pass{dry: dryRun, ips: map[netip.Addr]int{}, done: make(chan struct{})}
+		p = &pass{dry: dryRun, ips: map[netip.Addr]int{}, gone: map[netip.Addr]bool{}, done: make(chan struct{})}
 		s.pending[mode] = p
 	}
 	for _, ip := range ips {
@@ -345,6 +352,7 @@ func (s *Sweeper) Sweep(ctx context.Context, ips []netip.Addr, dryRun bool) (Swe
 	}
 	p.callers--
 	last := p.callers == 0
+	s.leave(p, ips)
 	if last {
 		s.setStop(1)
 	}
@@ -491,6 +499,7 @@ func (s *Sweeper) runner() {
 
 		s.mu.Lock()
 		p.err = err
+		p.filled = false // clearSet took the IPs out; the next pass may put them back
 		s.last = p.stats
 		s.running = nil
 		s.setStop(0)
@@ -501,8 +510,11 @@ func (s *Sweeper) runner() {
 
 // runPass sweeps every map the pass's IPs need.
 func (s *Sweeper) runPass(p *pass, hooks passHooks) error {
+	// Callers of the started pass may leave (and take their IPs out of
+	// p.ips) at any time: the IPs are read under the lock.
 	var v4 []netip.Addr
 	var v6 []netip.Addr
+	s.mu.Lock()
 	for ip := range p.ips {
 		if ip.Is4() {
 			v4 = append(v4, ip)
@@ -514,7 +526,6 @@ func (s *Sweeper) runPass(p *pass, hooks passHooks) error {
 	for ip := range p.ips {
 		perIP[ip] = new([ctmap.NumKinds]int)
 	}
-	s.mu.Lock()
 	p.perIP = perIP
 	p.natIP = make(map[netip.Addr]int, len(p.ips))
 	s.mu.Unlock()
@@ -526,18 +537,21 @@ func (s *Sweeper) runPass(p *pass, hooks passHooks) error {
 	if err := fillSet(s.ips4, s.ips6, v4, v6); err != nil {
 		return err
 	}
-	f4, f6 := addrFilter(v4), addrFilter(v6)
-	for _, prog := range s.progs {
-		if prog == nil {
-			continue
+	// From here on a leaving caller takes its IPs out of the set itself;
+	// those that left during the fill go now, before any walk.
+	s.mu.Lock()
+	p.filled = true
+	var left []netip.Addr
+	for _, ip := range append(v4[:len(v4):len(v4)], v6...) {
+		if p.gone[ip] {
+			left = append(left, ip)
 		}
-		f := &f4
-		if prog.kind.IPv6() {
-			f = &f6
-		}
-		if err := prog.filter.Set(f); err != nil {
-			return fmt.Errorf("sweep: set the address filter of %s: %w", prog.kind.Name(), err)
-		}
+	}
+	s.dropFromSet(p, left)
+	err := s.setFilters(p)
+	s.mu.Unlock()
+	if err != nil {
+		return err
 	}
 
 	flags := uint32(0)
@@ -550,11 +564,20 @@ func (s *Sweeper) runPass(p *pass, hooks passHooks) error {
 			continue
 		}
 		s.mu.Lock()
-		gone := p.callers == 0
+		nobody := p.callers == 0
+		wanted := false // an IP of the map's family is still swept
+		for ip := range p.ips {
+			if wanted = ip.Is6() == k.IPv6(); wanted {
+				break
+			}
+		}
 		s.mu.Unlock()
-		if gone {
+		if nobody {
 			p.stopped = true
 			return nil
+		}
+		if !wanted {
+			continue // every caller of the family's IPs left
 		}
 		if hooks != nil {
 			hooks.walking()
@@ -575,19 +598,35 @@ func (s *Sweeper) runPass(p *pass, hooks passHooks) error {
 		}
 		counts := make(map[netip.Addr]int, len(ipsOfKind))
 		nat := make(map[netip.Addr]int, len(ipsOfKind))
+		var missing []netip.Addr
 		for _, ip := range ipsOfKind {
 			var c ipCount
 			if err := set.Lookup(setKey(ip), &c); err != nil {
+				if errors.Is(err, ebpf.ErrKeyNotExist) {
+					missing = append(missing, ip) // its last caller left (below)
+					continue
+				}
 				return fmt.Errorf("sweep: read count of %s: %w", ip, err)
 			}
 			counts[ip] = int(c.CT)
 			nat[ip] = int(c.NAT) // cumulative over the pass too
 		}
 		s.mu.Lock()
+		for _, ip := range missing {
+			if !p.gone[ip] {
+				s.mu.Unlock()
+				return fmt.Errorf("sweep: read count of %s: not in the IP set", ip)
+			}
+		}
 		for ip, n := range nat {
-			p.natIP[ip] = n
+			if !p.gone[ip] { // leave counted it when it took the IP out
+				p.natIP[ip] = n
+			}
 		}
 		for ip, c := range counts {
+			if p.gone[ip] {
+				continue
+			}
 			pc := perIP[ip]
 			prev := 0
 			for _, kk := range kindsOf(ip) {
@@ -606,6 +645,127 @@ func (s *Sweeper) runPass(p *pass, hooks passHooks) error {
 		s.mu.Unlock()
 		if st.Stopped {
 			return nil
+		}
+	}
+	return nil
+}
+
+// leave withdraws a leaving caller's ips from the started pass p (under
+// s.mu): an IP no other caller of p waits for is gone, and once the runner
+// has filled the kernel set it leaves the set and the address filters at
+// once, so the rest of the pass deletes none of its entries. Those are the
+// entries of the IP's next pod from now on: the caller left because its
+// deadline passed, and whoever asked (the agent) went on without this
+// scrub (its own walk, then the pod's start).
+//
+// What may still go after the caller left: the program reads the set once
+// per element, so from the end of the delete syscall on no element matches
+// the IP. The element the program was on may have matched just before; its
+// delete is one step late (bpf/sweep.c, the delayed delete), so at most one
+// CT entry of the IP, with its SNAT mappings, goes after leave returns, and
+// it was in the map before the IP left the set. One program runs at a time
+// (the maps are walked in turn), so that is one entry per pass, not per map.
+// The caller who left is answered incomplete whatever its counts say
+// (Sweep), and its IPs stay incomplete in the index: the next scrub sweeps.
+func (s *Sweeper) leave(p *pass, ips []netip.Addr) {
+	var out []netip.Addr
+	for _, ip := range ips {
+		n, ok := p.ips[ip]
+		if !ok {
+			continue // listed twice by this caller, already out
+		}
+		if n > 1 {
+			p.ips[ip] = n - 1
+			continue
+		}
+		delete(p.ips, ip)
+		p.gone[ip] = true
+		out = append(out, ip)
+	}
+	if !p.filled || len(out) == 0 {
+		return // not in the set yet: the runner leaves them out (runPass)
+	}
+	s.dropFromSet(p, out)
+	// The filter is a shortcut before the set's lookups; a stale bit costs
+	// lookups, never a delete. It fails only on a closed program, which a
+	// pass does not outlive.
+	_ = s.setFilters(p)
+}
+
+// dropFromSet takes ips, gone from the running pass p, out of the kernel set
+// (under s.mu, p filled) and keeps what the set counted for them as their
+// final counts. An IP that cannot be taken out would lose its next pod's
+// entries to the rest of the pass: the pass is stopped instead, and the
+// runner's clearSet retries (and keeps it in s.left if it fails again).
+func (s *Sweeper) dropFromSet(p *pass, ips []netip.Addr) {
+	for _, ip := range ips {
+		set := s.ips4
+		if ip.Is6() {
+			set = s.ips6
+		}
+		var c ipCount
+		err := set.LookupAndDelete(setKey(ip), &c)
+		if err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
+			// A kernel without lookup-and-delete on hash maps: the count
+			// may miss the deletes between the two calls.
+			if err = set.Lookup(setKey(ip), &c); err == nil {
+				err = s.unset(ip)
+			}
+		}
+		if errors.Is(err, ebpf.ErrKeyNotExist) {
+			continue // already out (the pass ended): its counts are final
+		}
+		if err != nil {
+			s.setStop(1)
+			continue
+		}
+		p.natIP[ip] = int(c.NAT)
+		// The set's count is cumulative over the family's maps, which the
+		// pass walks in turn: what the maps already counted is final, the
+		// rest is the share of the first map not swept (the one walking, or
+		// next; the later ones never see the IP).
+		pc := p.perIP[ip]
+		if pc == nil {
+			continue
+		}
+		for _, k := range kindsOf(ip) {
+			if s.progs[k] == nil || p.swept[k] {
+				continue
+			}
+			rest := int(c.CT)
+			for _, kk := range kindsOf(ip) {
+				if kk != k {
+					rest -= pc[kk]
+				}
+			}
+			pc[k] = rest
+			break
+		}
+	}
+}
+
+// setFilters writes the address filters of the IPs p still sweeps into
+// every program (under s.mu).
+func (s *Sweeper) setFilters(p *pass) error {
+	var v4, v6 []netip.Addr
+	for ip := range p.ips {
+		if ip.Is4() {
+			v4 = append(v4, ip)
+		} else {
+			v6 = append(v6, ip)
+		}
+	}
+	f4, f6 := addrFilter(v4), addrFilter(v6)
+	for _, prog := range s.progs {
+		if prog == nil {
+			continue
+		}
+		f := &f4
+		if prog.kind.IPv6() {
+			f = &f6
+		}
+		if err := prog.filter.Set(f); err != nil {
+			return fmt.Errorf("sweep: set the address filter of %s: %w", prog.kind.Name(), err)
 		}
 	}
 	return nil
