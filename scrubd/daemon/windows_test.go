@@ -257,3 +257,37 @@ func releaseIP(d *Daemon, ip netip.Addr) {
 	d.own.Begin(owner.Del, a, []netip.Addr{ip}).End(true)
 	d.own.Stop(a)
 }
+
+// Item 6: the deadline is the agent's, not the request's arrival plus
+// timeout_ms: a request read after the agent's own deadline (it queued in
+// the socket, the agent has walked already) is not answered, and nothing of
+// it runs; one with a deadline close ahead is answered by then.
+func TestDelegateHonoursAgentDeadline(t *testing.T) {
+	root := newCTRoot(t, 1<<20)
+	root.put4(t, background(1<<19))
+	_, sock := startDelegate(t, root)
+	ask := func(deadline time.Time) (int, []byte, error, time.Duration) {
+		b, _ := json.Marshal(map[string]any{"api_version": 1, "caller": "cilium-agent", "event": api.DelegateEventCreate,
+			"endpoint_id": 9, "ips": []string{"10.244.9.10"}, "timeout_ms": 5000, "deadline_unix_ms": deadline.UnixMilli()})
+		start := time.Now()
+		status, body, err := delegatePost(sock, string(b))
+		return status, body, err, time.Since(start)
+	}
+	if status, body, err, _ := ask(time.Now().Add(-time.Second)); err == nil {
+		t.Errorf("a request past the agent's deadline was answered: %d %s", status, body)
+	}
+	deadline := time.Now().Add(30 * time.Millisecond)
+	status, body, err, took := ask(deadline)
+	if err == nil {
+		var resp api.DelegateResponse
+		if status != http.StatusOK || json.Unmarshal(body, &resp) != nil || len(resp.IPs) != 1 {
+			t.Fatalf("%d %s", status, body)
+		}
+		if resp.IPs[0].Complete && time.Now().After(deadline.Add(200*time.Millisecond)) {
+			t.Errorf("answered complete %v after the agent's deadline", time.Since(deadline))
+		}
+	}
+	if took > time.Second {
+		t.Errorf("the request with a deadline 30 ms ahead took %v (timeout_ms 5000 ruled, not the agent's deadline)", took)
+	}
+}
