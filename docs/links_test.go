@@ -170,11 +170,12 @@ type link struct {
 	line int
 }
 
-// links finds inline links, images and reference definitions outside code.
-func links(md string) []link {
-	var out []link
+// outsideCode returns md's lines with those in code blocks (fenced, or
+// indented) and the fences themselves blanked, so that line numbers stay.
+func outsideCode(lines []string) []string {
+	out := make([]string, len(lines))
 	inFence, inIndented, prevBlank := false, false, true
-	for n, line := range strings.Split(md, "\n") {
+	for n, line := range lines {
 		blank := strings.TrimSpace(line) == ""
 		// An indented code block: 4 spaces or a tab after a blank line (or
 		// more of the block); a list item's continuation is not one.
@@ -185,9 +186,17 @@ func links(md string) []link {
 			inFence = !inFence
 			continue
 		}
-		if inFence || inIndented {
-			continue
+		if !inFence && !inIndented {
+			out[n] = line
 		}
+	}
+	return out
+}
+
+// links finds inline links, images and reference definitions outside code.
+func links(md string) []link {
+	var out []link
+	for n, line := range outsideCode(strings.Split(md, "\n")) {
 		line = codeSpan.ReplaceAllString(line, "")
 		for _, m := range inline.FindAllStringSubmatch(line, -1) {
 			out = append(out, link{m[1], n + 1})

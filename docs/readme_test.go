@@ -72,19 +72,8 @@ func readmeShapeProblems(md string) []string {
 	if len(all) > readmeMaxLines {
 		bad = append(bad, fmt.Sprintf("%d lines, more than %d: move measurements, caveats and run histories to the doc that owns them and link it", len(all), readmeMaxLines))
 	}
-	inFence, inIndented, prevBlank := false, false, true
-	for n, line := range all {
-		blank := strings.TrimSpace(line) == ""
-		// As links() reads code blocks: 4 spaces or a tab after a blank line
-		// (or more of the block); a list item's continuation is not one.
-		indented := strings.HasPrefix(line, "    ") || strings.HasPrefix(line, "\t")
-		inIndented = !blank && indented && (prevBlank || inIndented) || blank && inIndented
-		prevBlank = blank
-		if fence.MatchString(line) {
-			inFence = !inFence
-			continue
-		}
-		if inFence || inIndented || strings.HasPrefix(strings.TrimSpace(line), "|") {
+	for n, line := range outsideCode(all) {
+		if strings.HasPrefix(strings.TrimSpace(line), "|") {
 			continue
 		}
 		if c := utf8.RuneCountInString(line); c > readmeMaxProse {

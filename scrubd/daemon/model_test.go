@@ -8,7 +8,6 @@ import (
 	"net/netip"
 	"os"
 	"path/filepath"
-	"strconv"
 	"testing"
 
 	"github.com/ctscrub/ctscrub/internal/testsupport/ownermodel"
@@ -28,17 +27,10 @@ import (
 // over the rule alone in scrubd/owner, with many more steps.
 
 var (
-	daemonModelSteps = flag.Int("model.daemon.steps", modelEnv("CTSCRUB_MODEL_DAEMON_STEPS", 150), "steps per seed of the ownership walk over the daemon")
-	daemonModelSeeds = flag.Int("model.daemon.seeds", modelEnv("CTSCRUB_MODEL_DAEMON_SEEDS", 8), "seeds of the ownership walk over the daemon")
+	daemonModelSteps = flag.Int("model.daemon.steps", ownermodel.EnvInt("CTSCRUB_MODEL_DAEMON_STEPS", 150), "steps per seed of the ownership walk over the daemon")
+	daemonModelSeeds = flag.Int("model.daemon.seeds", ownermodel.EnvInt("CTSCRUB_MODEL_DAEMON_SEEDS", 8), "seeds of the ownership walk over the daemon")
 	daemonModelSeed  = flag.Uint64("model.daemon.seed", 0, "run only this seed (0: 1..model.daemon.seeds)")
 )
-
-func modelEnv(k string, def int) int {
-	if v, err := strconv.Atoi(os.Getenv(k)); err == nil && v > 0 {
-		return v
-	}
-	return def
-}
 
 type daemonSystem struct {
 	t     *testing.T
@@ -192,15 +184,7 @@ func (s *daemonSystem) Present(e ownermodel.Entry) bool {
 
 // TestOwnershipModelDaemon walks the ownership model over the real daemon.
 func TestOwnershipModelDaemon(t *testing.T) {
-	var seeds []uint64
-	if *daemonModelSeed != 0 {
-		seeds = []uint64{*daemonModelSeed}
-	} else {
-		for s := 1; s <= *daemonModelSeeds; s++ {
-			seeds = append(seeds, uint64(s))
-		}
-	}
-	for _, seed := range seeds {
+	for _, seed := range ownermodel.Seeds(*daemonModelSeed, *daemonModelSeeds) {
 		t.Run(fmt.Sprintf("seed%d", seed), func(t *testing.T) {
 			reports := ownermodel.Check(func() ownermodel.System { return newDaemonSystem(t) }, []uint64{seed}, *daemonModelSteps, false)
 			for _, r := range reports {

@@ -2,8 +2,6 @@ package owner
 
 import (
 	"flag"
-	"os"
-	"strconv"
 	"testing"
 
 	"github.com/ctscrub/ctscrub/internal/testsupport/ownermodel"
@@ -24,17 +22,10 @@ import (
 // set its length: make test runs 20 x 20,000 steps, make model 20 x 50,000.
 
 var (
-	modelSteps = flag.Int("model.steps", envInt("CTSCRUB_MODEL_STEPS", 20000), "steps per seed of the ownership model walk")
-	modelSeeds = flag.Int("model.seeds", envInt("CTSCRUB_MODEL_SEEDS", 20), "seeds of the ownership model walk")
+	modelSteps = flag.Int("model.steps", ownermodel.EnvInt("CTSCRUB_MODEL_STEPS", 20000), "steps per seed of the ownership model walk")
+	modelSeeds = flag.Int("model.seeds", ownermodel.EnvInt("CTSCRUB_MODEL_SEEDS", 20), "seeds of the ownership model walk")
 	modelSeed  = flag.Uint64("model.seed", 0, "run only this seed (0: seeds 1..model.seeds)")
 )
-
-func envInt(k string, def int) int {
-	if v, err := strconv.Atoi(os.Getenv(k)); err == nil && v > 0 {
-		return v
-	}
-	return def
-}
 
 // ruleSystem is a node whose scrubd is the Rule plus a simulated index.
 type ruleSystem struct {
@@ -180,14 +171,7 @@ func (s *ruleSystem) Flow(e ownermodel.Entry)         { s.present[e.ID] = e }
 func (s *ruleSystem) Present(e ownermodel.Entry) bool { _, ok := s.present[e.ID]; return ok }
 
 func TestOwnershipModel(t *testing.T) {
-	var seeds []uint64
-	if *modelSeed != 0 {
-		seeds = []uint64{*modelSeed}
-	} else {
-		for s := 1; s <= *modelSeeds; s++ {
-			seeds = append(seeds, uint64(s))
-		}
-	}
+	seeds := ownermodel.Seeds(*modelSeed, *modelSeeds)
 	for _, r := range ownermodel.Check(newRuleSystem, seeds, *modelSteps, true) {
 		t.Errorf("%s\nrerun: go test ./scrubd/owner -run TestOwnershipModel -model.seed %d -model.steps %d", r, r.Seed, *modelSteps)
 	}

@@ -21,6 +21,8 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"net/netip"
+	"os"
+	"strconv"
 	"strings"
 
 	"github.com/ctscrub/ctscrub/scrubd/api"
@@ -411,6 +413,27 @@ func Check(newSys func() System, seeds []uint64, steps int, shrink bool) []Repor
 			_, r.MinWhy = Walk(newSys, r.Shortest)
 		}
 		out = append(out, r)
+	}
+	return out
+}
+
+// EnvInt is the positive integer in the environment variable k, or def:
+// how long a walk is (CTSCRUB_MODEL_STEPS and friends).
+func EnvInt(k string, def int) int {
+	if v, err := strconv.Atoi(os.Getenv(k)); err == nil && v > 0 {
+		return v
+	}
+	return def
+}
+
+// Seeds are the seeds 1..n, or only one when one is given.
+func Seeds(one uint64, n int) []uint64 {
+	if one != 0 {
+		return []uint64{one}
+	}
+	out := make([]uint64, 0, n)
+	for s := 1; s <= n; s++ {
+		out = append(out, uint64(s))
 	}
 	return out
 }
