@@ -76,10 +76,16 @@ type Config struct {
 	// Expiry configures the expiry pass over Cilium's CT maps.
 	Expiry ExpiryConfig `yaml:"expiry"`
 	// CNIConfDir is the runtime's CNI config directory. When set, scrubd
-	// checks every 5 s that its first config file chains ctscrub; while it
-	// does not, pods may start that the recorder never sees, and no IP a
-	// DEL released is trusted by the next ADD (see ownership.go). "": off.
+	// watches it (inotify, conflist.go) for the config the runtime uses
+	// chaining ctscrub; while it does not, or when a version it could not
+	// read may not have, pods may start that the recorder never sees, and
+	// no IP a DEL released is trusted by the next ADD (see ownership.go).
+	// "": off.
 	CNIConfDir string `yaml:"cni_conf_dir"`
+	// CNIDefaultNetwork is CRI-O's cni_default_network, when the node's
+	// runtime sets it: the config file whose "name" is that network must
+	// chain ctscrub too (CRI-O uses it, not the first file). "": none.
+	CNIDefaultNetwork string `yaml:"cni_default_network"`
 	// NFCTFallback is how the nf_conntrack backend scrubs incomplete IPs:
 	// "" (auto), flush or dump.
 	NFCTFallback string `yaml:"nfct_fallback"`
