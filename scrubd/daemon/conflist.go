@@ -65,23 +65,27 @@ import (
 //	   to unseen pods).
 //	R2 two or more content versions (a rename onto the name, IN_MOVED_TO, or
 //	   a write session: IN_CREATE or IN_MODIFY up to IN_CLOSE_WRITE) between
-//	   two reads: at least one was never read, and it may not have chained:
-//	   a sign of an unseen owner even when what is read now chains. The
-//	   content read now does not excuse it: "identical to the last chained
-//	   version" is exactly what Cilium's rewrite followed by the installer's
-//	   re-chain leaves.
+//	   two reads, or one that was gone again at the read: a version was never
+//	   read, and it may have been any config ("unknown"). The content read
+//	   now does not excuse it: "identical to the last chained version" is
+//	   exactly what Cilium's rewrite followed by the installer's re-chain
+//	   leaves.
 //	R3 a version read whose event had not come (the identity, device, inode,
 //	   ctime, size and SHA-256 of the content, changed with no event for the
 //	   name; or an event comes for a version already read while the read
-//	   before had counted one of its own): the versions were not counted, the
-//	   same as R2.
-//	R4 one version between the reads (old, new and, for a file deleted,
-//	   moved away or written in place, absent or half-written, which the
-//	   runtime skips or fails on): every combination of these states over the
-//	   names that changed must be chained or "none", else a sign of an unseen
-//	   owner (e.g. the first file renamed away and back, while a later file
-//	   that does not chain was first). More than 8 names changed between two
-//	   reads: a sign of an unseen owner, without trying.
+//	   before had counted one of its own): the versions were not counted: an
+//	   unknown version, as R2.
+//	R4 between the reads each name that changed was its old version, its
+//	   new one, absent or half-written (deleted, moved away, written in
+//	   place: the runtime skips or fails on it), or unknown (R2, R3). Every
+//	   combination over the names that changed must be chained or "none",
+//	   an unknown version counting as not chained wherever the runtime may
+//	   have used it (first, the default network's, a Multus clusterNetwork);
+//	   else a sign of an unseen owner even when what is read now chains.
+//	   E.g. the first file rewritten twice unread (unknown, first); the
+//	   first file renamed away and back while a later file does not chain;
+//	   but not a later file rewritten twice while the first one chains.
+//	   More than 6 names changed between two reads: a sign, without trying.
 //	R5 an inotify queue overflow (IN_Q_OVERFLOW): events lost, a sign of an
 //	   unseen owner. The dir removed or moved (IN_DELETE_SELF, IN_MOVE_SELF,
 //	   IN_IGNORED): not chained until it is watched and read again.
@@ -122,6 +126,10 @@ type confFile struct {
 	chains  bool     // a plugin of type ctscrub
 	types   []string // every plugin type, a Multus config's delegates' included
 	multus  *multusConf
+	// unknown: a version scrubd never read (R2, R3), with why; it may be
+	// any config, so wherever the runtime may have used it, it is taken
+	// for one that does not chain.
+	unknown string
 }
 
 // multusConf is what a Multus config says of the network its pods get.
@@ -235,20 +243,22 @@ func (c confDir) sorted() []string {
 	return names
 }
 
-// first is the first file that parses as a CNI config ("" when none).
+// first is the first file that parses as a CNI config ("" when none), or
+// an unknown version before it.
 func (c confDir) first() string {
 	for _, n := range c.sorted() {
-		if c[n].valid {
+		if c[n].valid || c[n].unknown != "" {
 			return n
 		}
 	}
 	return ""
 }
 
-// byNetwork is the first valid file whose "name" is network.
+// byNetwork is the first valid file whose "name" is network, or an unknown
+// version before it.
 func (c confDir) byNetwork(network string) string {
 	for _, n := range c.sorted() {
-		if c[n].valid && c[n].network == network {
+		if c[n].valid && c[n].network == network || c[n].unknown != "" {
 			return n
 		}
 	}
@@ -290,6 +300,9 @@ func (c confDir) evaluate(defaultNetwork string) (v verdict, files []string, why
 // delegates (or cluster network) all do.
 func (c confDir) chains(name string) (verdict, string) {
 	f := c[name]
+	if f.unknown != "" {
+		return vUnchained, f.unknown
+	}
 	if f.multus == nil {
 		if f.chains {
 			return vChained, ""
@@ -310,11 +323,14 @@ func (c confDir) chains(name string) (verdict, string) {
 	case m.clusterNetwork != "":
 		target := ""
 		if strings.Contains(m.clusterNetwork, "/") || isConfName(m.clusterNetwork) {
-			if b := filepath.Base(m.clusterNetwork); c[b].valid {
+			if b := filepath.Base(m.clusterNetwork); c[b].valid || c[b].unknown != "" {
 				target = b
 			}
 		} else {
 			target = c.byNetwork(m.clusterNetwork)
+		}
+		if target != "" && c[target].unknown != "" {
+			return vUnchained, c[target].unknown
 		}
 		if target == "" || c[target].multus != nil {
 			return vUnchained, fmt.Sprintf("%s: Multus clusterNetwork %q is not a config in the dir", name, m.clusterNetwork)
@@ -368,8 +384,8 @@ func (d *Daemon) enableConflistWatch() error {
 var conflistRecheck = 30 * time.Second
 
 const (
-	// conflistMaxChanged bounds R4's combinations (3^8).
-	conflistMaxChanged = 8
+	// conflistMaxChanged bounds R4's combinations (at most 4^6).
+	conflistMaxChanged = 6
 	// conflistWriteWait is how long a read waits for a writer that has a
 	// config file open to close it.
 	conflistWriteWait = time.Second
@@ -678,15 +694,18 @@ func (w *conflistWatch) missed(cur confDir) string {
 		// The same content (ctime aside: a chmod moves it).
 		same := hadOld == hasNow && (!hadOld || old.id.dev == now.id.dev && old.id.ino == now.id.ino &&
 			old.id.size == now.id.size && old.id.sum == now.id.sum)
+		unknown := ""
 		switch {
 		case e.versions >= 2:
-			return fmt.Sprintf("%s: %d versions between two reads, one never read (R2)", n, e.versions)
+			unknown = fmt.Sprintf("%s: %d versions between two reads, one never read (R2)", n, e.versions)
+		case e.versions >= 1 && !hasNow:
+			unknown = fmt.Sprintf("%s: a version gone before a read (R2)", n)
 		case e.versions == 0 && !e.absent && !(same && (e.attrib || !idChanged)):
-			return fmt.Sprintf("%s changed with no event for it: its versions were not counted (R3)", n)
+			unknown = fmt.Sprintf("%s changed with no event for it: its versions were not counted (R3)", n)
 		case e.versions == 0 && !e.absent:
 			continue // attributes only
 		case e.versions >= 1 && !idChanged && w.lastCount[n] >= 1:
-			return fmt.Sprintf("%s: an event for the version already read, after one counted: a version was never read (R3)", n)
+			unknown = fmt.Sprintf("%s: an event for the version already read, after one counted: a version was never read (R3)", n)
 		}
 		s := states{name: n}
 		if hadOld {
@@ -704,6 +723,9 @@ func (w *conflistWatch) missed(cur confDir) string {
 		if e.absent && hadOld && hasNow {
 			s.opts = append(s.opts, nil)
 		}
+		if unknown != "" {
+			s.opts = append(s.opts, &confFile{unknown: unknown})
+		}
 		all = append(all, s)
 	}
 	if len(all) > conflistMaxChanged {
@@ -718,6 +740,9 @@ func (w *conflistWatch) missed(cur confDir) string {
 	walk = func(i int) string {
 		if i == len(all) {
 			if v, files, why := state.evaluate(w.defaultNet); v == vUnchained {
+				if strings.HasSuffix(why, "(R2)") || strings.HasSuffix(why, "(R3)") {
+					return why // a version never read, where the runtime may have used it
+				}
 				return fmt.Sprintf("a state between two reads did not chain ctscrub (%s; %s) (R4)", strings.Join(files, ","), why)
 			}
 			return ""

@@ -38,6 +38,20 @@ func chainedConfDir(t *testing.T) string {
 	return dir
 }
 
+// holdWatch holds the watch before its next read: held is closed once it
+// waits there (it has an event, and has not read), release lets it go.
+func holdWatch(t *testing.T) (held <-chan struct{}, release func()) {
+	t.Helper()
+	h, done := make(chan struct{}), make(chan struct{})
+	var once sync.Once
+	hook := func(string) { once.Do(func() { close(h); <-done }) }
+	conflistBeforeRead.Store(&hook)
+	var rel sync.Once
+	release = func() { rel.Do(func() { close(done) }) }
+	t.Cleanup(func() { release(); conflistBeforeRead.Store(nil) })
+	return h, release
+}
+
 // readCounter counts the watch's reads of one dir (conflistReadHook).
 type readCounter struct {
 	mu sync.Mutex
@@ -122,12 +136,10 @@ func TestConflistTransientUnchainedVersion(t *testing.T) {
 			x := mustAddr("10.244.0.50")
 			ownedIP(t, td, root, x, "old")()
 
-			held, done := make(chan struct{}), make(chan struct{})
+			var held <-chan struct{}
+			release := func() {}
 			if c.held {
-				var once sync.Once
-				hook := func(string) { once.Do(func() { close(held); <-done }) }
-				conflistBeforeRead.Store(&hook)
-				t.Cleanup(func() { conflistBeforeRead.Store(nil) })
+				held, release = holdWatch(t)
 			}
 			writeConfAtomic(t, conf, unchainedConflist)
 			if c.held {
@@ -135,7 +147,7 @@ func TestConflistTransientUnchainedVersion(t *testing.T) {
 			}
 			time.Sleep(c.gap)
 			writeConfAtomic(t, conf, chainedConflist)
-			close(done)
+			release()
 			unseen := unseenFlows(x)
 			root.put4(t, unseen) // a pod created in between
 			if !waitUnseen(td, 2*time.Second) {
@@ -357,5 +369,51 @@ func TestConflistDirRemovedAndRecreated(t *testing.T) {
 	rc.step(t, dir, "unchained in the new dir", func() { writeConfAtomic(t, conf, unchainedConflist) })
 	if v := chained(td, t); v != 0 {
 		t.Errorf("the new dir's config without ctscrub: ctscrub_cni_chained %v, want 0", v)
+	}
+}
+
+// Versions scrubd never read count only where the runtime may have used
+// them: a later file rewritten twice while the first chains is no sign; a
+// file that sorts first, created and removed between two reads, is.
+func TestConflistUnreadVersionsOnlyWhereUsed(t *testing.T) {
+	rc := countReads(t)
+	td, root, conf := conflistDaemon(t)
+	dir := filepath.Dir(conf)
+	later := filepath.Join(dir, "10-other.conflist")
+	rc.step(t, dir, "a later file", func() { writeConfAtomic(t, later, unchainedConflist) })
+	x := mustAddr("10.244.0.54")
+	ownedIP(t, td, root, x, "old")()
+
+	held, release := holdWatch(t)
+	writeConfAtomic(t, later, chainedConflist)
+	<-held
+	writeConfAtomic(t, later, unchainedConflist)
+	n := rc.reads(dir)
+	release()
+	waitFor(t, "the watch's read", func() bool { return rc.reads(dir) > n })
+	if strings.Contains(td.logs.text(), unseenLog) {
+		t.Errorf("two unread versions of a file after the chained first one taken for a sign:\n%s", td.logs.text())
+	}
+	if r := addScrub(t, td, x, "new"); r.Method != scrub.MethodIndex {
+		t.Errorf("ADD after that: method %s, want index", r.Method)
+	}
+
+	y := mustAddr("10.244.0.55")
+	ownedIP(t, td, root, y, "old-y")()
+	held, release = holdWatch(t)
+	first := filepath.Join(dir, "01-brief.conflist")
+	writeConfAtomic(t, first, unchainedConflist)
+	<-held
+	if err := os.Remove(first); err != nil {
+		t.Fatal(err)
+	}
+	n = rc.reads(dir)
+	release()
+	waitFor(t, "the watch's read", func() bool { return rc.reads(dir) > n })
+	if !strings.Contains(td.logs.text(), unseenLog) {
+		t.Errorf("a first file that came and went unread: no sign of an unseen owner")
+	}
+	if r := addScrub(t, td, y, "new-y"); r.Method != scrub.MethodSweep {
+		t.Errorf("ADD after that: method %s, want sweep", r.Method)
 	}
 }
