@@ -417,3 +417,38 @@ func TestConflistUnreadVersionsOnlyWhereUsed(t *testing.T) {
 		t.Errorf("ADD after that: method %s, want sweep", r.Method)
 	}
 }
+
+// A config file that is a symlink to a file elsewhere changes with no event
+// in the dir: the backstop's re-read finds a version whose changes were not
+// counted (R3, R6), a sign of an unseen owner though it still chains.
+func TestConflistBackstopSymlink(t *testing.T) {
+	was := conflistRecheck
+	t.Cleanup(func() { conflistRecheck = was }) // after the daemon's stop
+	conflistRecheck = 200 * time.Millisecond
+	rc := countReads(t)
+	root := newCTRoot(t, 1<<14)
+	cfg := testConfig(t, root)
+	cfg.CNIConfDir = t.TempDir()
+	dir := cfg.CNIConfDir
+	target := filepath.Join(t.TempDir(), "cilium.conflist")
+	writeConfAtomic(t, target, chainedConflist)
+	if err := os.Symlink(target, filepath.Join(dir, "05-cilium.conflist")); err != nil {
+		t.Fatal(err)
+	}
+	td := startDaemon(t, cfg)
+	waitFor(t, "the watch to call the config chained", func() bool { return chained(td, t) == 1 })
+	x := mustAddr("10.244.0.56")
+	ownedIP(t, td, root, x, "old")()
+	if strings.Contains(td.logs.text(), unseenLog) {
+		t.Fatalf("a sign of an unseen owner before any change:\n%s", td.logs.text())
+	}
+	n := rc.reads(dir)
+	writeConfAtomic(t, target, strings.Replace(chainedConflist, `"cilium-cni"}`, `"cilium-cni","mtu":1450}`, 1))
+	waitFor(t, "the backstop's re-read", func() bool { return rc.reads(dir) > n+1 })
+	if !strings.Contains(td.logs.text(), unseenLog) {
+		t.Errorf("the symlinked config changed with no event: no sign of an unseen owner")
+	}
+	if r := addScrub(t, td, x, "new"); r.Method != scrub.MethodSweep {
+		t.Errorf("ADD after that: method %s, want sweep", r.Method)
+	}
+}
