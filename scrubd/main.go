@@ -202,6 +202,7 @@ func runConfig(args []string) (daemon.Config, error) {
 	fs.Var(durationFlag{&flagCfg.Expiry.Interval}, "expiry-interval", "fixed interval between expiry passes")
 	fs.StringVar(&flagCfg.Expiry.Clock, "expiry-clock", flagCfg.Expiry.Clock, "clock of Cilium's CT lifetimes: auto, ktime or jiffies")
 	fs.StringVar(&flagCfg.CNIConfDir, "cni-conf-dir", flagCfg.CNIConfDir, "the runtime's CNI config dir: watch that it chains ctscrub (empty: off)")
+	fs.StringVar(&flagCfg.CNIDefaultNetwork, "cni-default-network", flagCfg.CNIDefaultNetwork, "CRI-O's cni_default_network, when set: its config file in --cni-conf-dir must chain ctscrub too (empty: none)")
 	fs.IntVar(&flagCfg.RingBytes, "ring-bytes", flagCfg.RingBytes, "recorder ring buffer size in bytes, a power of two (0: 8 MiB)")
 	fs.StringVar(&flagCfg.DaemonSet, "daemonset", flagCfg.DaemonSet, "namespace/name of scrubd's DaemonSet: when it is deleted, SIGTERM takes ctscrub off the node (empty: never)")
 	fs.StringVar(&flagCfg.NFCTFallback, "nfct-fallback", flagCfg.NFCTFallback, "nf_conntrack scrub of incomplete IPs: auto (empty), flush or dump")
@@ -262,6 +263,8 @@ func runConfig(args []string) (daemon.Config, error) {
 			cfg.NFCTFallback = flagCfg.NFCTFallback
 		case "cni-conf-dir":
 			cfg.CNIConfDir = flagCfg.CNIConfDir
+		case "cni-default-network":
+			cfg.CNIDefaultNetwork = flagCfg.CNIDefaultNetwork
 		case "ring-bytes":
 			cfg.RingBytes = flagCfg.RingBytes
 		case "daemonset":

@@ -220,6 +220,13 @@ func TestChartRequiredAndRestarts(t *testing.T) {
 	if _, err := helmTemplate(t, "--set", exampleCIDRs, "--set", "config.pod_cidr=10.1.0.0/16"); err == nil {
 		t.Errorf("a misspelt config key rendered; the schema must refuse it (scrubd would refuse to start)")
 	}
+	// The delegate needs the conflist watch (scrubd refuses it without).
+	if _, err := helmTemplate(t, "--set", exampleCIDRs, "--set", "config.cni_conf_dir="); err == nil || !strings.Contains(err.Error(), "config.cni_conf_dir is empty") {
+		t.Errorf("rendering the delegate socket without cni_conf_dir: %v; want the error naming config.cni_conf_dir", err)
+	}
+	if _, err := helmTemplate(t, "--set", exampleCIDRs, "--set", "config.cni_conf_dir=", "--set", "config.delegate_socket="); err != nil {
+		t.Errorf("no delegate, no cni_conf_dir: %v", err)
+	}
 	sum := func(args ...string) string {
 		ds := renderChart(t, append([]string{"--set", exampleCIDRs}, args...)...)["DaemonSet/ctscrub"]
 		return fmt.Sprint(podTemplate(ds)["metadata"].(map[string]any)["annotations"])

@@ -76,10 +76,16 @@ type Config struct {
 	// Expiry configures the expiry pass over Cilium's CT maps.
 	Expiry ExpiryConfig `yaml:"expiry"`
 	// CNIConfDir is the runtime's CNI config directory. When set, scrubd
-	// checks every 5 s that its first config file chains ctscrub; while it
-	// does not, pods may start that the recorder never sees, and no IP a
-	// DEL released is trusted by the next ADD (see ownership.go). "": off.
+	// watches it (inotify, conflist.go) for the config the runtime uses
+	// chaining ctscrub; while it does not, or when a version it could not
+	// read may not have, pods may start that the recorder never sees, and
+	// no IP a DEL released is trusted by the next ADD (see ownership.go).
+	// "": off, which the delegate API refuses.
 	CNIConfDir string `yaml:"cni_conf_dir"`
+	// CNIDefaultNetwork is CRI-O's cni_default_network, when the node's
+	// runtime sets it: the config file whose "name" is that network must
+	// chain ctscrub too (CRI-O uses it, not the first file). "": none.
+	CNIDefaultNetwork string `yaml:"cni_default_network"`
 	// NFCTFallback is how the nf_conntrack backend scrubs incomplete IPs:
 	// "" (auto), flush or dump.
 	NFCTFallback string `yaml:"nfct_fallback"`
@@ -219,6 +225,13 @@ func (c *Config) Validate() ([]netip.Prefix, error) {
 	}
 	if c.DelegateSocket != "" && filepath.Clean(filepath.Dir(c.DelegateSocket)) == filepath.Clean(filepath.Dir(c.Socket)) {
 		return nil, fmt.Errorf("delegate_socket %s is in the API socket's directory %s: give it a directory of its own (the agent's pod mounts that directory, and must not reach the main API)", c.DelegateSocket, filepath.Dir(c.Socket))
+	}
+	if c.DelegateSocket != "" && c.CNIConfDir == "" {
+		// A delegate answer of "complete" lets Cilium's agent skip its walk
+		// on the index's word, and the index vouches for an IP only while
+		// every pod that held it ran through ctscrub: the conflist watch is
+		// what tells when pods may start unseen.
+		return nil, fmt.Errorf("delegate_socket %s is set but cni_conf_dir is empty: the delegate answers for the index, which scrubd can vouch for only while it watches the runtime's CNI config chaining ctscrub; set cni_conf_dir (--cni-conf-dir) to the runtime's CNI config dir as scrubd sees it (the DaemonSet's /host/etc/cni/net.d), or turn the delegate off", c.DelegateSocket)
 	}
 	if c.MaxInFlight < 1 {
 		return nil, fmt.Errorf("max_in_flight %d: must be at least 1", c.MaxInFlight)

@@ -38,6 +38,7 @@ func TestExpandMetricsAddr(t *testing.T) {
 func TestDelegateSocketOwnDirectory(t *testing.T) {
 	cfg := DefaultConfig()
 	cfg.PodCIDRs = []string{"10.244.0.0/16"}
+	cfg.CNIConfDir = "/host/etc/cni/net.d"
 	cfg.DelegateSocket = "/run/ctscrub/delegate.sock"
 	if _, err := cfg.Validate(); err == nil || !strings.Contains(err.Error(), "directory of its own") {
 		t.Errorf("delegate socket beside the API socket: %v, want refused", err)
@@ -45,5 +46,24 @@ func TestDelegateSocketOwnDirectory(t *testing.T) {
 	cfg.DelegateSocket = "/run/ctscrub-delegate/delegate.sock"
 	if _, err := cfg.Validate(); err != nil {
 		t.Errorf("delegate socket in its own directory: %v", err)
+	}
+}
+
+// The delegate answers for the index, which vouches for an IP only while the
+// conflist watch runs: no delegate without cni_conf_dir.
+func TestDelegateNeedsConflistWatch(t *testing.T) {
+	cfg := DefaultConfig()
+	cfg.PodCIDRs = []string{"10.244.0.0/16"}
+	cfg.DelegateSocket = "/run/ctscrub-delegate/delegate.sock"
+	if _, err := cfg.Validate(); err == nil || !strings.Contains(err.Error(), "cni_conf_dir is empty") {
+		t.Errorf("delegate socket without cni_conf_dir: %v, want refused naming cni_conf_dir", err)
+	}
+	cfg.CNIConfDir = "/host/etc/cni/net.d"
+	if _, err := cfg.Validate(); err != nil {
+		t.Errorf("delegate socket with cni_conf_dir: %v", err)
+	}
+	cfg.DelegateSocket, cfg.CNIConfDir = "", ""
+	if _, err := cfg.Validate(); err != nil {
+		t.Errorf("neither delegate nor cni_conf_dir: %v", err)
 	}
 }

@@ -95,6 +95,7 @@ func startDelegate(t *testing.T, root *ctRoot) (*testDaemon, string) {
 	t.Helper()
 	cfg := testConfig(t, root)
 	cfg.DelegateSocket = filepath.Join(t.TempDir(), "delegate", "delegate.sock")
+	cfg.CNIConfDir = chainedConfDir(t)
 	td := startDaemon(t, cfg)
 	return td, cfg.DelegateSocket
 }
@@ -241,6 +242,7 @@ func TestDelegateRefusesNonRoot(t *testing.T) {
 	}
 	cfg := testConfig(t, root)
 	cfg.DelegateSocket = filepath.Join(dir, "delegate", "delegate.sock")
+	cfg.CNIConfDir = chainedConfDir(t)
 	startDaemon(t, cfg)
 	if st, err := os.Stat(cfg.DelegateSocket); err != nil || st.Mode().Perm() != 0o600 {
 		t.Fatalf("delegate socket mode: %v %v, want 0600", st.Mode(), err)

@@ -163,6 +163,7 @@ func TestDelegateDoesNotJoinAnEarlierFlight(t *testing.T) {
 	entered := make(chan struct{}, 1)
 	cfg := testConfig(t, root)
 	cfg.DelegateSocket = t.TempDir() + "/delegate/delegate.sock"
+	cfg.CNIConfDir = chainedConfDir(t)
 	td := startDaemonWith(t, cfg, func(d *Daemon) {
 		for i, b := range d.backends {
 			if b.Name() == "cilium" {
