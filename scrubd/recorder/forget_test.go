@@ -322,3 +322,35 @@ func TestUpgradeReadsLegacyLostCounter(t *testing.T) {
 		t.Errorf("%s lost in the old counter after Load: %+v", b, st)
 	}
 }
+
+// ForgetAll (the bootstrap pass, before its walk) re-records every cached
+// flow, whatever its addresses.
+func TestForgetAll(t *testing.T) {
+	l := loadPinned(t, Options{})
+	frames := []struct {
+		egress bool
+		frame  []byte
+	}{
+		{true, eth(0x0800).add(ipv4(6, 0, pod4, peer4)...).add(ports(40000, 443, 20)...).b},
+		{false, eth(0x86dd).add(ipv6(17, pod6, peer6)...).add(ports(40004, 53, 8)...).b},
+		{true, eth(0x0800).add(ipv4(6, 0, netip.MustParseAddr("10.244.7.7"), peer4)...).add(ports(40005, 443, 20)...).b},
+	}
+	for i, f := range frames {
+		if n := l.records(t, f.egress, f.frame); n != 1 {
+			t.Fatalf("flow %d: first packet made %d records", i, n)
+		}
+		if n := l.records(t, f.egress, f.frame); n != 0 {
+			t.Fatalf("flow %d: established packet made %d records", i, n)
+		}
+	}
+	start := time.Now()
+	if err := l.ForgetAll(); err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("ForgetAll: %v", time.Since(start))
+	for i, f := range frames {
+		if n := l.records(t, f.egress, f.frame); n != 1 {
+			t.Errorf("flow %d: after ForgetAll: %d records, want 1", i, n)
+		}
+	}
+}
