@@ -554,3 +554,29 @@ func TestPassIndexBytesPerKey(t *testing.T) {
 	}
 	runtime.KeepAlive(ix)
 }
+
+// BenchmarkPass: one pass over 4 M entries of 1,024 pods (16 M in `make
+// bench`), each into a fresh index.
+func BenchmarkPass(b *testing.B) {
+	needRoot(b)
+	const pods, per = 1024, 4096
+	maps := pinnedMaps(b, pods*per*5/4)
+	keys := make([]ctmap.CTKey4, 0, pods*per)
+	for f := range per {
+		for p := range pods {
+			keys = append(keys, ctmap.NewKey4(pod4(p+1), netip.AddrFrom4([4]byte{11, byte(f >> 8), byte(f), byte(p)}), 443, uint16(f), ctmap.ProtoTCP, ctmap.FlagOut))
+		}
+	}
+	if _, err := maps.Map(ctmap.TCP4).BatchUpdate(keys, make([]ctmap.Entry, len(keys)), nil); err != nil {
+		b.Fatal(err)
+	}
+	keys = nil
+	b.ResetTimer()
+	for range b.N {
+		ix := fedIndex()
+		res, err := Run(context.Background(), ix, maps, Options{})
+		if err != nil || res.Pairs != pods*per {
+			b.Fatal(res.Pairs, err)
+		}
+	}
+}
