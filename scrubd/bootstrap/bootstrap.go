@@ -8,10 +8,12 @@
 // The walk reads each global CT map with BPF_MAP_LOOKUP_BATCH, as Cilium
 // 1.18+ walks them (internal/ciliumwalk is that walk as the benchmarks'
 // baseline), on one goroutine, and hands each batch to a second goroutine
-// that files it (index.Filing.Add4/Add6), so the kernel's copy and the
-// index's inserts overlap where a second CPU is free. It holds no lock a
-// scrub needs: the index's shard and per-IP locks, per key, as the
-// recorder's own records take them.
+// that buffers each key's record under its addresses (index.Filing.Add4/
+// Add6), so the kernel's copy and the filing overlap where a second CPU is
+// free. After the walk each address's table is built from its buffer
+// without a lock and joined with its slot under the IP's lock
+// (Filing.Merge). It holds no lock a scrub needs for longer than that
+// join: no lock at all during the walk.
 //
 // Run declares nothing complete: it returns the Filing and the addresses
 // it vouches for, and the daemon declares those its ownership rule allows
@@ -63,7 +65,8 @@ type Result struct {
 	// mark, drop or lost record touched meanwhile. Sorted.
 	Addrs []netip.Addr
 	// Visited is the entries read from the maps, Pairs the (address, key)
-	// pairs added to the index (keys already there are not counted).
+	// pairs the pass added to the index (keys already there, from a record
+	// or a snapshot, are not counted).
 	Visited, Pairs int64
 	// Maps is the maps walked (nil ones skipped), by name.
 	Maps        []string
@@ -123,6 +126,9 @@ func Run(ctx context.Context, ix *index.Index, maps *ctmap.Maps, opts Options) (
 	}
 	w.close()
 	res.Visited = p.visited.Load() - p.visitedAt
+	// Each address's records into its set: two workers, the tables built
+	// without a lock.
+	f.Merge(2)
 	// Every record the kernel produced before now (an entry made behind
 	// the walk) applied, and the lost counters read (a lost record marks
 	// its IP, or spoils the pass).
@@ -130,7 +136,7 @@ func Run(ctx context.Context, ix *index.Index, maps *ctmap.Maps, opts Options) (
 		return res, fmt.Errorf("bootstrap: wait for the recorder's records: %w", err)
 	}
 	res.Addrs = f.End()
-	res.Pairs = f.Pairs()
+	res.Pairs = f.Added()
 	res.Filing = f
 	return res, nil
 }
