@@ -70,10 +70,15 @@ type result struct {
 	// BootstrapReps, alternating with Cilium's batch walk of the same maps
 	// (count only): BootstrapWalkS; and the index after the first pass,
 	// by its own account (index.Bytes) and by the Go heap.
-	BootstrapS            float64 `json:"bootstrap_pass_s"`
-	BootstrapWalkS        float64 `json:"bootstrap_batch_walk_s"`
-	BootstrapReps         int     `json:"bootstrap_reps"`
-	BootstrapOverWalk     float64 `json:"bootstrap_over_batch_walk"`
+	BootstrapS        float64 `json:"bootstrap_pass_s"`
+	BootstrapWalkS    float64 `json:"bootstrap_batch_walk_s"`
+	BootstrapReps     int     `json:"bootstrap_reps"`
+	BootstrapOverWalk float64 `json:"bootstrap_over_batch_walk"`
+	// The process's CPU time for each (medians), and the median of each
+	// pair's wall-time ratio: on a loaded machine these move less.
+	BootstrapCPUS         float64 `json:"bootstrap_pass_cpu_s"`
+	BootstrapWalkCPUS     float64 `json:"bootstrap_batch_walk_cpu_s"`
+	BootstrapPairRatio    float64 `json:"bootstrap_over_batch_walk_pair_median"`
 	BootstrapKeys         int64   `json:"bootstrap_keys"`
 	BootstrapAddrs        int     `json:"bootstrap_addresses"`
 	BootstrapBytesKey     float64 `json:"bootstrap_bytes_per_key"`
@@ -119,8 +124,9 @@ func printTable(r result) {
 		r.IndexerNsPacket, r.IndexerNsNew, r.ApplyNsRecord)
 	fmt.Printf("index memory: %.1f bytes per key (%d keys); entry count per map: %.1f µs (kfunc counter: %v)\n",
 		r.IndexBytesKey, r.IndexKeys, r.CountUs, r.CountCheap)
-	fmt.Printf("bootstrap pass: %s (median of %d) against Cilium's batch walk of the same maps %s, alternately: %.2fx; index after it: %.1f bytes/key (its own account), %.1f (Go heap), %d keys\n",
-		secs(r.BootstrapS), r.BootstrapReps, secs(r.BootstrapWalkS), r.BootstrapOverWalk, r.BootstrapBytesKey, r.BootstrapHeapBytesKey, r.BootstrapKeys)
+	fmt.Printf("bootstrap pass: %s (median of %d) against Cilium's batch walk of the same maps %s, alternately: %.2fx (pairs' median %.2fx; CPU %s against %s: %.2fx); index after it: %.1f bytes/key (its own account), %.1f (Go heap), %d keys\n",
+		secs(r.BootstrapS), r.BootstrapReps, secs(r.BootstrapWalkS), r.BootstrapOverWalk, r.BootstrapPairRatio,
+		secs(r.BootstrapCPUS), secs(r.BootstrapWalkCPUS), r.BootstrapCPUS/r.BootstrapWalkCPUS, r.BootstrapBytesKey, r.BootstrapHeapBytesKey, r.BootstrapKeys)
 	var missed []string
 	for name, ok := range r.Targets {
 		if !ok {
