@@ -97,8 +97,7 @@ func Run(ctx context.Context, ix *index.Index, maps *ctmap.Maps, opts Options) (
 		res.Done = time.Now()
 		p.end(res, err)
 		if err != nil {
-			f.End()
-			ix.TrackFiled(f, func(netip.Addr) bool { return false })
+			f.Abort()
 			res.Filing, res.Addrs = nil, nil
 		}
 	}()

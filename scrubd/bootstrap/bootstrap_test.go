@@ -445,9 +445,13 @@ func TestSpoiledPassVouchesForNothing(t *testing.T) {
 	if len(res.Addrs) != 0 {
 		t.Fatalf("a spoiled pass vouches for %v", res.Addrs)
 	}
-	tracked, _ := ix.TrackFiled(res.Filing, func(netip.Addr) bool { return true })
+	tracked, dropped := ix.TrackFiled(res.Filing, func(netip.Addr) bool { return true })
 	if len(tracked) != 0 || ix.State(held).Complete {
 		t.Fatalf("tracked %v after a spoiled pass", tracked)
+	}
+	// The slot the pass made for the peer, no pod's, goes; the held one stays.
+	if dropped != 1 || ix.Gen(peer) != 0 || ix.Gen(held) == 0 {
+		t.Fatalf("after a spoiled pass: dropped %d, slots %v", dropped, ix.IPs())
 	}
 }
 

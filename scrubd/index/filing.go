@@ -408,9 +408,9 @@ func (f *Filing) End() []netip.Addr {
 			e.mu.Lock()
 			if e.filed == f.epoch {
 				e.pruneAt = max(e.pruneAt, 2*e.size())
-				if spoiled {
-					e.filed = 0
-				} else if e.incomplete == "" && e.unrecorded == "" {
+				// A spoiled pass keeps the epochs: TrackFiled then
+				// drops the slots it made that nobody holds.
+				if !spoiled && e.incomplete == "" && e.unrecorded == "" {
 					out = append(out, ip)
 				}
 			}
@@ -422,20 +422,37 @@ func (f *Filing) End() []netip.Addr {
 	return out
 }
 
+// Abort ends a pass that failed: its buffered records are dropped, it
+// vouches for nothing, and the slots it made that no pod holds go.
+func (f *Filing) Abort() {
+	f.mu.Lock()
+	f.spoiled = true
+	f.mu.Unlock()
+	clear(f.buf4)
+	clear(f.buf6)
+	f.End()
+	f.ix.TrackFiled(f, nil)
+}
+
 // TrackFiled is the end of a bootstrap pass as the daemon decides it: each
 // address whose slot still carries f's epoch (End listed it, and nothing
 // marked, dropped or forgot it since) is declared complete when trust
 // says so, as Track does (the Tracked hook runs once for all of them). A
 // slot the pass stamped that trust refuses, no pod holds and no scrub
-// tracked is dropped: it would only collect keys nobody vouches for. trust
+// tracked is dropped, and so is one it made that it does not vouch for (a
+// slot made again after a drop, or during a spoiled pass): either would
+// only collect keys nobody vouches for. trust
 // runs without the index's locks (it may call the index). Every slot loses
 // the epoch; a second call, or one before End, does nothing.
 func (ix *Index) TrackFiled(f *Filing, trust func(netip.Addr) bool) (tracked []netip.Addr, dropped int) {
 	f.mu.Lock()
-	ended := f.ended
+	ended, spoiled := f.ended, f.spoiled
 	f.mu.Unlock()
 	if !ended {
 		return nil, 0
+	}
+	if spoiled {
+		trust = func(netip.Addr) bool { return false }
 	}
 	type cand struct {
 		ip netip.Addr
@@ -447,7 +464,7 @@ func (ix *Index) TrackFiled(f *Filing, trust func(netip.Addr) bool) (tracked []n
 		sh.mu.RLock()
 		for ip, e := range sh.ips {
 			e.mu.Lock()
-			if e.filed == f.epoch {
+			if e.filed == f.epoch || e.made == f.epoch {
 				cands = append(cands, cand{ip, e})
 			}
 			e.mu.Unlock()
@@ -459,10 +476,11 @@ func (ix *Index) TrackFiled(f *Filing, trust func(netip.Addr) bool) (tracked []n
 		e := c.e
 		e.mu.Lock()
 		drop := false
-		if e.filed == f.epoch && !e.dead {
-			e.filed = 0
+		vouched, made := e.filed == f.epoch, e.made == f.epoch
+		if (vouched || made) && !e.dead {
+			e.filed, e.made = 0, 0
 			switch {
-			case ok && e.incomplete == "" && e.unrecorded == "":
+			case vouched && ok && e.incomplete == "" && e.unrecorded == "":
 				e.tracked = true
 				e.gen = ix.gens.Add(1)
 				tracked = append(tracked, c.ip)

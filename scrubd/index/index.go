@@ -214,6 +214,7 @@ type IPEntry struct {
 	// since the pass began (0: none; any mark clears it). dead: the slot
 	// was dropped or forgotten; whoever still holds it looks again.
 	filed uint64
+	made  uint64 // the epoch of the bootstrap pass during which the slot was made
 	dead  bool
 
 	// While a Prune of this IP runs (pruning > 0) every key added is also
@@ -327,8 +328,11 @@ func (ix *Index) entry(ip netip.Addr, create bool) *IPEntry {
 		if ip.Is4() {
 			e.a4 = ip.As4()
 		}
-		if f := ix.filingNow(); f != nil && !f.isGone(ip) {
-			e.filed = f.epoch
+		if f := ix.filingNow(); f != nil {
+			e.made = f.epoch
+			if !f.isGone(ip) {
+				e.filed = f.epoch
+			}
 		}
 		sh.ips[ip] = e
 	}
