@@ -48,6 +48,10 @@ type Options struct {
 	Batch int
 	// Progress, when set, follows the pass (metrics, `scrubd status`).
 	Progress *Progress
+	// SyncWait bounds the wait, after the walk, for the recorder's reader
+	// to apply what the kernel recorded until then (0: 1 minute). A
+	// reader that is not running by then fails the pass.
+	SyncWait time.Duration
 
 	// afterBatch, tests only: called on the walking goroutine after each
 	// batch read (the batch's number in its map, from 1).
@@ -131,7 +135,14 @@ func Run(ctx context.Context, ix *index.Index, maps *ctmap.Maps, opts Options) (
 	// Every record the kernel produced before now (an entry made behind
 	// the walk) applied, and the lost counters read (a lost record marks
 	// its IP, or spoils the pass).
-	if err := ix.Sync(ctx); err != nil {
+	wait := opts.SyncWait
+	if wait <= 0 {
+		wait = time.Minute
+	}
+	sctx, cancel := context.WithTimeout(ctx, wait)
+	err = ix.Sync(sctx)
+	cancel()
+	if err != nil {
 		return res, fmt.Errorf("bootstrap: wait for the recorder's records: %w", err)
 	}
 	res.Addrs = f.End()

@@ -9,6 +9,7 @@ import (
 	"runtime"
 	"slices"
 	"testing"
+	"time"
 
 	"github.com/cilium/ebpf"
 	"github.com/cilium/ebpf/rlimit"
@@ -513,6 +514,19 @@ func TestFailedPassLeavesNoSlots(t *testing.T) {
 	// And the next pass may run.
 	if _, err := Run(context.Background(), ix, maps, Options{}); err != nil {
 		t.Fatal(err)
+	}
+}
+
+// Without a recorder feeding the index the pass cannot know what was made
+// behind its walk: it fails (within SyncWait) and vouches for nothing.
+func TestPassWithoutRecorderFails(t *testing.T) {
+	needRoot(t)
+	maps := pinnedMaps(t, 4096)
+	put4(t, maps, cilium4(ctmap.NewKey4(pod4(1), remote4, 80, 1, ctmap.ProtoTCP, ctmap.FlagOut))...)
+	ix := index.New(index.Config{PodCIDRs: []netip.Prefix{podCIDR4}}) // no hooks: nothing feeds it
+	res, err := Run(context.Background(), ix, maps, Options{SyncWait: 100 * time.Millisecond})
+	if err == nil || res.Filing != nil || len(ix.IPs()) != 0 {
+		t.Fatalf("a pass with no recorder: %v, %+v, slots %v", err, res, ix.IPs())
 	}
 }
 
