@@ -78,7 +78,7 @@ func (r *Recorder) ForgetIPs(ips ...netip.Addr) error {
 }
 
 // ForgetAll makes the recorder forget every cached flow, of every address:
-// each of the genSlots generation slots is bumped (one batch read and one
+// each of the GEN_SLOTS generation slots is bumped (one batch read and one
 // batch write of the array). A bootstrap pass calls it after the recorder
 // is attached to every pod and before it walks the CT maps
 // (scrubd/bootstrap), so that an entry Cilium makes from then on (for a
@@ -88,14 +88,15 @@ func (r *Recorder) ForgetIPs(ips ...netip.Addr) error {
 func (r *Recorder) ForgetAll() error {
 	r.genMu.Lock()
 	defer r.genMu.Unlock()
-	keys, gens := make([]uint32, genSlots), make([]uint32, genSlots)
+	slots := int(r.objs.RecGen.MaxEntries()) // GEN_SLOTS
+	keys, gens := make([]uint32, slots), make([]uint32, slots)
 	var cur ebpf.MapBatchCursor
 	n, err := r.objs.RecGen.BatchLookup(&cur, keys, gens, nil)
 	if err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
 		return fmt.Errorf("recorder: %w (all): read the generations: %w", ErrForget, err)
 	}
-	if n != genSlots {
-		return fmt.Errorf("recorder: %w (all): read %d generations, want %d", ErrForget, n, genSlots)
+	if n != slots {
+		return fmt.Errorf("recorder: %w (all): read %d generations, want %d", ErrForget, n, slots)
 	}
 	for i := range gens {
 		gens[i]++
