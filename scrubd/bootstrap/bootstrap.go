@@ -48,6 +48,11 @@ type Options struct {
 	Batch int
 	// Progress, when set, follows the pass (metrics, `scrubd status`).
 	Progress *Progress
+	// Cover is the node's own pod ranges (at most 65,536 addresses), when
+	// known: their free addresses, with no entry at all, are vouched for
+	// too (index.Filing.Cover). Without it only addresses that hold a
+	// slot (a key, a record, a pod) at the end are.
+	Cover []netip.Prefix
 	// SyncWait bounds the wait, after the walk, for the recorder's reader
 	// to apply what the kernel recorded until then (0: 1 minute). A
 	// reader that is not running by then fails the pass.
@@ -105,6 +110,9 @@ func Run(ctx context.Context, ix *index.Index, maps *ctmap.Maps, opts Options) (
 			res.Filing, res.Addrs = nil, nil
 		}
 	}()
+	if _, err := f.Cover(opts.Cover); err != nil {
+		return res, fmt.Errorf("bootstrap: cover %v: %w", opts.Cover, err)
+	}
 	if opts.Forget != nil {
 		if err := opts.Forget(); err != nil {
 			return res, fmt.Errorf("bootstrap: forget the recorder's cached flows: %w", err)

@@ -598,3 +598,47 @@ func BenchmarkPass(b *testing.B) {
 		}
 	}
 }
+
+// The node's own range (Options.Cover): a free address, with no entry at
+// all, is vouched for with an empty set, and a record of a flow towards it
+// after the pass lands in its slot; without Cover it has no slot and stays
+// unknown. A range past MaxCover fails the pass.
+func TestPassCoversTheNodeRange(t *testing.T) {
+	needRoot(t)
+	maps := pinnedMaps(t, 4096)
+	used, free := pod4(1), pod4(9)
+	put4(t, maps, cilium4(ctmap.NewKey4(used, remote4, 80, 1, ctmap.ProtoTCP, ctmap.FlagOut))...)
+	node := netip.MustParsePrefix("10.244.0.0/28")
+
+	ix := fedIndex()
+	ix.Hold(used)
+	res, err := Run(context.Background(), ix, maps, Options{Cover: []netip.Prefix{node}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(res.Addrs) != 16 || !slices.Contains(res.Addrs, free) || !slices.Contains(res.Addrs, used) {
+		t.Fatalf("vouched for %v, want the 16 addresses of %v", res.Addrs, node)
+	}
+	tracked, dropped := ix.TrackFiled(res.Filing, func(ip netip.Addr) bool { return ip == free || ip == used })
+	if len(tracked) != 2 || dropped != 14 {
+		t.Fatalf("tracked %v, dropped %d; want 2, and the 14 refused slots nobody holds", tracked, dropped)
+	}
+	// A live pod's new flow towards the free address, after the pass.
+	k := ctmap.NewKey4(used, free, 8080, 2, ctmap.ProtoTCP, ctmap.FlagOut)
+	recorder.Apply(ix, flowRec4(k))
+	if k4, _, st := ix.KeysOf(free); !st.Complete || !slices.Contains(k4, k) {
+		t.Fatalf("%v after the pass and a record towards it: %v, %+v", free, k4, st)
+	}
+
+	plain := fedIndex()
+	res, err = Run(context.Background(), plain, maps, Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if slices.Contains(res.Addrs, free) || plain.Gen(free) != 0 {
+		t.Fatalf("without Cover the free %v is vouched for (%v)", free, res.Addrs)
+	}
+	if _, err := Run(context.Background(), fedIndex(), maps, Options{Cover: []netip.Prefix{netip.MustParsePrefix("10.0.0.0/8")}}); err == nil {
+		t.Fatal("a /8 to cover was accepted")
+	}
+}

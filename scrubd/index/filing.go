@@ -107,6 +107,44 @@ func (ix *Index) BeginFiling() (*Filing, error) {
 	return f, nil
 }
 
+// MaxCover bounds the addresses Cover makes slots for (a /16 of IPv4).
+const MaxCover = 1 << 16
+
+// ErrCoverTooLarge is Cover's error for prefixes past MaxCover addresses.
+var ErrCoverTooLarge = errors.New("index: the node's ranges to cover hold more than 65,536 addresses")
+
+// Cover makes a slot, now, for every address of prefixes in the pod CIDRs
+// (the node's own pod ranges: the addresses its IPAM gives its next
+// pods). Call it right after BeginFiling. Such a slot carries the pass's
+// epoch like any slot present when the pass began, so an address that
+// has no entry at all, a free one, is listed by End with an empty set:
+// its slot collects every record from the pass's start, and its next
+// ADD may go by the index if the rule trusts it. Without Cover a free
+// address has no slot at End and stays unknown (its first scrub sweeps).
+// Returns the slots made.
+func (f *Filing) Cover(prefixes []netip.Prefix) (int, error) {
+	total := 0
+	for _, p := range prefixes {
+		p = p.Masked()
+		bits := p.Addr().BitLen() - p.Bits()
+		if bits > 16 || total+1<<bits > MaxCover {
+			return 0, ErrCoverTooLarge
+		}
+		total += 1 << bits
+	}
+	made := 0
+	for _, p := range prefixes {
+		p = p.Masked()
+		for a := p.Addr(); p.Contains(a); a = a.Next() {
+			if f.ix.Owns(a) {
+				f.ix.entry(a, true)
+				made++
+			}
+		}
+	}
+	return made, nil
+}
+
 // filingNow is the open Filing, or nil.
 func (ix *Index) filingNow() *Filing { return ix.filing.Load() }
 
