@@ -234,3 +234,48 @@ func readPeers(ns netns.NsHandle, path string, ends []hostEnd) ([]PodInterface, 
 	}
 	return out, errors.Join(errs...)
 }
+
+// bridgeRanges returns the subnets of the node's bridges that pods are
+// ports of (cni0, cbr0 on a bridge or kube-proxy node: the bridge holds
+// the gateway address of the node's pod range, e.g. 10.244.1.1/24), for
+// the bootstrap pass's Cover (scrubd/bootstrap Options.Cover), so the
+// range's free addresses are vouched for too. A Cilium node has no such
+// bridge (its range is in the CiliumNode resource). Global-scope
+// addresses only; it must run in the node's network namespace.
+func bridgeRanges(pods []PodInterface) ([]netip.Prefix, error) {
+	names := map[string]bool{}
+	for _, p := range pods {
+		if b, ok := strings.CutPrefix(p.Kind, "bridge:"); ok {
+			names[b] = true
+		}
+	}
+	var out []netip.Prefix
+	for name := range names {
+		l, err := netlink.LinkByName(name)
+		if err != nil {
+			return nil, fmt.Errorf("bridge %s: %w", name, err)
+		}
+		addrs, err := netlink.AddrList(l, netlink.FAMILY_ALL)
+		if err != nil {
+			return nil, fmt.Errorf("addresses of bridge %s: %w", name, err)
+		}
+		for _, a := range addrs {
+			ip, ok := netip.AddrFromSlice(a.IP)
+			if !ok || a.Scope != unix.RT_SCOPE_UNIVERSE || ip.IsLinkLocalUnicast() {
+				continue
+			}
+			ones, _ := a.Mask.Size()
+			if ip.Is4In6() {
+				ip = ip.Unmap()
+			}
+			out = append(out, netip.PrefixFrom(ip, ones).Masked())
+		}
+	}
+	slices.SortFunc(out, func(a, b netip.Prefix) int {
+		if c := a.Addr().Compare(b.Addr()); c != 0 {
+			return c
+		}
+		return a.Bits() - b.Bits()
+	})
+	return slices.Compact(out), nil
+}

@@ -60,6 +60,7 @@ func TestFindPodInterfaces(t *testing.T) {
 	runIP(t, "-n", n, "link", "set", "lxc1a2b", "up")
 	// Bridge node: a port of cni0.
 	runIP(t, "-n", n, "link", "add", "cni0", "type", "bridge")
+	runIP(t, "-n", n, "addr", "add", "10.244.2.1/24", "dev", "cni0")
 	runIP(t, "-n", n, "link", "add", "veth9f8e", "type", "veth", "peer", "name", "eth0", "netns", filepath.Base(p2))
 	runIP(t, "-n", n, "link", "set", "veth9f8e", "master", "cni0")
 	runIP(t, "-n", filepath.Base(p2), "addr", "add", "10.244.2.7/24", "dev", "eth0")
@@ -94,16 +95,23 @@ func TestFindPodInterfaces(t *testing.T) {
 	runIP(t, "-n", filepath.Base(other), "link", "add", "eth0", "type", "veth", "peer", "name", "eth1")
 
 	var got []PodInterface
+	var ranges []netip.Prefix
 	start := time.Now()
 	err := nsexec.Do(node, func() error {
 		var err error
-		got, err = findPodInterfaces(podIfOptions{})
+		if got, err = findPodInterfaces(podIfOptions{}); err != nil {
+			return err
+		}
+		ranges, err = bridgeRanges(got)
 		return err
 	})
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Logf("found %d pod interfaces in %v", len(got), time.Since(start))
+	if want := []netip.Prefix{netip.MustParsePrefix("10.244.2.0/24")}; !slices.Equal(ranges, want) {
+		t.Errorf("the bridge's ranges: %v, want %v", ranges, want)
+	}
 	want := []struct {
 		netns, host, kind string
 		ips               []netip.Addr
