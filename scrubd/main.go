@@ -324,6 +324,17 @@ func cliStatus(args []string) error {
 	tw := tabwriter.NewWriter(os.Stdout, 0, 4, 2, ' ', 0)
 	fmt.Fprintf(tw, "version\t%s\nready\t%v\nbackends\t%s\npod CIDRs\t%v\nindexed pods\t%d\nindex keys\t%d\nincomplete IPs\t%d\nin flight\t%d (queue limit %d)\nuptime\t%s\nmetrics\t%s\n",
 		st.Version, st.Ready, strings.Join(st.Backends, ","), st.PodCIDRs, st.IndexedPods, st.IndexKeys, st.IncompleteIPs, st.InFlight, st.QueueLimit, st.Uptime, st.Metrics)
+	if b := st.Bootstrap; b != nil {
+		state := fmt.Sprintf("done %s", b.Done.Format(time.RFC3339))
+		if b.Running {
+			state = "running"
+		}
+		if b.Error != "" {
+			state = "failed: " + b.Error
+		}
+		fmt.Fprintf(tw, "bootstrap pass\t%s, %.1f s, %d entries read, %d keys filed, %d addresses whole\n",
+			state, b.DurationS, b.Visited, b.Keys, b.Addresses)
+	}
 	tw.Flush()
 	return notReady
 }

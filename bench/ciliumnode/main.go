@@ -77,6 +77,12 @@ type config struct {
 	ciliumImage   string // stock agent
 	delegateImage string // agent with cilium/patches
 	gcInterval    string // run.sh's conntrackGCInterval
+	// warmup (WARMUP=1): before ctscrub_delegate, remove the worker's
+	// dead sandboxes and give every free address of its range a pod once,
+	// so scrubd has seen each come and go. Off by default: an operator
+	// does neither, and a node after an install, upgrade or restart is
+	// cold (issue 36).
+	warmup bool
 }
 
 func envInt(name string, def int) (int, error) {
@@ -125,6 +131,13 @@ func loadConfig() (config, error) {
 		return c, err
 	}
 	c.podTimeout = time.Duration(t) * time.Second
+	switch v := os.Getenv("WARMUP"); v {
+	case "", "0":
+	case "1":
+		c.warmup = true
+	default:
+		return c, fmt.Errorf("WARMUP=%q: want 1 (warm-up and dead-sandbox removal before ctscrub) or 0 (cold, the default)", v)
+	}
 	c.expired = 0.8
 	if v := os.Getenv("EXPIRED"); v != "" {
 		if c.expired, err = strconv.ParseFloat(v, 64); err != nil || c.expired < 0 || c.expired > 1 {
@@ -232,6 +245,7 @@ type result struct {
 	Machine              string                    `json:"machine"`
 	Entries              int                       `json:"entries"`
 	ExpiredShare         float64                   `json:"expired_share"`
+	Warmup               bool                      `json:"warmup"` // WARMUP=1
 	Pods                 int                       `json:"pods"`
 	Clock                string                    `json:"clock"`
 	CTMax                map[string]uint32         `json:"ct_max"`
@@ -305,7 +319,7 @@ func bench(ctx context.Context, cfg config) error {
 	}
 	defer func() { maps.Close() }() // the one open at the end (upgrades reopen it)
 	res := result{
-		Date: time.Now().UTC().Format(time.RFC3339), Entries: cfg.entries, ExpiredShare: cfg.expired, Pods: cfg.pods,
+		Date: time.Now().UTC().Format(time.RFC3339), Entries: cfg.entries, ExpiredShare: cfg.expired, Pods: cfg.pods, Warmup: cfg.warmup,
 		Machine: fmt.Sprintf("%d CPUs, Linux %s", runtime.NumCPU(), kernelRelease()),
 		CTMax:   map[string]uint32{}, Variants: map[string]*variantResult{},
 	}

@@ -167,6 +167,6 @@ kubectl -n kube-system rollout status ds/cilium --timeout=10m >&2
 kubectl wait --for=condition=Ready node --all --timeout=5m >&2
 kubectl -n kube-system rollout status deploy/coredns --timeout=5m >&2 || log "warning: coredns not ready (the traffic pods' DNS lookups fail; TCP flows still run)"
 
-log "running the benchmark (ENTRIES=$ENTRIES EXPIRED=${EXPIRED:-0.8} PODS=$PODS)"
+log "running the benchmark (ENTRIES=$ENTRIES EXPIRED=${EXPIRED:-0.8} PODS=$PODS WARMUP=${WARMUP:-0})"
 export CLUSTER POD_CIDR PODS CT_GC_INTERVAL CILIUM_IMAGE
 (cd "$ROOT" && go run ./bench/ciliumnode)

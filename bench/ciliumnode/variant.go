@@ -38,9 +38,17 @@ func runVariant(ctx context.Context, cfg config, k *kube, maps *ctmap.Maps, f *f
 		}
 	}
 	var warm map[netip.Addr]bool
-	if name == "ctscrub_delegate" {
-		// A node's steady state: scrubd has seen every address of the
-		// node's range given to a pod and taken back once, so its index
+	if name == "ctscrub_delegate" && !cfg.warmup {
+		// Cold (the default): ctscrub installed on a node whose pods ran
+		// before it, as an operator installs or upgrades it; no dead
+		// sandbox removed, no address given a pod first.
+		if err := installCtscrub(k, cfg, "off"); err != nil {
+			return nil, 0, err
+		}
+	}
+	if name == "ctscrub_delegate" && cfg.warmup {
+		// WARMUP=1: a node's steady state: scrubd has seen every address of
+		// the node's range given to a pod and taken back once, so its index
 		// vouches for them (docs/cilium-node.md). Done on the real
 		// entries alone: the previous variant's synthetic ones go first,
 		// so the warm-up's first scrubs of each address (sweeps: a new
@@ -99,7 +107,8 @@ func runVariant(ctx context.Context, cfg config, k *kube, maps *ctmap.Maps, f *f
 			log.Printf("Cilium's CT GC ran twice over every map (%.1fs after the fill)", waited.Seconds())
 		}
 	case "cilium_only", "ctscrub_delegate":
-		// uninstalled before the fill / installed and warmed up before it
+		// uninstalled before the fill / installed (and with WARMUP=1
+		// warmed up) before it
 	}
 	if err != nil {
 		return nil, 0, err
@@ -400,8 +409,10 @@ func ctCleanMetric(k *kube) ([2]float64, error) {
 // install-cni init container chains ctscrub after cilium-cni in Cilium's own
 // conflist (docs/plugin.md, option 2). Waits for the rollout and the chain.
 func installCtscrub(k *kube, cfg config, mode string) error {
-	if err := removeLeftSandboxes(k); err != nil {
-		return err
+	if cfg.warmup {
+		if err := removeLeftSandboxes(k); err != nil {
+			return err
+		}
 	}
 	raw, err := os.ReadFile(filepath.Join(cfg.root, "conf", "scrubd.yaml"))
 	if err != nil {
@@ -472,21 +483,48 @@ func installCtscrub(k *kube, cfg config, mode string) error {
 // the next variant's scrubs into sweeps. Seen on 2026-12-02: cilium_only
 // before ctscrub_delegate, 2 failed sandboxes, 17 of 20 creates answered
 // incomplete. A node that ran pods before ctscrub came has the same, once.
+// Part of WARMUP=1: an operator's node keeps its dead sandboxes.
+//
+// The kubelet's own garbage collection races with it: a sandbox listed may
+// be gone by the time it is removed. Gone is what was wanted, so crictl's
+// NotFound is not a failure (it aborted a run here before).
 func removeLeftSandboxes(k *kube) error {
 	out, err := run(k.ctx, time.Minute, "", "docker", "exec", k.worker, "crictl", "pods", "-q", "--state", "NotReady")
 	if err != nil {
 		return fmt.Errorf("list the worker's sandboxes: %w", err)
 	}
 	ids := strings.Fields(out)
+	removed, vanished := 0, 0
 	for _, id := range ids {
-		if _, err := run(k.ctx, time.Minute, "", "docker", "exec", k.worker, "crictl", "rmp", "-f", id); err != nil {
+		_, err := run(k.ctx, time.Minute, "", "docker", "exec", k.worker, "crictl", "rmp", "-f", id)
+		switch {
+		case err == nil:
+			removed++
+		case sandboxNotFound(err):
+			vanished++
+		default:
 			return fmt.Errorf("remove sandbox %s: %w", id, err)
 		}
 	}
 	if len(ids) > 0 {
-		log.Printf("removed %d sandboxes no longer ready before installing ctscrub", len(ids))
+		log.Printf("removed %d sandboxes no longer ready before installing ctscrub (%d more were gone before their turn)", removed, vanished)
 	}
 	return nil
+}
+
+// sandboxNotFound: crictl rmp failed because the sandbox no longer exists
+// (the runtime's gRPC NotFound, as crictl prints it: "... code = NotFound
+// desc = ... not found", or "... does not exist").
+func sandboxNotFound(err error) bool {
+	m := strings.ToLower(err.Error())
+	if strings.Contains(m, "code = notfound") {
+		return true
+	}
+	// Not crictl or docker missing, nor the worker's container gone.
+	if strings.Contains(m, "executable file not found") || strings.Contains(m, "no such container") {
+		return false
+	}
+	return strings.Contains(m, "sandbox") && (strings.Contains(m, "not found") || strings.Contains(m, "does not exist"))
 }
 
 // uninstallCtscrub removes ctscrub as docs/plugin.md says, in the order that

@@ -148,6 +148,9 @@ func run(cfg config) (result, error) {
 	if err := timeWalks(&res, nd, c, cfg); err != nil {
 		return res, err
 	}
+	if err := timeBootstrap(&res, nd); err != nil {
+		return res, err
+	}
 	res.compare(cfg)
 	return res, nil
 }

@@ -30,6 +30,9 @@ func TestSmallBench(t *testing.T) {
 	if _, ok := res.Targets["socket_median_le_2x_floor"]; !ok {
 		t.Errorf("no floor target in %v", res.Targets)
 	}
+	if res.BootstrapS <= 0 || res.BootstrapWalkS <= 0 || res.BootstrapKeys <= 0 || res.BootstrapBytesKey <= 0 {
+		t.Errorf("no bootstrap figures: %+v", res)
+	}
 	if res.IndexKeys != 1<<16 {
 		t.Errorf("index holds %d keys, want one per entry (%d)", res.IndexKeys, 1<<16)
 	}

@@ -24,6 +24,16 @@ func threadCPU() time.Duration {
 	return time.Duration(ts.Nano())
 }
 
+// processCPU is the whole process's CPU time (user + system, every thread):
+// the bootstrap pass runs on several goroutines.
+func processCPU() time.Duration {
+	var ts unix.Timespec
+	if err := unix.ClockGettime(unix.CLOCK_PROCESS_CPUTIME_ID, &ts); err != nil {
+		return 0
+	}
+	return time.Duration(ts.Nano())
+}
+
 // runDelay is how long the calling thread has been runnable but waiting for
 // a CPU (the second field of /proc/thread-self/schedstat).
 func runDelay() time.Duration {

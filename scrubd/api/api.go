@@ -186,6 +186,23 @@ type Status struct {
 	QueueLimit    int            `json:"queue_limit"`
 	Uptime        string         `json:"uptime"`
 	Metrics       string         `json:"metrics"`
+	// Bootstrap: the pass over the CT maps at start (scrubd/bootstrap);
+	// absent before the first.
+	Bootstrap *BootstrapStatus `json:"bootstrap,omitempty"`
+}
+
+// BootstrapStatus is the bootstrap pass, running or last ended.
+type BootstrapStatus struct {
+	Running bool      `json:"running"`
+	Passes  int       `json:"passes"` // ended so far
+	Start   time.Time `json:"start"`
+	Done    time.Time `json:"done,omitzero"`
+	// DurationS: the pass's wall time (so far, while it runs).
+	DurationS float64 `json:"duration_s"`
+	Visited   int64   `json:"entries_read"`
+	Keys      int64   `json:"keys_filed"`      // (address, key) pairs added
+	Addresses int     `json:"addresses_whole"` // vouched for at its end
+	Error     string  `json:"error,omitempty"`
 }
 
 // Error codes in Error.Code. The plugin maps them to CNI error codes.

@@ -28,6 +28,7 @@ import (
 
 	"github.com/ctscrub/ctscrub/internal/netnsid"
 	"github.com/ctscrub/ctscrub/scrubd/api"
+	"github.com/ctscrub/ctscrub/scrubd/bootstrap"
 	"github.com/ctscrub/ctscrub/scrubd/expiry"
 	"github.com/ctscrub/ctscrub/scrubd/index"
 	"github.com/ctscrub/ctscrub/scrubd/owner"
@@ -136,6 +137,10 @@ type Daemon struct {
 
 	ownNetns netnsid.ID // scrubd's own network namespace (netns.go); zero if unknown
 
+	// boot follows the bootstrap pass over the CT maps (scrubd/bootstrap):
+	// its metrics and `scrubd status`.
+	boot bootstrap.Progress
+
 	// workCtx is the parent of every request and flight: cancelled when the
 	// shutdown grace runs out.
 	workCtx    context.Context
@@ -198,6 +203,9 @@ func New(opts Options) (*Daemon, error) {
 	}
 	d.workCtx, d.cancelWork = context.WithCancel(context.Background())
 	d.m = newMetrics(d, opts.Registry)
+	if err := d.boot.Register(d.m.reg); err != nil {
+		return nil, fmt.Errorf("register the bootstrap pass's metrics: %w", err)
+	}
 	if err := d.enableAudit(opts.Expiry); err != nil {
 		return nil, err
 	}
@@ -649,3 +657,7 @@ func (d *Daemon) refreshStats(ctx context.Context) []api.MapStats {
 	}
 	return all
 }
+
+// BootstrapProgress is where the bootstrap pass reports (bootstrap.Options
+// Progress): /metrics and `scrubd status` show it.
+func (d *Daemon) BootstrapProgress() *bootstrap.Progress { return &d.boot }

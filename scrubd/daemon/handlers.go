@@ -749,6 +749,7 @@ func (d *Daemon) Status() api.Status {
 		QueueLimit:    d.cfg.QueueLimit,
 		Uptime:        time.Since(d.started).Round(time.Second).String(),
 		Metrics:       d.cfg.MetricsAddr,
+		Bootstrap:     d.boot.Status(),
 	}
 }
 

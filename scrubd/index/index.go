@@ -89,6 +89,9 @@ type Index struct {
 	feedDown bool
 
 	gens atomic.Uint64 // source of IPEntry.gen values: never repeats
+
+	// filing is the bootstrap pass's Filing while one is open (filing.go).
+	filing atomic.Pointer[Filing]
 }
 
 // Hooks let the recorder follow keys out of the index. The recorder's
@@ -207,6 +210,12 @@ type IPEntry struct {
 	incomplete string // first reason it cannot prove completeness; "" when complete
 	pruneAt    int    // size at which the set is checked for stale keys
 	gen        uint64 // changes on every Take and Track (see State.Gen)
+	// filed: the epoch of the bootstrap pass that vouches for the slot
+	// since the pass began (0: none; any mark clears it). dead: the slot
+	// was dropped or forgotten; whoever still holds it looks again.
+	filed uint64
+	made  uint64 // the epoch of the bootstrap pass during which the slot was made
+	dead  bool
 
 	// While a Prune of this IP runs (pruning > 0) every key added is also
 	// noted in added4/added6: Prune then keeps it even if it judged the key
@@ -319,6 +328,12 @@ func (ix *Index) entry(ip netip.Addr, create bool) *IPEntry {
 		if ip.Is4() {
 			e.a4 = ip.As4()
 		}
+		if f := ix.filingNow(); f != nil {
+			e.made = f.epoch
+			if !f.isGone(ip) {
+				e.filed = f.epoch
+			}
+		}
 		sh.ips[ip] = e
 	}
 	return e
@@ -392,12 +407,13 @@ func (ix *Index) AddTo6(ip netip.Addr, k ctmap.CTKey6) {
 }
 
 // slot returns ip's slot, or nil when it has none or lies outside the pod
-// CIDRs.
+// CIDRs. While a bootstrap pass files (filing.go) every address in the pod
+// CIDRs gets one.
 func (ix *Index) slot(ip netip.Addr) *IPEntry {
 	if !ix.Owns(ip) {
 		return nil
 	}
-	return ix.entry(ip, false)
+	return ix.entry(ip, ix.filingNow() != nil)
 }
 
 // markLocked marks e incomplete. A slot no pod of this node holds is
@@ -411,6 +427,7 @@ func (ix *Index) markLocked(e *IPEntry, reason string) (drop bool) {
 		e.incomplete = reason
 		ix.incomplete.Add(1)
 	}
+	e.filed = 0
 	return !e.held
 }
 
@@ -420,7 +437,12 @@ func (ix *Index) markLocked(e *IPEntry, reason string) (drop bool) {
 func (ix *Index) MarkIncomplete(ip netip.Addr, reason string) {
 	e := ix.entry(ip, false)
 	if e == nil {
-		return // no slot: incomplete already
+		// No slot: incomplete already. A bootstrap pass must not vouch
+		// for a slot it makes for ip later.
+		if f := ix.filingNow(); f != nil && ix.Owns(ip) {
+			f.noteGone(ip)
+		}
+		return
 	}
 	e.mu.Lock()
 	drop := ix.markLocked(e, reason)
@@ -521,6 +543,10 @@ func (ix *Index) dropSlot(ip netip.Addr, e *IPEntry) {
 	ix.keys.Add(-int64(e.size()))
 	if e.incomplete != "" {
 		ix.incomplete.Add(-1)
+	}
+	e.dead, e.filed = true, 0
+	if f := ix.filingNow(); f != nil {
+		f.noteGone(ip)
 	}
 	// Anyone still holding e (a Take, an Add that found it) works on a
 	// slot no longer in the index: the IP has no slot, so it is not
@@ -721,7 +747,11 @@ func (ix *Index) Forget(ip netip.Addr) {
 	if e.incomplete != "" {
 		ix.incomplete.Add(-1)
 	}
+	e.dead, e.filed = true, 0
 	e.mu.Unlock()
+	if f := ix.filingNow(); f != nil {
+		f.noteGone(ip)
+	}
 }
 
 // Keys is the number of indexed (IP, key) pairs.

@@ -121,12 +121,39 @@ func (s *keySet) find(rec []byte) (int, bool) {
 	rs := len(rec)
 	c := s.cap(rs)
 	i := s.home(rec, c)
+	if rs == RecSize4 {
+		return s.find4(rec, c, i)
+	}
 	for {
 		slot := s.slots[i*rs : i*rs+rs]
 		if slot[rs-1] == 0 {
 			return i, false
 		}
 		if string(slot) == string(rec) {
+			return i, true
+		}
+		if i++; i == c {
+			i = 0
+		}
+	}
+}
+
+// find4 is find for IPv4 records (11 bytes), compared as two words (bytes
+// 0-7 and 7-10) rather than through a byte comparison's call per probe: a
+// table kept up to 7/8 full probes many slots per miss (issue 36's
+// bootstrap pass inserts 16 M keys through it). BenchmarkKeySetAdd4, user
+// CPU of 3.3 M inserts, three runs alternating on a loaded machine: 0.67-
+// 0.79 s before, 0.52-0.67 s after.
+func (s *keySet) find4(rec []byte, c, i int) (int, bool) {
+	le := binary.LittleEndian
+	lo, hi := le.Uint64(rec[0:8]), le.Uint32(rec[7:RecSize4])
+	slots := s.slots[:c*RecSize4]
+	for {
+		slot := slots[i*RecSize4 : i*RecSize4+RecSize4 : i*RecSize4+RecSize4]
+		if slot[RecSize4-1] == 0 {
+			return i, false
+		}
+		if le.Uint64(slot[0:8]) == lo && le.Uint32(slot[7:RecSize4]) == hi {
 			return i, true
 		}
 		if i++; i == c {

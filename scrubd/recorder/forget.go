@@ -6,6 +6,8 @@ import (
 	"fmt"
 	"net/netip"
 
+	"github.com/cilium/ebpf"
+
 	"github.com/ctscrub/ctscrub/scrubd/ctmap"
 	"github.com/ctscrub/ctscrub/scrubd/index"
 )
@@ -71,6 +73,36 @@ func (r *Recorder) ForgetIPs(ips ...netip.Addr) error {
 	}
 	if err := errors.Join(errs...); err != nil {
 		return fmt.Errorf("recorder: %w of %v: %w", ErrForget, ips, err)
+	}
+	return nil
+}
+
+// ForgetAll makes the recorder forget every cached flow, of every address:
+// each of the GEN_SLOTS generation slots is bumped (one batch read and one
+// batch write of the array). A bootstrap pass calls it after the recorder
+// is attached to every pod and before it walks the CT maps
+// (scrubd/bootstrap), so that an entry Cilium makes from then on (for a
+// flow a previous scrubd recorded and whose entry went meanwhile) is
+// recorded again when the walk has already passed its bucket. On an error
+// the caller must not vouch for any address.
+func (r *Recorder) ForgetAll() error {
+	r.genMu.Lock()
+	defer r.genMu.Unlock()
+	slots := int(r.objs.RecGen.MaxEntries()) // GEN_SLOTS
+	keys, gens := make([]uint32, slots), make([]uint32, slots)
+	var cur ebpf.MapBatchCursor
+	n, err := r.objs.RecGen.BatchLookup(&cur, keys, gens, nil)
+	if err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
+		return fmt.Errorf("recorder: %w (all): read the generations: %w", ErrForget, err)
+	}
+	if n != slots {
+		return fmt.Errorf("recorder: %w (all): read %d generations, want %d", ErrForget, n, slots)
+	}
+	for i := range gens {
+		gens[i]++
+	}
+	if _, err := r.objs.RecGen.BatchUpdate(keys, gens, nil); err != nil {
+		return fmt.Errorf("recorder: %w (all): write the generations: %w", ErrForget, err)
 	}
 	return nil
 }

@@ -322,3 +322,77 @@ func TestUpgradeReadsLegacyLostCounter(t *testing.T) {
 		t.Errorf("%s lost in the old counter after Load: %+v", b, st)
 	}
 }
+
+// ForgetAll (the bootstrap pass, before its walk) re-records every cached
+// flow, whatever its addresses.
+func TestForgetAll(t *testing.T) {
+	l := loadPinned(t, Options{})
+	frames := []struct {
+		egress bool
+		frame  []byte
+	}{
+		{true, eth(0x0800).add(ipv4(6, 0, pod4, peer4)...).add(ports(40000, 443, 20)...).b},
+		{false, eth(0x86dd).add(ipv6(17, pod6, peer6)...).add(ports(40004, 53, 8)...).b},
+		{true, eth(0x0800).add(ipv4(6, 0, netip.MustParseAddr("10.244.7.7"), peer4)...).add(ports(40005, 443, 20)...).b},
+	}
+	for i, f := range frames {
+		if n := l.records(t, f.egress, f.frame); n != 1 {
+			t.Fatalf("flow %d: first packet made %d records", i, n)
+		}
+		if n := l.records(t, f.egress, f.frame); n != 0 {
+			t.Fatalf("flow %d: established packet made %d records", i, n)
+		}
+	}
+	start := time.Now()
+	if err := l.ForgetAll(); err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("ForgetAll: %v", time.Since(start))
+	for i, f := range frames {
+		if n := l.records(t, f.egress, f.frame); n != 1 {
+			t.Errorf("flow %d: after ForgetAll: %d records, want 1", i, n)
+		}
+	}
+}
+
+// A loss the per-IP counters have no room for, while a bootstrap pass
+// files, spoils the pass: the lost record may be of an address with no
+// slot yet, which no mark could reach, so the pass vouches for none.
+func TestLostOverflowSpoilsBootstrap(t *testing.T) {
+	l := loadPinned(t, Options{RingBytes: os.Getpagesize(), LostEntries: 1})
+	ix := index.New(index.Config{})
+	a, b, quiet := netip.MustParseAddr("10.244.0.40"), netip.MustParseAddr("10.244.0.41"), netip.MustParseAddr("10.244.0.42")
+	ix.Hold(quiet)
+	f, err := ix.BeginFiling()
+	if err != nil {
+		t.Fatal(err)
+	}
+	port := uint16(1000)
+	lose := func(ip netip.Addr) {
+		t.Helper()
+		before := l.Lost()
+		for l.Lost() == before {
+			port++
+			frame := eth(0x0800).add(ipv4(17, 0, ip, peer4)...).add(ports(port, 53, 8)...).b
+			if _, _, err := l.objs.RecorderEgress.Test(frame); err != nil {
+				t.Fatal(err)
+			}
+			if port == 3000 {
+				t.Fatalf("no loss for %s", ip)
+			}
+		}
+	}
+	lose(a) // the one counter
+	lose(b) // no room: overflow
+	if err := l.PollLost(ix); err != nil {
+		t.Fatal(err)
+	}
+	// The walk then reaches an address that had no slot when the record
+	// was lost: its slot is made now.
+	late := netip.MustParseAddr("10.244.0.43")
+	f.Add4([]ctmap.CTKey4{ctmap.NewKey4(late, peer4, 53, 999, ctmap.ProtoUDP, ctmap.FlagOut)})
+	f.Merge(1)
+	if got := f.End(); len(got) != 0 {
+		t.Fatalf("the pass vouches for %v after an overflow of the lost counters", got)
+	}
+}

@@ -959,6 +959,9 @@ func (r *Recorder) pollLostLocked(ix *index.Index) error {
 	}
 	if over > r.overflow {
 		r.opts.Log.Error("recorder: the per-IP lost counter is full; every IP is marked incomplete", "overflow", over)
+		// A bootstrap pass filing now vouches for no address either: a
+		// lost record's address may have no slot yet.
+		ix.SpoilFiling()
 		for _, ip := range ix.IPs() {
 			ix.MarkIncomplete(ip, index.ReasonLost)
 		}

@@ -1,0 +1,270 @@
+// Package bootstrap is scrubd's one pass over Cilium's CT maps at start: it
+// files every key holding an address of the pod CIDRs under that address in
+// the index, so that from the end of the pass each address's set is whole
+// (entries older than the recorder's attach are in the pass, newer ones are
+// recorded) without one sweep of the table per address. The argument, and
+// what it does not cover, is in docs/design.md ("The bootstrap pass").
+//
+// The walk reads each global CT map with BPF_MAP_LOOKUP_BATCH, as Cilium
+// 1.18+ walks them (internal/ciliumwalk is that walk as the benchmarks'
+// baseline), on one goroutine, and hands each batch to a second goroutine
+// that buffers each key's record under its addresses (index.Filing.Add4/
+// Add6), so the kernel's copy and the filing overlap where a second CPU is
+// free. After the walk each address's table is built from its buffer
+// without a lock and joined with its slot under the IP's lock
+// (Filing.Merge). It holds no lock a scrub needs for longer than that
+// join: no lock at all during the walk.
+//
+// Run declares nothing complete: it returns the Filing and the addresses
+// it vouches for, and the daemon declares those its ownership rule allows
+// with index.TrackFiled.
+package bootstrap
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net/netip"
+	"sync"
+	"time"
+
+	"github.com/cilium/ebpf"
+	"golang.org/x/sys/unix"
+
+	"github.com/ctscrub/ctscrub/scrubd/ctmap"
+	"github.com/ctscrub/ctscrub/scrubd/index"
+)
+
+// Options tune a pass.
+type Options struct {
+	// Forget makes the recorder forget every cached flow
+	// (recorder.Recorder.ForgetAll). It runs after the slots opened and
+	// before the walk: a flow a previous scrubd recorded, whose entry went
+	// and comes back behind the walk, is then recorded again. Nil only
+	// where no recorder's cache predates the pass (tests of the walk).
+	Forget func() error
+	// Batch is the entries per BPF_MAP_LOOKUP_BATCH (0: 8192; doubled
+	// when a hash bucket does not fit).
+	Batch int
+	// Progress, when set, follows the pass (metrics, `scrubd status`).
+	Progress *Progress
+	// Cover is the node's own pod ranges (at most 65,536 addresses), when
+	// known: their free addresses, with no entry at all, are vouched for
+	// too (index.Filing.Cover). Without it only addresses that hold a
+	// slot (a key, a record, a pod) at the end are.
+	Cover []netip.Prefix
+	// SyncWait bounds the wait, after the walk, for the recorder's reader
+	// to apply what the kernel recorded until then (0: 1 minute). A
+	// reader that is not running by then fails the pass.
+	SyncWait time.Duration
+
+	// afterBatch, tests only: called on the walking goroutine after each
+	// batch read (the batch's number in its map, from 1).
+	afterBatch func(kind ctmap.Kind, batch int)
+}
+
+// Result is what one pass did.
+type Result struct {
+	// Filing is the pass's hold on the index: hand it to
+	// index.TrackFiled with the ownership rule to declare addresses
+	// complete (or to drop the slots the pass made, trust refusing all).
+	Filing *index.Filing
+	// Addrs are the addresses the pass vouches for at Done (Filing.End):
+	// every slot present when the pass began or made during it that no
+	// mark, drop or lost record touched meanwhile. Sorted.
+	Addrs []netip.Addr
+	// Visited is the entries read from the maps, Pairs the (address, key)
+	// pairs the pass added to the index (keys already there, from a record
+	// or a snapshot, are not counted).
+	Visited, Pairs int64
+	// Maps is the maps walked (nil ones skipped), by name.
+	Maps        []string
+	Start, Done time.Time
+}
+
+// Duration is the pass's wall time.
+func (r Result) Duration() time.Duration { return r.Done.Sub(r.Start) }
+
+// Run makes one pass over maps into ix. The recorder must already be
+// attached to every pod interface of the node and its reader running (or
+// about to run: Run waits for it within ctx), since records of entries
+// made behind the walk are what complete the sets. On an error nothing is
+// vouched for: the slots the pass made that no pod holds are dropped, and
+// Result.Filing is nil.
+func Run(ctx context.Context, ix *index.Index, maps *ctmap.Maps, opts Options) (res Result, err error) {
+	p := opts.Progress
+	if p == nil {
+		p = &Progress{}
+	}
+	res.Start = time.Now()
+	f, err := ix.BeginFiling()
+	if err != nil {
+		return res, err
+	}
+	p.begin(res.Start, f)
+	defer func() {
+		res.Done = time.Now()
+		p.end(res, err)
+		if err != nil {
+			f.Abort()
+			res.Filing, res.Addrs = nil, nil
+		}
+	}()
+	if _, err := f.Cover(opts.Cover); err != nil {
+		return res, fmt.Errorf("bootstrap: cover %v: %w", opts.Cover, err)
+	}
+	if opts.Forget != nil {
+		if err := opts.Forget(); err != nil {
+			return res, fmt.Errorf("bootstrap: forget the recorder's cached flows: %w", err)
+		}
+	}
+	batch := opts.Batch
+	if batch <= 0 {
+		batch = 8192
+	}
+	w := newWalker(f, batch, p)
+	w.afterBatch = opts.afterBatch
+	for _, k := range ctmap.Kinds {
+		m := maps.Map(k)
+		if m == nil {
+			continue
+		}
+		res.Maps = append(res.Maps, k.Name())
+		if err := w.walk(ctx, m, k); err != nil {
+			w.close()
+			return res, fmt.Errorf("bootstrap: walk %s: %w", k.Name(), err)
+		}
+	}
+	w.close()
+	res.Visited = p.visited.Load() - p.visitedAt
+	// Each address's records into its set: two workers, the tables built
+	// without a lock.
+	f.Merge(2)
+	// Every record the kernel produced before now (an entry made behind
+	// the walk) applied, and the lost counters read (a lost record marks
+	// its IP, or spoils the pass).
+	wait := opts.SyncWait
+	if wait <= 0 {
+		wait = time.Minute
+	}
+	sctx, cancel := context.WithTimeout(ctx, wait)
+	err = ix.Sync(sctx)
+	cancel()
+	if err != nil {
+		return res, fmt.Errorf("bootstrap: wait for the recorder's records: %w", err)
+	}
+	res.Addrs = f.End()
+	res.Pairs = f.Added()
+	res.Filing = f
+	return res, nil
+}
+
+// chunk is one BPF_MAP_LOOKUP_BATCH's worth of keys.
+type chunk struct {
+	v6   bool
+	k4   []ctmap.CTKey4
+	k6   []ctmap.CTKey6
+	vals []ctmap.Entry // the batch lookup's values; not used
+	n    int
+}
+
+// walker reads batches on the caller's goroutine and files them on its own.
+type walker struct {
+	f    *index.Filing
+	p    *Progress
+	free chan *chunk
+	full chan *chunk
+	done sync.WaitGroup
+	size int
+
+	afterBatch func(ctmap.Kind, int)
+}
+
+const inFlight = 3 // chunks: one read, one filed, one between
+
+func newWalker(f *index.Filing, size int, p *Progress) *walker {
+	w := &walker{f: f, p: p, size: size, free: make(chan *chunk, inFlight), full: make(chan *chunk, inFlight)}
+	for range inFlight {
+		w.free <- &chunk{}
+	}
+	w.done.Add(1)
+	go func() {
+		defer w.done.Done()
+		for c := range w.full {
+			if c.v6 {
+				w.f.Add6(c.k6[:c.n])
+			} else {
+				w.f.Add4(c.k4[:c.n])
+			}
+			w.free <- c
+		}
+	}()
+	return w
+}
+
+// close waits until every chunk read is filed.
+func (w *walker) close() {
+	if w.full != nil {
+		close(w.full)
+		w.done.Wait()
+		w.full = nil
+	}
+}
+
+func (c *chunk) fit(v6 bool, size int) {
+	c.v6 = v6
+	if len(c.vals) < size {
+		c.vals = make([]ctmap.Entry, size)
+	}
+	c.vals = c.vals[:size]
+	if v6 {
+		if len(c.k6) < size {
+			c.k6 = make([]ctmap.CTKey6, size)
+		}
+		c.k6 = c.k6[:size]
+	} else {
+		if len(c.k4) < size {
+			c.k4 = make([]ctmap.CTKey4, size)
+		}
+		c.k4 = c.k4[:size]
+	}
+}
+
+// walk reads m to its end. An entry deleted or added while the walk runs
+// may or may not be read (the kernel's cursor is a bucket); the design's
+// argument covers both (docs/design.md).
+func (w *walker) walk(ctx context.Context, m *ebpf.Map, kind ctmap.Kind) error {
+	var cursor ebpf.MapBatchCursor
+	size := w.size
+	for batches := 1; ; batches++ {
+		if err := ctx.Err(); err != nil {
+			return err
+		}
+		c := <-w.free
+		c.fit(kind.IPv6(), size)
+		var n int
+		var err error
+		if c.v6 {
+			n, err = m.BatchLookup(&cursor, c.k6, c.vals, nil)
+		} else {
+			n, err = m.BatchLookup(&cursor, c.k4, c.vals, nil)
+		}
+		if errors.Is(err, unix.ENOSPC) && n == 0 { // a hash bucket larger than the buffer
+			w.free <- c
+			size *= 2
+			continue
+		}
+		c.n = n
+		w.p.visited.Add(int64(n))
+		w.full <- c
+		if w.afterBatch != nil {
+			w.afterBatch(kind, batches)
+		}
+		if errors.Is(err, ebpf.ErrKeyNotExist) {
+			return nil // end of the map
+		}
+		if err != nil {
+			return err
+		}
+	}
+}
