@@ -14,6 +14,12 @@
 # default every kind test of the mode), E2E_KIND_KEEP=1 (keep the cluster:
 # `e2e/kind/cluster.sh down` later).
 #
+# CILIUM_DELEGATE=1: the default pattern also runs TestKindDelegateUnseenWave
+# (issue 34: a wave of pods started while ctscrub is unchained, then deleted
+# and its IPs reused; the delegate's answers about them counted by method),
+# which skips with its reason otherwise. It sorts before TestKindUninstall
+# (delegate_unseen_test.go < uninstall_test.go), which must come last.
+#
 # CNI=kindnet: the cluster comes up without ctscrub; TestKindBlackhole runs
 # first, measures the blackhole, installs ctscrub (cluster.sh
 # install-ctscrub) and measures again; then the churn and the uninstall.
