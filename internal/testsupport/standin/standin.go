@@ -246,6 +246,17 @@ func (d *Datapath) AttachHostSide(ifname string) error {
 // backends, in Cilium's v1.16 service map layout (frontend key with
 // backend_slot 0 and protocol 0, one slot per backend, backends by ID).
 func (d *Datapath) AddService(proto uint8, vip netip.AddrPort, backends ...netip.AddrPort) error {
+	return d.AddServiceFlags(proto, vip, 0, 0, backends...)
+}
+
+// SvcFlag2L7LB is lb_service.flags2's SVC_FLAG_L7_LOADBALANCER (bit 2 in
+// 1.16 to 1.20): the stand-in then behaves as Cilium with ENABLE_L7_LB
+// (no SERVICE entry, no backend: the plain OUT entry to the VIP).
+const SvcFlag2L7LB = 1 << 2
+
+// AddServiceFlags is AddService with the frontend's flags and flags2
+// (struct lb4_service / lb6_service).
+func (d *Datapath) AddServiceFlags(proto uint8, vip netip.AddrPort, flags, flags2 uint8, backends ...netip.AddrPort) error {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	revNAT := d.nextRevNAT
@@ -265,7 +276,9 @@ func (d *Datapath) AddService(proto uint8, vip netip.AddrPort, backends ...netip
 			return fmt.Errorf("standin: add backend slot %d of %s: %w", slot+1, vip, err)
 		}
 	}
-	if err := svcMap.Put(serviceKey(vip, 0, v6), serviceValue(0, uint16(len(backends)), revNAT)); err != nil {
+	fv := serviceValue(0, uint16(len(backends)), revNAT)
+	fv[8], fv[9] = flags, flags2
+	if err := svcMap.Put(serviceKey(vip, 0, v6), fv); err != nil {
 		return fmt.Errorf("standin: add service %s: %w", vip, err)
 	}
 	return nil
