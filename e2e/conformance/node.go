@@ -115,12 +115,16 @@ func NewNode(t testing.TB, o *Objects, nc NodeConfig) *Node {
 	n := &Node{t: t, O: o, Dir: dir, pods: map[netip.Addr]*Pod{}, nextID: 100, revNAT: 1}
 	t.Cleanup(func() { n.close() })
 	lb := loopback4(o).As4()
-	cfg := configs{"interface_ifindex": nativeIf, "service_loopback_ipv4": uint64(binary.NativeEndian.Uint32(lb[:])),
+	cfg := configs{"interface_ifindex": uint64(nativeIf), "service_loopback_ipv4": uint64(binary.NativeEndian.Uint32(lb[:])),
 		// 1.19+: the agent's default (--enable-no-service-endpoints-routable,
 		// pkg/svcrouteconfig): a service without backends drops
 		// (DROP_NO_SERVICE), as 1.16-1.18 always do; off, bpf_lxc passes
 		// the packet on untranslated.
-		"enable_no_service_endpoints_routable": 1}
+		"enable_no_service_endpoints_routable": uint64(1),
+		// 1.19+: IPv6 hairpins are source-NATed too, to the agent's
+		// --ipv6-service-loopback-address (default fe80::1,
+		// daemon/infraendpoints/cell.go); earlier versions lack it.
+		"service_loopback_ipv6": loopback6.As16()}
 	lxc := o.LXC
 	switch nc {
 	case NodeHostFWDSR:
@@ -211,7 +215,7 @@ func NewNode(t testing.TB, o *Objects, nc NodeConfig) *Node {
 	if err := standin.CreateMaps(sdir, 65536); err != nil {
 		t.Fatal(err)
 	}
-	if n.SI, err = standin.LoadOptions(sdir, &standin.Options{ServiceLoopback4: loopback4(o)}); err != nil {
+	if n.SI, err = standin.LoadOptions(sdir, &standin.Options{ServiceLoopback4: loopback4(o), ServiceLoopback6: standinLoopback6(o)}); err != nil {
 		t.Fatal(err)
 	}
 	if n.SICT, err = ctmap.Open(sdir); err != nil {
@@ -219,6 +223,18 @@ func NewNode(t testing.TB, o *Objects, nc NodeConfig) *Node {
 	}
 	n.setup(confArgs{Op: 0}, "conf_policy")
 	return n
+}
+
+// loopback6 is the default IPv6 service loopback address of 1.19 and 1.20.
+var loopback6 = netip.MustParseAddr("fe80::1")
+
+// standinLoopback6 is what the stand-in SNATs IPv6 hairpins to: nothing
+// before 1.19 (bpf_lxc then keeps the client's address).
+func standinLoopback6(o *Objects) netip.Addr {
+	if o.Minor >= 19 {
+		return loopback6
+	}
+	return netip.Addr{}
 }
 
 // loopback4 is the node's IPv4 service loopback address (hairpin SNAT):

@@ -152,6 +152,9 @@ type Options struct {
 	// SNAT; Cilium's default 169.254.42.1). Unset: hairpin traffic is not
 	// SNATed.
 	ServiceLoopback4 netip.Addr
+	// ServiceLoopback6 is the same for IPv6, which Cilium SNATs from 1.19
+	// (default fe80::1). Unset: IPv6 hairpins are not SNATed.
+	ServiceLoopback6 netip.Addr
 }
 
 // Load loads the stand-in's programs over the maps pinned in dir (see
@@ -171,6 +174,11 @@ func LoadOptions(dir string, o *Options) (*Datapath, error) {
 		a := o.ServiceLoopback4.As4()
 		if err := spec.Variables["service_loopback4"].Set(binary.NativeEndian.Uint32(a[:])); err != nil {
 			return nil, fmt.Errorf("standin: set service_loopback4: %w", err)
+		}
+	}
+	if o.ServiceLoopback6.Is6() {
+		if err := spec.Variables["service_loopback6"].Set(o.ServiceLoopback6.As16()); err != nil {
+			return nil, fmt.Errorf("standin: set service_loopback6: %w", err)
 		}
 	}
 	if lt != nil {
