@@ -256,8 +256,8 @@ type Uncovered struct {
 }
 
 // UncoveredFeatures lists every feature scrubd knows it cannot cover and
-// whether it is on now (l7_proxy: on while a pass found an endpoint with a
-// proxy port).
+// whether it is on now (l7_proxy: on while the last pass found an
+// endpoint with a proxy port, or an IP still marked for one).
 func (f *Features) UncoveredFeatures() []Uncovered {
 	cfg := f.NodeConfig()
 	node := f.NodeReason()
@@ -299,6 +299,15 @@ func (f *Features) MarkUncovered(ix *index.Index) int {
 		if !ix.Owns(ip) {
 			continue
 		}
+		// An IP already incomplete keeps its mark until a sweep: it is
+		// not checked again (each check may walk the endpoint's policy
+		// map), and a proxy mark still in effect keeps l7_proxy listed.
+		if st := ix.State(ip); !st.Complete {
+			if st.Incomplete == ReasonL7Proxy {
+				proxy = true
+			}
+			continue
+		}
 		r := node
 		if r == "" {
 			r = f.nodeReasonFor(ip, cfg)
@@ -308,7 +317,7 @@ func (f *Features) MarkUncovered(ix *index.Index) int {
 				proxy = true
 			}
 		}
-		if r == "" || !ix.State(ip).Complete {
+		if r == "" {
 			continue
 		}
 		ix.MarkIncomplete(ip, r)
