@@ -339,8 +339,12 @@ static __always_inline int to_service(const struct flow *f)
 	}
 	if (!s)
 		return 0;
+	/* 1.19+ also require the frontend's l7_lb_proxy_port (the value's
+	 * first field) to be non-zero, 1.16 to 1.18 do not: with a port, an
+	 * L7 VIP everywhere; without one, load-balanced from 1.19 and not
+	 * before, so both records, as for a punt-to-proxy VIP. */
 	if (s->flags2 & SVC_FLAG_L7_LOADBALANCER)
-		return TO_SVC_L7;
+		return s->backend_id ? TO_SVC_L7 : TO_SVC_PUNT;
 	if ((s->flags2 & SVC_FLAG_L7_DELEGATE) && !(s->flags & SVC_FLAG_HOSTPORT))
 		return TO_SVC_PUNT;
 	return TO_SVC_LB;

@@ -291,7 +291,8 @@ static __always_inline void flow_reply_key6(const struct flow *f, struct ct_key6
  * bpf/lib/lb.h, the same bit). bpf_lxc, built with ENABLE_L7_LB, neither
  * load-balances nor DNATs a flow to such a VIP: it keeps the VIP in the
  * flow's OUT entry and redirects it to Envoy (__per_packet_lb_svc_xlate_4/6:
- * goto skip_service_lookup). */
+ * goto skip_service_lookup); 1.19 and 1.20 only when the frontend's
+ * l7_lb_proxy_port (lb_service.backend_id) is non-zero. */
 #define SVC_FLAG_L7_LOADBALANCER (1 << 2)
 /* lb_service.flags2 bit 3 without flags' SVC_FLAG_HOSTPORT (bit 3): an L7
  * "punt to proxy" service (SVC_FLAG_L7_DELEGATE; 1.16.5 sets flags2 bit 3

@@ -102,6 +102,9 @@ const (
 	// NodeSocketLBHostNS: socket LB in host-namespace-only mode
 	// (bpf_lxc built with ENABLE_SOCKET_LB_HOST_ONLY), bpf_host as default.
 	NodeSocketLBHostNS
+	// NodeL7LB: bpf_lxc built with ENABLE_L7_LB (--enable-envoy-config),
+	// and the recorder told so (node_config.h would say it).
+	NodeL7LB
 	numNodeConfigs
 )
 
@@ -131,6 +134,8 @@ func NewNode(t testing.TB, o *Objects, nc NodeConfig) *Node {
 		lxc = o.LXCHostFW
 	case NodeSocketLBHostNS:
 		lxc = o.LXCHostNS
+	case NodeL7LB:
+		lxc = o.LXCL7LB
 	}
 	if n.LXC, err = loadObject(lxc, dir, o.Minor, cfg); err != nil {
 		t.Fatal(err)
@@ -199,6 +204,7 @@ func NewNode(t testing.TB, o *Objects, nc NodeConfig) *Node {
 		// configuration), as the agent's node_config.h on a node.
 		NodeConfig: filepath.Join(o.Source, "bpf", "node_config.h"),
 		CTFill:     be.Count,
+		L7LB:       func() bool { return nc == NodeL7LB },
 	})
 	if err != nil {
 		t.Fatal(err)
@@ -290,7 +296,8 @@ type confArgs struct {
 	BackendID                 uint32
 	RevNAT                    uint16
 	Proto, SvcFlags, Family   uint8
-	_                         [7]byte
+	SvcFlags2                 uint8
+	_                         [6]byte
 }
 
 func (n *Node) setup(a confArgs, prog string) {
@@ -392,6 +399,30 @@ func (n *Node) AddService(proto uint8, vip, backend netip.AddrPort, flags uint8)
 	}
 	n.checkBackend(vip.Addr().Is6(), a.BackendID, backend)
 	return a.BackendID
+}
+
+// AddServiceL7 registers an L7 load-balancer service (flags2
+// SVC_FLAG_L7_LOADBALANCER, as the agent writes it for a CiliumEnvoyConfig
+// or an Ingress) with one backend, which bpf_lxc built with ENABLE_L7_LB
+// never picks.
+func (n *Node) AddServiceL7(proto uint8, vip, backend netip.AddrPort) {
+	n.t.Helper()
+	n.mu.Lock()
+	rev := n.revNAT
+	n.revNAT++
+	n.mu.Unlock()
+	a := confArgs{Op: 3, Proto: proto, SvcFlags2: standin.SvcFlag2L7LB, RevNAT: rev, BackendID: uint32(rev), Family: 4}
+	binary.BigEndian.PutUint16(a.VPort[:], vip.Port())
+	binary.BigEndian.PutUint16(a.BPort[:], backend.Port())
+	if vip.Addr().Is4() {
+		a.VIP4, a.IP4 = vip.Addr().As4(), backend.Addr().As4()
+	} else {
+		a.VIP6, a.IP6, a.Family = vip.Addr().As16(), backend.Addr().As16(), 6
+	}
+	n.setup(a, "conf_setup")
+	if err := n.SI.AddServiceFlags(proto, vip, 0, standin.SvcFlag2L7LB, backend); err != nil {
+		n.t.Fatal(err)
+	}
 }
 
 // AddServiceNoBackends registers a service frontend without backends

@@ -185,9 +185,11 @@ static __always_inline int service4(struct __sk_buff *skb, const struct flow *f)
 	if (!flow_has_ports(f))
 		return 0;
 	svc = SERVICE_LOOKUP(&cilium_lb4_services_v2, &sk, f->proto);
-	/* An L7 load-balancer VIP: Cilium with ENABLE_L7_LB keeps the plain
-	 * flow to the VIP (its OUT entry) and redirects it to Envoy. */
-	if (!svc || (svc->flags2 & SVC_FLAG_L7_LOADBALANCER))
+	/* An L7 load-balancer VIP with its proxy port: Cilium with
+	 * ENABLE_L7_LB keeps the plain flow to the VIP (its OUT entry) and
+	 * redirects it to Envoy (1.19+ as here; 1.16-1.18 also without a
+	 * port, which the agent never writes). */
+	if (!svc || ((svc->flags2 & SVC_FLAG_L7_LOADBALANCER) && svc->backend_id))
 		return 0;
 
 	/* Backend slot 1: the stand-in does not balance, it only needs an
@@ -287,9 +289,11 @@ static __always_inline int service6(struct __sk_buff *skb, const struct flow *f)
 		return 0;
 	__builtin_memcpy(sk.address, f->dst, 16);
 	svc = SERVICE_LOOKUP(&cilium_lb6_services_v2, &sk, f->proto);
-	/* An L7 load-balancer VIP: Cilium with ENABLE_L7_LB keeps the plain
-	 * flow to the VIP (its OUT entry) and redirects it to Envoy. */
-	if (!svc || (svc->flags2 & SVC_FLAG_L7_LOADBALANCER))
+	/* An L7 load-balancer VIP with its proxy port: Cilium with
+	 * ENABLE_L7_LB keeps the plain flow to the VIP (its OUT entry) and
+	 * redirects it to Envoy (1.19+ as here; 1.16-1.18 also without a
+	 * port, which the agent never writes). */
+	if (!svc || ((svc->flags2 & SVC_FLAG_L7_LOADBALANCER) && svc->backend_id))
 		return 0;
 	if (svc->count > 0) {
 		sk.backend_slot = 1;

@@ -260,7 +260,12 @@ func (d *Datapath) AddService(proto uint8, vip netip.AddrPort, backends ...netip
 // SvcFlag2L7LB is lb_service.flags2's SVC_FLAG_L7_LOADBALANCER (bit 2 in
 // 1.16 to 1.20): the stand-in then behaves as Cilium with ENABLE_L7_LB
 // (no SERVICE entry, no backend: the plain OUT entry to the VIP).
+// AddServiceFlags writes L7ProxyPort as the frontend's l7_lb_proxy_port,
+// which 1.19+ require non-zero.
 const SvcFlag2L7LB = 1 << 2
+
+// L7ProxyPort is the Envoy port AddServiceFlags gives an L7 frontend.
+const L7ProxyPort = 15001
 
 // AddServiceFlags is AddService with the frontend's flags and flags2
 // (struct lb4_service / lb6_service).
@@ -284,7 +289,11 @@ func (d *Datapath) AddServiceFlags(proto uint8, vip netip.AddrPort, flags, flags
 			return fmt.Errorf("standin: add backend slot %d of %s: %w", slot+1, vip, err)
 		}
 	}
-	fv := serviceValue(0, uint16(len(backends)), revNAT)
+	var port uint32
+	if flags2&SvcFlag2L7LB != 0 {
+		port = L7ProxyPort
+	}
+	fv := serviceValue(port, uint16(len(backends)), revNAT)
 	fv[8], fv[9] = flags, flags2
 	if err := svcMap.Put(serviceKey(vip, 0, v6), fv); err != nil {
 		return fmt.Errorf("standin: add service %s: %w", vip, err)
