@@ -309,9 +309,17 @@ static __always_inline void count_lost(const __u32 *ip)
 
 /* Whether the packet goes to a service VIP that Cilium load-balances per
  * packet (it then creates a SERVICE entry and an OUT entry towards a backend
- * the pod never sees). */
+ * the pod never sees): TO_SVC_LB; to an L7 load-balancer VIP (Cilium keeps
+ * the plain flow to the VIP): TO_SVC_L7; to a "punt to proxy" VIP, which
+ * 1.20 keeps as a plain flow and 1.18 load-balances: TO_SVC_PUNT (both are
+ * recorded); 0 otherwise. */
+#define TO_SVC_LB 1
+#define TO_SVC_L7 2
+#define TO_SVC_PUNT 3
 static __always_inline int to_service(const struct flow *f)
 {
+	struct lb_service *s;
+
 	if (!flow_has_ports(f))
 		return 0;
 	if (f->family == 4) {
@@ -320,15 +328,26 @@ static __always_inline int to_service(const struct flow *f)
 			.dport = f->dport,
 			.scope = LB_LOOKUP_SCOPE_EXT,
 		};
-		return SERVICE_LOOKUP(&cilium_lb4_services_v2, &k, f->proto) != 0;
+		s = SERVICE_LOOKUP(&cilium_lb4_services_v2, &k, f->proto);
 	} else {
 		struct lb6_key k = {
 			.dport = f->dport,
 			.scope = LB_LOOKUP_SCOPE_EXT,
 		};
 		__builtin_memcpy(k.address, f->dst, 16);
-		return SERVICE_LOOKUP(&cilium_lb6_services_v2, &k, f->proto) != 0;
+		s = SERVICE_LOOKUP(&cilium_lb6_services_v2, &k, f->proto);
 	}
+	if (!s)
+		return 0;
+	/* 1.19+ also require the frontend's l7_lb_proxy_port (the value's
+	 * first field) to be non-zero, 1.16 to 1.18 do not: with a port, an
+	 * L7 VIP everywhere; without one, load-balanced from 1.19 and not
+	 * before, so both records, as for a punt-to-proxy VIP. */
+	if (s->flags2 & SVC_FLAG_L7_LOADBALANCER)
+		return s->backend_id ? TO_SVC_L7 : TO_SVC_PUNT;
+	if ((s->flags2 & SVC_FLAG_L7_DELEGATE) && !(s->flags & SVC_FLAG_HOSTPORT))
+		return TO_SVC_PUNT;
+	return TO_SVC_LB;
 }
 
 /* Cilium's global CT maps, as placeholders: user space replaces them at
@@ -440,9 +459,10 @@ static __always_inline int emit(struct __sk_buff *skb, const struct flow *f, int
 	struct record *r;
 	__u8 flags = dir;
 	int foreign = egress && !scoped_source(f) && !own_source(skb, f->src);
+	int svc = !foreign && egress ? to_service(f) : 0;
 	__u64 head;
 
-	if (!foreign && egress && to_service(f)) {
+	if (svc == TO_SVC_LB) {
 		if (emit_service(f, skb->ifindex, &head) < 0)
 			return -1;
 		set_head(val, head);
@@ -457,13 +477,29 @@ static __always_inline int emit(struct __sk_buff *skb, const struct flow *f, int
 		count(&rec_foreign_total);
 	__builtin_memset(r, 0, sizeof(*r));
 	r->family = f->family;
-	r->kind = foreign ? REC_FOREIGN : REC_FLOW;
+	r->kind = foreign ? REC_FOREIGN : svc == TO_SVC_L7 ? REC_L7LB : REC_FLOW;
 	r->ifindex = skb->ifindex;
 	if (f->family == 4)
 		flow_key4(f, (struct ct_key4 *)r->key, flags);
 	else
 		flow_key6(f, (struct ct_key6 *)r->key, flags);
 	bpf_ringbuf_submit(r, 0);
+	if (svc == TO_SVC_PUNT) {
+		/* The plain key is filed; now the service flow as for TO_SVC_LB
+		 * (a lost record leaves the flow uncached: both again). */
+		if (emit_service(f, skb->ifindex, &head) < 0)
+			return -1;
+		set_head(val, head);
+		return 1;
+	}
+	if (svc == TO_SVC_L7) {
+		/* Cached as a service flow whose SERVICE entry is absent: each
+		 * later packet the pod sends reads it (service_packet), so an
+		 * entry Cilium makes once the flag is gone is recorded. */
+		head = (bpf_ktime_get_ns() >> SVC_TIME_SHIFT) & 0xffffffff;
+		set_head(val, head << 32 | (SVC_FLOW | SVC_NONE) << 8 | CT_F_OUT);
+		return 1;
+	}
 	return 0;
 }
 

@@ -322,8 +322,8 @@ func cliStatus(args []string) error {
 		return notReady
 	}
 	tw := tabwriter.NewWriter(os.Stdout, 0, 4, 2, ' ', 0)
-	fmt.Fprintf(tw, "version\t%s\nready\t%v\nbackends\t%s\npod CIDRs\t%v\nindexed pods\t%d\nindex keys\t%d\nincomplete IPs\t%d\nin flight\t%d (queue limit %d)\nuptime\t%s\nmetrics\t%s\n",
-		st.Version, st.Ready, strings.Join(st.Backends, ","), st.PodCIDRs, st.IndexedPods, st.IndexKeys, st.IncompleteIPs, st.InFlight, st.QueueLimit, st.Uptime, st.Metrics)
+	fmt.Fprintf(tw, "version\t%s\nready\t%v\nbackends\t%s\npod CIDRs\t%v\nindexed pods\t%d\nindex keys\t%d\nincomplete IPs\t%d\nin flight\t%d (queue limit %d)\nuptime\t%s\nmetrics\t%s\nuncovered features\t%s\n",
+		st.Version, st.Ready, strings.Join(st.Backends, ","), st.PodCIDRs, st.IndexedPods, st.IndexKeys, st.IncompleteIPs, st.InFlight, st.QueueLimit, st.Uptime, st.Metrics, uncoveredText(st.UncoveredFeatures))
 	if b := st.Bootstrap; b != nil {
 		state := fmt.Sprintf("done %s", b.Done.Format(time.RFC3339))
 		if b.Running {
@@ -337,6 +337,14 @@ func cliStatus(args []string) error {
 	}
 	tw.Flush()
 	return notReady
+}
+
+// uncoveredText lists the uncovered Cilium features for scrubd status.
+func uncoveredText(f []string) string {
+	if len(f) == 0 {
+		return "none"
+	}
+	return strings.Join(f, ",") + " (the IPs they reach are incomplete: their scrubs sweep, the delegate answers incomplete)"
 }
 
 func cliScrub(args []string) error {

@@ -64,6 +64,14 @@ struct ct_entry {
  * of the pod's finds another backend_id. (REC_SERVICE is what older
  * programs sent: the IP is then marked incomplete.) */
 #define REC_SERVICE_ENTRY 3
+/* A flow the pod sends to an L7 load-balancer VIP (SVC_FLAG_L7_LOADBALANCER):
+ * key is the flow's plain OUT key, to the VIP, as Cilium keeps it with
+ * ENABLE_L7_LB. User space indexes it as REC_FLOW and marks the pod
+ * incomplete unless the node's Cilium has ENABLE_L7_LB. The flow is cached
+ * as a service flow whose SERVICE entry is absent, so a SERVICE entry made
+ * later (the flag removed, Cilium load-balancing the flow's next packets)
+ * is read and recorded as REC_SERVICE_ENTRY. */
+#define REC_L7LB 4
 
 struct record {
 	__u8 family; /* 4 or 6 */

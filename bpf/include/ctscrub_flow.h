@@ -285,6 +285,22 @@ static __always_inline void flow_reply_key6(const struct flow *f, struct ct_key6
 /* Cilium's service map layout (v1.16 bpf/lib/common.h, unchanged since). */
 #define LB_LOOKUP_SCOPE_EXT 0
 
+/* lb_service.flags2 bit 2: an L7 load-balancer service (Cilium Ingress,
+ * Gateway API, CiliumEnvoyConfig; SVC_FLAG_L7LOADBALANCER in 1.16.5's
+ * bpf/lib/common.h, SVC_FLAG_L7_LOADBALANCER in 1.18.8's and in 1.20.2's
+ * bpf/lib/lb.h, the same bit). bpf_lxc, built with ENABLE_L7_LB, neither
+ * load-balances nor DNATs a flow to such a VIP: it keeps the VIP in the
+ * flow's OUT entry and redirects it to Envoy (__per_packet_lb_svc_xlate_4/6:
+ * goto skip_service_lookup); 1.19 and 1.20 only when the frontend's
+ * l7_lb_proxy_port (lb_service.backend_id) is non-zero. */
+#define SVC_FLAG_L7_LOADBALANCER (1 << 2)
+/* lb_service.flags2 bit 3 without flags' SVC_FLAG_HOSTPORT (bit 3): an L7
+ * "punt to proxy" service (SVC_FLAG_L7_DELEGATE; 1.16.5 sets flags2 bit 3
+ * only with hostPort). 1.20.2's bpf_lxc with ENABLE_L7_LB skips its load
+ * balancing (lb4_svc_is_l7_punt_proxy), 1.18.8's does not look at it. */
+#define SVC_FLAG_L7_DELEGATE (1 << 3)
+#define SVC_FLAG_HOSTPORT (1 << 3)
+
 struct lb4_key {
 	__be32 address;
 	__be16 dport;

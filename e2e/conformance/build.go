@@ -35,9 +35,10 @@ type Objects struct {
 	Source  string // the module's directory in the Go module cache
 	// Object files: Cilium's bpf_lxc.c and bpf_host.c with the harness's
 	// configuration (see bpf/*.c), the second node's pair with the host
-	// firewall and (bpf_host) NodePort DSR on, and the third node's
-	// bpf_lxc.c with socket LB in host-namespace-only mode.
-	LXC, Host, LXCHostFW, HostDSR, LXCHostNS string
+	// firewall and (bpf_host) NodePort DSR on, the third node's
+	// bpf_lxc.c with socket LB in host-namespace-only mode, and the
+	// fourth's with ENABLE_L7_LB.
+	LXC, Host, LXCHostFW, HostDSR, LXCHostNS, LXCL7LB string
 	BuildTime                                time.Duration // zero when every object came from the cache
 }
 
@@ -129,7 +130,7 @@ func Build(version string) (*Objects, error) {
 		dst  *string
 		file string
 	}
-	jobs := []job{{&o.LXC, "lxc.c"}, {&o.Host, "host.c"}, {&o.LXCHostFW, "lxc_hostfw.c"}, {&o.HostDSR, "host_dsr.c"}, {&o.LXCHostNS, "lxc_hostns.c"}}
+	jobs := []job{{&o.LXC, "lxc.c"}, {&o.Host, "host.c"}, {&o.LXCHostFW, "lxc_hostfw.c"}, {&o.HostDSR, "host_dsr.c"}, {&o.LXCHostNS, "lxc_hostns.c"}, {&o.LXCL7LB, "lxc_l7lb.c"}}
 	errs := make([]error, len(jobs))
 	fresh := make([]bool, len(jobs))
 	var wg sync.WaitGroup

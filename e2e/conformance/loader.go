@@ -36,7 +36,7 @@ const (
 )
 
 // Config values (DECLARE_CONFIG, 1.18+) the harness sets.
-type configs map[string]uint64
+type configs map[string]any // uint64, or [16]byte for an address
 
 // loadObject loads an object file the way Cilium's loader does what
 // matters here: tail-call programs into the calls map (section "2/N" up to
@@ -136,17 +136,24 @@ func loadObject(path, pinDir string, minor int, cfg configs) (*Collection, error
 			continue // not in this version
 		}
 		var err error
-		switch vs.Size() {
-		case 1:
-			err = vs.Set(uint8(v))
-		case 2:
-			err = vs.Set(uint16(v))
-		case 4:
-			err = vs.Set(uint32(v))
-		case 8:
+		switch v := v.(type) {
+		case [16]byte:
 			err = vs.Set(v)
+		case uint64:
+			switch vs.Size() {
+			case 1:
+				err = vs.Set(uint8(v))
+			case 2:
+				err = vs.Set(uint16(v))
+			case 4:
+				err = vs.Set(uint32(v))
+			case 8:
+				err = vs.Set(v)
+			default:
+				err = fmt.Errorf("size %d", vs.Size())
+			}
 		default:
-			err = fmt.Errorf("size %d", vs.Size())
+			err = fmt.Errorf("value of type %T", v)
 		}
 		if err != nil {
 			return nil, fmt.Errorf("%s: set config %s: %w", path, k, err)

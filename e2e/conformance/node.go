@@ -102,6 +102,9 @@ const (
 	// NodeSocketLBHostNS: socket LB in host-namespace-only mode
 	// (bpf_lxc built with ENABLE_SOCKET_LB_HOST_ONLY), bpf_host as default.
 	NodeSocketLBHostNS
+	// NodeL7LB: bpf_lxc built with ENABLE_L7_LB (--enable-envoy-config),
+	// and the recorder told so (node_config.h would say it).
+	NodeL7LB
 	numNodeConfigs
 )
 
@@ -115,18 +118,24 @@ func NewNode(t testing.TB, o *Objects, nc NodeConfig) *Node {
 	n := &Node{t: t, O: o, Dir: dir, pods: map[netip.Addr]*Pod{}, nextID: 100, revNAT: 1}
 	t.Cleanup(func() { n.close() })
 	lb := loopback4(o).As4()
-	cfg := configs{"interface_ifindex": nativeIf, "service_loopback_ipv4": uint64(binary.NativeEndian.Uint32(lb[:])),
+	cfg := configs{"interface_ifindex": uint64(nativeIf), "service_loopback_ipv4": uint64(binary.NativeEndian.Uint32(lb[:])),
 		// 1.19+: the agent's default (--enable-no-service-endpoints-routable,
 		// pkg/svcrouteconfig): a service without backends drops
 		// (DROP_NO_SERVICE), as 1.16-1.18 always do; off, bpf_lxc passes
 		// the packet on untranslated.
-		"enable_no_service_endpoints_routable": 1}
+		"enable_no_service_endpoints_routable": uint64(1),
+		// 1.19+: IPv6 hairpins are source-NATed too, to the agent's
+		// --ipv6-service-loopback-address (default fe80::1,
+		// daemon/infraendpoints/cell.go); earlier versions lack it.
+		"service_loopback_ipv6": loopback6.As16()}
 	lxc := o.LXC
 	switch nc {
 	case NodeHostFWDSR:
 		lxc = o.LXCHostFW
 	case NodeSocketLBHostNS:
 		lxc = o.LXCHostNS
+	case NodeL7LB:
+		lxc = o.LXCL7LB
 	}
 	if n.LXC, err = loadObject(lxc, dir, o.Minor, cfg); err != nil {
 		t.Fatal(err)
@@ -195,6 +204,7 @@ func NewNode(t testing.TB, o *Objects, nc NodeConfig) *Node {
 		// configuration), as the agent's node_config.h on a node.
 		NodeConfig: filepath.Join(o.Source, "bpf", "node_config.h"),
 		CTFill:     be.Count,
+		L7LB:       func() bool { return nc == NodeL7LB },
 	})
 	if err != nil {
 		t.Fatal(err)
@@ -211,7 +221,7 @@ func NewNode(t testing.TB, o *Objects, nc NodeConfig) *Node {
 	if err := standin.CreateMaps(sdir, 65536); err != nil {
 		t.Fatal(err)
 	}
-	if n.SI, err = standin.LoadOptions(sdir, &standin.Options{ServiceLoopback4: loopback4(o)}); err != nil {
+	if n.SI, err = standin.LoadOptions(sdir, &standin.Options{ServiceLoopback4: loopback4(o), ServiceLoopback6: standinLoopback6(o)}); err != nil {
 		t.Fatal(err)
 	}
 	if n.SICT, err = ctmap.Open(sdir); err != nil {
@@ -219,6 +229,18 @@ func NewNode(t testing.TB, o *Objects, nc NodeConfig) *Node {
 	}
 	n.setup(confArgs{Op: 0}, "conf_policy")
 	return n
+}
+
+// loopback6 is the default IPv6 service loopback address of 1.19 and 1.20.
+var loopback6 = netip.MustParseAddr("fe80::1")
+
+// standinLoopback6 is what the stand-in SNATs IPv6 hairpins to: nothing
+// before 1.19 (bpf_lxc then keeps the client's address).
+func standinLoopback6(o *Objects) netip.Addr {
+	if o.Minor >= 19 {
+		return loopback6
+	}
+	return netip.Addr{}
 }
 
 // loopback4 is the node's IPv4 service loopback address (hairpin SNAT):
@@ -274,7 +296,8 @@ type confArgs struct {
 	BackendID                 uint32
 	RevNAT                    uint16
 	Proto, SvcFlags, Family   uint8
-	_                         [7]byte
+	SvcFlags2                 uint8
+	_                         [6]byte
 }
 
 func (n *Node) setup(a confArgs, prog string) {
@@ -376,6 +399,30 @@ func (n *Node) AddService(proto uint8, vip, backend netip.AddrPort, flags uint8)
 	}
 	n.checkBackend(vip.Addr().Is6(), a.BackendID, backend)
 	return a.BackendID
+}
+
+// AddServiceL7 registers an L7 load-balancer service (flags2
+// SVC_FLAG_L7_LOADBALANCER, as the agent writes it for a CiliumEnvoyConfig
+// or an Ingress) with one backend, which bpf_lxc built with ENABLE_L7_LB
+// never picks.
+func (n *Node) AddServiceL7(proto uint8, vip, backend netip.AddrPort) {
+	n.t.Helper()
+	n.mu.Lock()
+	rev := n.revNAT
+	n.revNAT++
+	n.mu.Unlock()
+	a := confArgs{Op: 3, Proto: proto, SvcFlags2: standin.SvcFlag2L7LB, RevNAT: rev, BackendID: uint32(rev), Family: 4}
+	binary.BigEndian.PutUint16(a.VPort[:], vip.Port())
+	binary.BigEndian.PutUint16(a.BPort[:], backend.Port())
+	if vip.Addr().Is4() {
+		a.VIP4, a.IP4 = vip.Addr().As4(), backend.Addr().As4()
+	} else {
+		a.VIP6, a.IP6, a.Family = vip.Addr().As16(), backend.Addr().As16(), 6
+	}
+	n.setup(a, "conf_setup")
+	if err := n.SI.AddServiceFlags(proto, vip, 0, standin.SvcFlag2L7LB, backend); err != nil {
+		n.t.Fatal(err)
+	}
 }
 
 // AddServiceNoBackends registers a service frontend without backends

@@ -186,6 +186,12 @@ type Status struct {
 	QueueLimit    int            `json:"queue_limit"`
 	Uptime        string         `json:"uptime"`
 	Metrics       string         `json:"metrics"`
+	// UncoveredFeatures are the Cilium features on this node whose CT
+	// entries the index does not cover (labels of
+	// ctscrub_uncovered_feature): the IPs they reach are marked incomplete
+	// and the delegate does not vouch for them.
+	UncoveredFeatures []string `json:"uncovered_features"`
+
 	// Bootstrap: the pass over the CT maps at start (scrubd/bootstrap);
 	// absent before the first.
 	Bootstrap *BootstrapStatus `json:"bootstrap,omitempty"`

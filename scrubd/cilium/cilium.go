@@ -111,6 +111,33 @@ func (c *Backend) Name() string { return "cilium" }
 // entries out of the index's reach (and its counts, for the metrics).
 func (c *Backend) Features() *Features { return c.features }
 
+// UncoveredFeatures lists the Cilium features whose entries the index does
+// not cover and whether each is on (scrubd status, ctscrub_uncovered_feature).
+func (c *Backend) UncoveredFeatures() []Uncovered { return c.features.UncoveredFeatures() }
+
+// UncoveredReason is why a feature the index does not cover keeps ip from
+// being vouched for ("" when none): a feature on for ip now, or the mark a
+// feature left on ip's index since its last complete sweep.
+func (c *Backend) UncoveredReason(ip netip.Addr) string {
+	if !c.ix.Owns(ip) {
+		return ""
+	}
+	r := c.features.Reason(ip)
+	if r == "" {
+		r = c.ix.State(ip).Incomplete
+	}
+	switch r {
+	case ReasonLocalCT, ReasonPerClusterCT:
+		// Entries outside the global maps: the scrub still deletes the
+		// global ones and OutsideGlobalMaps answers (docs/delegate-api.md).
+		return ""
+	}
+	if IsFeatureReason(r) {
+		return r
+	}
+	return ""
+}
+
 // Sweeper returns the backend's shared sweep (a new one after Reopen).
 func (c *Backend) Sweeper() *Sweeper {
 	c.mu.RLock()

@@ -24,6 +24,8 @@ const (
 	// port. Cilium redirects those flows to the L7 proxy (Envoy), whose
 	// connections to and from the pod (transparent mode: the pod's address,
 	// the proxy's ports) create CT entries the pod's recorder never sees.
+	// DNS rules redirect to the DNS proxy the same way (a proxy port in the
+	// policy map), and its upstream queries are such connections too.
 	ReasonL7Proxy = "Cilium redirects the endpoint's traffic to the L7 proxy (proxy port in its policy map)"
 	// ReasonLocalCT: per-endpoint CT maps (cilium_ct4_<endpoint ID> etc.,
 	// the ConntrackLocal endpoint option of Cilium 1.16 and 1.17) hold the
@@ -76,6 +78,17 @@ type Features struct {
 	lxcIno uint64
 	policy map[uint16]policyAnswer // per endpoint ID
 
+	cfgPath  string     // node_config.h (SetNodeConfig; "" : DefaultNodeConfig)
+	cfgStamp time.Time  // its mtime when cfg was read; zero: read again
+	cfgSize  int64      // its size then
+	cfg      NodeConfig // last read
+
+	rtSet map[netip.Addr]bool // routable services' backends (RoutableBackends)
+	rtErr error               // why rtSet could not be read
+	rtAt  time.Time           // when rtSet was computed
+
+	proxySeen bool // the last MarkUncovered pass found an endpoint with a proxy port
+
 	marks [len(FeatureReasons)]atomic.Uint64 // IPs a scrub marked, per reason
 }
 
@@ -84,6 +97,8 @@ var FeatureReasons = [...]struct{ Reason, Label string }{
 	{ReasonL7Proxy, "l7_proxy"},
 	{ReasonLocalCT, "endpoint_ct_maps"},
 	{ReasonPerClusterCT, "per_cluster_ct_maps"},
+	{ReasonHostFirewall, "host_firewall"},
+	{ReasonNodePortBackend, "nodeport_backends"},
 }
 
 // Marks returns how many times a scrub marked an IP incomplete for the
@@ -113,6 +128,9 @@ func NewFeatures(root string) *Features { return &Features{root: root} }
 // configuration, or "" when no such feature is on for it.
 func (f *Features) Reason(ip netip.Addr) string {
 	if r := f.NodeReason(); r != "" {
+		return r
+	}
+	if r := f.nodeReasonFor(ip, f.NodeConfig()); r != "" {
 		return r
 	}
 	return f.ProxyReason(ip)

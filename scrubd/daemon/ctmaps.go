@@ -77,10 +77,13 @@ func newCTWatch(b *cilium.Backend, exp *expiry.Runner, rec interface{ SetCT(*ctm
 	return w, nil
 }
 
-// run checks every CTMapsCheckEvery until ctx ends.
+// run checks every CTMapsCheckEvery until ctx ends, and runs the
+// continuous coverage check (cilium.Features.MarkUncovered) at start, on
+// every tick and right after the maps moved.
 func (w *ctWatch) run(ctx context.Context) error {
 	t := time.NewTicker(CTMapsCheckEvery)
 	defer t.Stop()
+	w.coverage()
 	for {
 		select {
 		case <-ctx.Done():
@@ -89,6 +92,15 @@ func (w *ctWatch) run(ctx context.Context) error {
 		}
 		w.check()
 		w.retryExpiry()
+		w.coverage()
+	}
+}
+
+// coverage marks the IPs a Cilium feature the index does not cover can
+// reach (docs/recorder.md "Features the recorder does not cover").
+func (w *ctWatch) coverage() {
+	if n := w.b.Features().MarkUncovered(w.ix); n > 0 {
+		w.log.Info("Cilium features the index does not cover: IPs marked incomplete", "marked", n)
 	}
 }
 
@@ -108,6 +120,9 @@ func (w *ctWatch) check() bool {
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	moved, err := w.reopen()
+	if moved {
+		defer w.coverage() // after the CT-maps marks, which the IPs keep
+	}
 	if err != nil {
 		w.failed.Inc()
 		if err.Error() != w.errs {

@@ -217,6 +217,14 @@ func (d *Daemon) delegateIP(ctx context.Context, ip netip.Addr, reason scrub.Rea
 	if j < 0 {
 		return api.DelegateIP{Reason: "scrubd runs no Cilium backend on this node (backends " + strings.Join(d.backendNames(), ",") + ")"}
 	}
+	if u, ok := d.backends[j].(uncoveredReasoner); ok {
+		if r := u.UncoveredReason(ip); r != "" {
+			// Not vouched for: Cilium's own walk reaches what the index
+			// cannot. The CNI's scrubs of the IP sweep meanwhile; a sweep
+			// here would only delay the caller's walk.
+			return api.DelegateIP{Reason: "uncovered Cilium feature: " + r}
+		}
+	}
 	if err := d.flights.settle(ctx, flightKey{ip: ip}, seq); err != nil {
 		return api.DelegateIP{Reason: "cancelled while an earlier scrub of the IP finished (deadline or caller gone)"}
 	}
@@ -248,6 +256,9 @@ func (d *Daemon) delegateIP(ctx context.Context, ip netip.Addr, reason scrub.Rea
 	}
 	return a
 }
+
+// uncoveredReasoner is the Cilium backend's UncoveredReason (scrubd/cilium).
+type uncoveredReasoner interface{ UncoveredReason(ip netip.Addr) string }
 
 // outsideGlobal is the Cilium backend's OutsideGlobalMaps (scrubd/cilium).
 type outsideGlobal interface{ OutsideGlobalMaps() string }

@@ -20,6 +20,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
 	"github.com/ctscrub/ctscrub/scrubd/api"
+	"github.com/ctscrub/ctscrub/scrubd/cilium"
 	"github.com/ctscrub/ctscrub/scrubd/recorder"
 	"github.com/ctscrub/ctscrub/scrubd/scrub"
 )
@@ -737,20 +738,36 @@ func (d *Daemon) Status() api.Status {
 		keys += f.Keys
 		incomplete += f.IncompleteIPs
 	}
-	return api.Status{
-		Version:       d.version,
-		Backends:      d.backendNames(),
-		Ready:         d.isReady(),
-		PodCIDRs:      d.cidrs,
-		IndexedPods:   d.pods.activeCount(),
-		IndexKeys:     keys,
-		IncompleteIPs: incomplete,
-		InFlight:      int(d.admitted.Load()),
-		QueueLimit:    d.cfg.QueueLimit,
-		Uptime:        time.Since(d.started).Round(time.Second).String(),
-		Metrics:       d.cfg.MetricsAddr,
-		Bootstrap:     d.boot.Status(),
+	uncovered := []string{}
+	for _, b := range d.backends {
+		if u, ok := b.(uncoveredLister); ok {
+			for _, f := range u.UncoveredFeatures() {
+				if f.On {
+					uncovered = append(uncovered, f.Label)
+				}
+			}
+		}
 	}
+	return api.Status{
+		UncoveredFeatures: uncovered,
+		Version:           d.version,
+		Backends:          d.backendNames(),
+		Ready:             d.isReady(),
+		PodCIDRs:          d.cidrs,
+		IndexedPods:       d.pods.activeCount(),
+		IndexKeys:         keys,
+		IncompleteIPs:     incomplete,
+		InFlight:          int(d.admitted.Load()),
+		QueueLimit:        d.cfg.QueueLimit,
+		Uptime:            time.Since(d.started).Round(time.Second).String(),
+		Metrics:           d.cfg.MetricsAddr,
+		Bootstrap:         d.boot.Status(),
+	}
+}
+
+// uncoveredLister is the Cilium backend's UncoveredFeatures.
+type uncoveredLister interface {
+	UncoveredFeatures() []cilium.Uncovered
 }
 
 func (d *Daemon) handleStatus(w http.ResponseWriter, r *http.Request) {

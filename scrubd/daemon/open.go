@@ -51,6 +51,7 @@ func Open(cfg Config, log *slog.Logger, version string) (*Daemon, error) {
 				return fail(fmt.Errorf("cilium backend: load the sweep programs: %w", err))
 			}
 			closers = append(closers, c.Close)
+			c.Features().SetNodeConfig(cfg.CiliumNodeConfig)
 			if err := c.DeleteError(); err != nil {
 				log.Warn("cilium backend: the kernel refused the delete program; index scrubs delete with BPF_MAP_DELETE_BATCH, one syscall per absent key", "err", err)
 			}
@@ -64,7 +65,8 @@ func Open(cfg Config, log *slog.Logger, version string) (*Daemon, error) {
 				log.Warn("recorder: no kernel entry counter, so the CT maps' fill is not watched: flows to a service without backends mark their pods incomplete")
 			}
 			rec, err := recorder.Load(recorder.Options{PinDir: cfg.PinDir, CTRoot: cfg.CTRoot, Log: log, CT: maps, RingBytes: cfg.RingBytes,
-				NodeConfig: cfg.CiliumNodeConfig, CTFill: fill})
+				NodeConfig: cfg.CiliumNodeConfig, CTFill: fill,
+				L7LB: func() bool { return c.Features().NodeConfig().L7LB }})
 			if err != nil {
 				return fail(err)
 			}
@@ -211,8 +213,29 @@ func registerFeatureMarks(reg prometheus.Registerer, f *cilium.Features) error {
 			return fmt.Errorf("feature marks metric: %w", err)
 		}
 	}
+	for _, u := range f.UncoveredFeatures() {
+		label := u.Label
+		g := prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+			Name:        "ctscrub_uncovered_feature",
+			Help:        HelpUncoveredFeature,
+			ConstLabels: prometheus.Labels{"backend": "cilium", "feature": label},
+		}, func() float64 {
+			for _, u := range f.UncoveredFeatures() {
+				if u.Label == label && u.On {
+					return 1
+				}
+			}
+			return 0
+		})
+		if err := reg.Register(g); err != nil {
+			return fmt.Errorf("uncovered feature metric: %w", err)
+		}
+	}
 	return nil
 }
+
+// HelpUncoveredFeature is the help of ctscrub_uncovered_feature.
+const HelpUncoveredFeature = "1 while a Cilium feature whose CT entries the index does not cover is on (l7_proxy: an endpoint has a proxy port; host_firewall; nodeport_backends: NodePort on, its routable services' backends are marked; endpoint_ct_maps, per_cluster_ct_maps). The IPs it reaches are marked incomplete (their scrubs sweep) and the delegate answers incomplete for them."
 
 // HelpFeatureMarks is the help of ctscrub_index_feature_marks_total.
 const HelpFeatureMarks = "IPs a scrub marked incomplete because a Cilium feature keeps their CT entries out of the index's reach, per reason (l7_proxy: the endpoint's traffic goes to the L7 proxy; endpoint_ct_maps, per_cluster_ct_maps: CT maps other than the four global ones are in use); they sweep while it lasts."

@@ -54,6 +54,9 @@ type SvcState struct {
 	Since int64
 
 	seq uint32 // records applied to the state (a change since a list was taken)
+	// overflow: Pending because more backends were read than Read keeps;
+	// a later read does not answer that.
+	overflow bool
 }
 
 type svcID struct {
@@ -144,8 +147,16 @@ func (ix *Index) serviceRecord(ip netip.Addr, id svcID, backend uint32, at int64
 		// reason (Since 0: never settled as no entry).
 	case backend != st.ID && len(st.Read) < 16:
 		st.Read = append(st.Read, backend)
+		if !st.overflow {
+			// The entry names the pick the flow's earlier packets made
+			// (the one that found no entry, or the one after a backend
+			// was found removed): that pick is read now (issue 35 item
+			// 5: it stayed pending, and its client was marked when the
+			// SERVICE entry went).
+			st.Pending = false
+		}
 	case backend != st.ID:
-		st.Pending = true // more re-picks than worth keeping: read the entry
+		st.Pending, st.overflow = true, true // more re-picks than worth keeping: read the entry
 	}
 	if backend != 0 {
 		// An entry was there: if it is gone by the next resolution,

@@ -22,7 +22,22 @@ const (
 	// the pod); Backend the backend_id its entry held when the packet
 	// passed (0: no entry yet). RecService is what older programs sent.
 	RecServiceEntry uint8 = 3
+	// RecL7LB: a flow the pod sends to an L7 load-balancer VIP
+	// (SVC_FLAG_L7_LOADBALANCER). The key is the flow's plain OUT key to
+	// the VIP, which Cilium with ENABLE_L7_LB keeps (no SERVICE entry, no
+	// DNAT: bpf_lxc redirects the flow to Envoy). Apply indexes it as
+	// RecFlow; the reader marks the pod incomplete
+	// (ReasonL7LBUnconfirmed) unless Options.L7LB says the node's Cilium
+	// has ENABLE_L7_LB.
+	RecL7LB uint8 = 4
 )
+
+// ReasonL7LBUnconfirmed: the pod sent to an L7 load-balancer VIP and the
+// node's Cilium was not seen with ENABLE_L7_LB (node_config.h unreadable,
+// or the define absent): Cilium may then have load-balanced the flow per
+// packet (SERVICE and OUT entries towards a backend the recorder did not
+// read).
+const ReasonL7LBUnconfirmed = "L7 load-balancer service: flow to its VIP recorded as a plain flow, but Cilium's ENABLE_L7_LB was not confirmed in node_config.h"
 
 // RecordSize is sizeof(struct record); records of older programs (still in
 // a pinned ring after an upgrade) are RecordSizeV1 long, without Backend.
@@ -106,6 +121,8 @@ func Apply(ix *index.Index, r *Record) {
 			ix.ServiceRecordAt4(k.SAddr(), k, r.Backend, r.AtNanos())
 			return
 		}
+		// RecL7LB: the plain flow to the VIP, as RecFlow (the VIP is
+		// no pod IP: no twin).
 		if r.Kind == RecService {
 			// An older program's record (pod in daddr, no SERVICE key):
 			// nothing to resolve from. An address outside the pod CIDRs
@@ -138,6 +155,7 @@ func Apply(ix *index.Index, r *Record) {
 			ix.ServiceRecordAt6(k.SAddr(), k, r.Backend, r.AtNanos())
 			return
 		}
+		// RecL7LB: as RecFlow.
 		if r.Kind == RecService {
 			if ix.Owns(k.DAddr()) {
 				ix.MarkIncomplete(k.DAddr(), index.ReasonService)

@@ -109,6 +109,11 @@ type Options struct {
 	// (cilium.Backend.Count with the kernel's counter). Without it no
 	// flow is settled as "no entry" (an LRU eviction cannot be excluded).
 	CTFill func(ctmap.Kind) (int64, error)
+	// L7LB reports whether the node's Cilium has ENABLE_L7_LB (read from
+	// node_config.h). A flow to an L7 load-balancer VIP is recorded as the
+	// plain flow Cilium then keeps; without L7LB, or when it reports
+	// false, the pod is marked incomplete (ReasonL7LBUnconfirmed).
+	L7LB func() bool
 }
 
 // Recorder is the loaded recorder.
@@ -773,6 +778,11 @@ func (r *Recorder) Run(ctx context.Context, ix *index.Index) error {
 			continue
 		}
 		Apply(ix, &rc)
+		if rc.Kind == RecL7LB && (r.opts.L7LB == nil || !r.opts.L7LB()) {
+			if pod := rc.addrs()[0]; ix.Owns(pod) { // the OUT key's daddr
+				ix.MarkIncomplete(pod, ReasonL7LBUnconfirmed)
+			}
+		}
 		bar.appliedUpTo()
 		if rc.Kind == RecServiceEntry {
 			svcq.offer(rc.addrs()[1], time.Now()) // the pod: saddr of the SERVICE key

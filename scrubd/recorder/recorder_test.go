@@ -38,9 +38,16 @@ type world struct {
 	ctDir  string
 	ix     *index.Index
 	stop   func()
+	opt    func(*recorder.Options) // adjusts the recorder's options (newWorldOpts)
 }
 
 func newWorld(t *testing.T, npods int) *world {
+	t.Helper()
+	return newWorldOpts(t, npods, nil)
+}
+
+// newWorldOpts is newWorld with the recorder's options adjusted by opt.
+func newWorldOpts(t *testing.T, npods int, opt func(*recorder.Options)) *world {
 	t.Helper()
 	if os.Geteuid() != 0 {
 		t.Skip("needs root: BPF, tc filters and network namespaces")
@@ -63,6 +70,7 @@ func newWorld(t *testing.T, npods int) *world {
 	t.Cleanup(func() { w.ct.Close() })
 
 	w.pinDir = filepath.Join(standin.TempDir(t), "ctscrub")
+	w.opt = opt
 	w.rec = w.loadRecorder(t, ctDir)
 	w.ix = w.newIndex()
 	w.run(t)
@@ -94,7 +102,11 @@ func newWorld(t *testing.T, npods int) *world {
 
 func (w *world) loadRecorder(t *testing.T, ctDir string) *recorder.Recorder {
 	t.Helper()
-	rec, err := recorder.Load(recorder.Options{PinDir: w.pinDir, CTRoot: ctDir, RingBytes: 1 << 20, CT: w.ct, ReopenIdle: time.Second})
+	o := recorder.Options{PinDir: w.pinDir, CTRoot: ctDir, RingBytes: 1 << 20, CT: w.ct, ReopenIdle: time.Second}
+	if w.opt != nil {
+		w.opt(&o)
+	}
+	rec, err := recorder.Load(o)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -763,3 +763,58 @@ func TestResolveQueueBurst(t *testing.T) {
 		t.Fatalf("%d IPs still marked queued", len(q.queued))
 	}
 }
+
+// Issue 35 item 5: the first packet found no entry (a pick pending), a
+// later packet's record read the entry's backend, and then the SERVICE
+// entry went (GC, LRU) before the scrub: every pick is known (the read
+// names the pick the earlier packets made), so the client is complete and
+// its OUT entry indexed. Before, the read left the pick pending and the
+// scrub's resolution marked the client ("the SERVICE entry is gone and its
+// last backend was never read"): one sweep of the table for nothing.
+func TestResolvePendingPickReadThenEntryGone(t *testing.T) {
+	bothFamilies(t, func(t *testing.T, w *svcWorld) {
+		c := w.client(1)
+		f := w.flow(c)
+		be := netip.AddrPortFrom(w.addr(245, 0, 5), 8080)
+		w.setBackend(7, be)
+		w.record(f, 0)
+		w.pick(f, 7, be)
+		w.record(f, 7) // the flow's next packet read the pick
+		w.del(f.vip, f.client, f.cport, f.vport, f.proto, ctmap.FlagService)
+		w.r.Resolve(w.ix, c, true)
+		w.wantComplete(c)
+	})
+}
+
+// A hairpin: the client reaches itself through its service. Cilium
+// source-NATs it to the service loopback address (IPv4 at every version,
+// IPv6 from 1.19), so the OUT entry names the loopback, not the client,
+// and the pod's recorder sees the packet arrive from the loopback (an IN
+// key whose twin covers the OUT entry). The client is complete with every
+// entry covered, in both families. Before, the exception was IPv4-only and
+// the IPv6 client was marked ("no OUT entry towards the SERVICE entry's
+// backend"): a sweep of the table for nothing (issue 35 item 5).
+func TestResolveHairpin(t *testing.T) {
+	bothFamilies(t, func(t *testing.T, w *svcWorld) {
+		c := w.client(1)
+		f := w.flow(c)
+		lo := w.addr(254, 42, 1) // the service loopback address
+		w.setBackend(7, netip.AddrPortFrom(c, 8080))
+		w.record(f, 0)
+		w.put(f.vip, f.client, f.cport, f.vport, f.proto, ctmap.FlagService, 7)
+		w.put(lo, c, 8080, f.cport, f.proto, ctmap.FlagOut, 0)
+		// The recorder's record of the SNATed packet arriving at the pod.
+		r := Record{Family: 4, Kind: RecFlow}
+		if w.v6 {
+			r.Family = 6
+			k := ctmap.NewKey6(lo, c, 8080, f.cport, f.proto, ctmap.FlagIn)
+			copy(r.Key[:], k[:])
+		} else {
+			k := ctmap.NewKey4(lo, c, 8080, f.cport, f.proto, ctmap.FlagIn)
+			copy(r.Key[:], k[:])
+		}
+		Apply(w.ix, &r)
+		w.r.Resolve(w.ix, c, true)
+		w.wantComplete(c)
+	})
+}

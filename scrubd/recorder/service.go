@@ -275,12 +275,14 @@ func (r *Recorder) resolveOne(ix *index.Index, ip netip.Addr, ct *ctmap.Maps, be
 	if b != id || pending {
 		// A newly learnt backend: its OUT entry must be there (Cilium
 		// creates it right after the SERVICE entry), unless the backend is
-		// the client itself (IPv4 hairpin: the OUT entry names the service
-		// loopback address, and the pod's own recorder saw the packet
-		// arrive from it). Absent: the ID may name another backend than
-		// the one the flow went to (removed, ID reused), or Cilium dropped
-		// the packet after the SERVICE entry.
-		if !present(ct, s, out) && !(bk.Addr == ip && !s.V6) {
+		// the client itself (a hairpin: the OUT entry names the service
+		// loopback address, IPv4 at every version and IPv6 from 1.19,
+		// and the pod's own recorder saw the packet arrive from it; the
+		// IPv6 exception was missing and 1.19+'s IPv6 hairpin clients
+		// were marked, issue 35 item 5). Absent: the ID may name another
+		// backend than the one the flow went to (removed, ID reused), or
+		// Cilium dropped the packet after the SERVICE entry.
+		if !present(ct, s, out) && bk.Addr != ip {
 			if final {
 				return "no OUT entry towards the SERVICE entry's backend", 0, nil
 			}

@@ -10,6 +10,16 @@
 #define CONF_IPCACHE 2  /* remote address: ipcache (identity, tunnel endpoint) */
 #define CONF_SERVICE 3  /* service frontend with one backend (or none) */
 #define CONF_L7 4       /* policy entry redirecting to the L7 proxy */
+#define CONF_L7_PROXY_PORT 15001 /* an L7 load-balancer frontend's Envoy port */
+#define CONF_SVC_FLAG2_L7LB (1 << 2) /* SVC_FLAG_L7_LOADBALANCER (1.16: SVC_FLAG_L7LOADBALANCER) */
+/* The service maps' names: macros up to 1.17, the pinned names from 1.18. */
+#if CILIUM_MINOR >= 18
+#define CONF_LB4_SERVICES cilium_lb4_services_v2
+#define CONF_LB6_SERVICES cilium_lb6_services_v2
+#else
+#define CONF_LB4_SERVICES LB4_SERVICES_MAP_V2
+#define CONF_LB6_SERVICES LB6_SERVICES_MAP_V2
+#endif
 
 struct conf_args {
 	__u32 op;
@@ -30,7 +40,8 @@ struct conf_args {
 	__u8 proto;
 	__u8 svc_flags;
 	__u8 family;
-	__u8 pad[7];
+	__u8 svc_flags2;
+	__u8 pad[6];
 };
 
 static __always_inline int conf_endpoint(struct conf_args *a)
@@ -67,25 +78,57 @@ static __always_inline int conf_service(struct conf_args *a)
 	if (a->family == 4) {
 #if CILIUM_MINOR >= 18
 		lb_v4_add_service_with_flags(a->vip4, a->vport, a->proto, count, a->rev_nat,
-					     a->svc_flags, 0);
+					     a->svc_flags, a->svc_flags2);
 #else
 		lb_v4_add_service_with_flags(a->vip4, a->vport, count, a->rev_nat,
-					     a->svc_flags, 0);
+					     a->svc_flags, a->svc_flags2);
 #endif
+		if (a->svc_flags2 & CONF_SVC_FLAG2_L7LB) {
+			/* The frontend's Envoy port (1.19+ require it). */
+			struct lb4_key k = {.address = a->vip4, .dport = a->vport};
+			struct lb4_service *v = map_lookup_elem(&CONF_LB4_SERVICES, &k);
+
+			if (!v) {
+				k.proto = a->proto;
+				v = map_lookup_elem(&CONF_LB4_SERVICES, &k);
+			}
+			if (v)
+				v->l7_lb_proxy_port = CONF_L7_PROXY_PORT;
+		}
 		if (count)
 			lb_v4_add_backend(a->vip4, a->vport, 1, a->backend_id, a->ip4, a->bport,
 					  a->proto, 0);
 	} else {
 #if CILIUM_MINOR >= 18
 		lb_v6_add_service_with_flags((union v6addr *)a->vip6, a->vport, a->proto, count,
-					     a->rev_nat, a->svc_flags, 0);
+					     a->rev_nat, a->svc_flags, a->svc_flags2);
 #else
 		lb_v6_add_service_with_flags((union v6addr *)a->vip6, a->vport, count,
-					     a->rev_nat, a->svc_flags, 0);
+					     a->rev_nat, a->svc_flags, a->svc_flags2);
 #endif
 		if (count)
 			lb_v6_add_backend((union v6addr *)a->vip6, a->vport, 1, a->backend_id,
 					  (union v6addr *)a->ip6, a->bport, a->proto, 0);
+		if (a->svc_flags2 & CONF_SVC_FLAG2_L7LB) {
+			/* The frontend again, both scopes as the helper wrote
+			 * it, now with the Envoy port (1.19+ require it). */
+			struct lb6_key k __align_stack_8 = {.dport = a->vport};
+			struct lb6_service v __align_stack_8 = {
+				.l7_lb_proxy_port = CONF_L7_PROXY_PORT,
+				.count = count,
+				.rev_nat_index = a->rev_nat,
+				.flags = a->svc_flags,
+				.flags2 = a->svc_flags2,
+			};
+
+			ipv6_addr_copy(&k.address, (union v6addr *)a->vip6);
+#if CILIUM_MINOR >= 18
+			k.proto = a->proto;
+#endif
+			map_update_elem(&CONF_LB6_SERVICES, &k, &v, BPF_ANY);
+			k.scope = LB_LOOKUP_SCOPE_INT;
+			map_update_elem(&CONF_LB6_SERVICES, &k, &v, BPF_ANY);
+		}
 	}
 	return 0;
 }

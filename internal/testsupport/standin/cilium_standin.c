@@ -40,6 +40,9 @@ volatile const __u32 lifetime_close = 0;
  * reaching itself through a service VIP (hairpin) is SNATed to it, so the
  * OUT entry's initiator is this address. Cilium's default is 169.254.42.1. */
 volatile const __u32 service_loopback4 = 0;
+/* The same for IPv6 (1.19+ SNATs IPv6 hairpins; default fe80::1); all
+ * zero: not SNATed. */
+volatile const __u64 service_loopback6[2] = {};
 
 /* Cilium's global CT maps; replaced at load with the test's maps. */
 struct {
@@ -182,7 +185,11 @@ static __always_inline int service4(struct __sk_buff *skb, const struct flow *f)
 	if (!flow_has_ports(f))
 		return 0;
 	svc = SERVICE_LOOKUP(&cilium_lb4_services_v2, &sk, f->proto);
-	if (!svc)
+	/* An L7 load-balancer VIP with its proxy port: Cilium with
+	 * ENABLE_L7_LB keeps the plain flow to the VIP (its OUT entry) and
+	 * redirects it to Envoy (1.19+ as here; 1.16-1.18 also without a
+	 * port, which the agent never writes). */
+	if (!svc || ((svc->flags2 & SVC_FLAG_L7_LOADBALANCER) && svc->backend_id))
 		return 0;
 
 	/* Backend slot 1: the stand-in does not balance, it only needs an
@@ -282,7 +289,11 @@ static __always_inline int service6(struct __sk_buff *skb, const struct flow *f)
 		return 0;
 	__builtin_memcpy(sk.address, f->dst, 16);
 	svc = SERVICE_LOOKUP(&cilium_lb6_services_v2, &sk, f->proto);
-	if (!svc)
+	/* An L7 load-balancer VIP with its proxy port: Cilium with
+	 * ENABLE_L7_LB keeps the plain flow to the VIP (its OUT entry) and
+	 * redirects it to Envoy (1.19+ as here; 1.16-1.18 also without a
+	 * port, which the agent never writes). */
+	if (!svc || ((svc->flags2 & SVC_FLAG_L7_LOADBALANCER) && svc->backend_id))
 		return 0;
 	if (svc->count > 0) {
 		sk.backend_slot = 1;
@@ -306,6 +317,15 @@ static __always_inline int service6(struct __sk_buff *skb, const struct flow *f)
 	be = backend_id ? bpf_map_lookup_elem(&cilium_lb6_backends_v3, &backend_id) : 0;
 	if (be) {
 		__builtin_memcpy(k.daddr, f->src, 16);
+		if (!__builtin_memcmp(be->address, f->src, 16)) {
+			/* volatile reads: the loader sets them after compilation */
+			__u64 lo0 = service_loopback6[0], lo1 = service_loopback6[1];
+
+			if (lo0 | lo1) {
+				__builtin_memcpy(k.daddr, &lo0, 8);
+				__builtin_memcpy(k.daddr + 8, &lo1, 8);
+			}
+		}
 		__builtin_memcpy(k.saddr, be->address, 16);
 		k.sport = f->sport;
 		k.dport = be->port;

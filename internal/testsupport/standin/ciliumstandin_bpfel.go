@@ -119,6 +119,7 @@ const (
 	ciliumStandinVarLifetimeSyn         = "lifetime_syn"
 	ciliumStandinVarLifetimeTcp         = "lifetime_tcp"
 	ciliumStandinVarServiceLoopback4    = "service_loopback4"
+	ciliumStandinVarServiceLoopback6    = "service_loopback6"
 )
 
 // loadCiliumStandin returns the embedded CollectionSpec for ciliumStandin.
@@ -190,6 +191,7 @@ type ciliumStandinVariableSpecs struct {
 	LifetimeSyn      *ebpf.VariableSpec `ebpf:"lifetime_syn"`
 	LifetimeTcp      *ebpf.VariableSpec `ebpf:"lifetime_tcp"`
 	ServiceLoopback4 *ebpf.VariableSpec `ebpf:"service_loopback4"`
+	ServiceLoopback6 *ebpf.VariableSpec `ebpf:"service_loopback6"`
 }
 
 // ciliumStandinObjects contains all objects after they have been loaded into the kernel.
@@ -244,6 +246,7 @@ type ciliumStandinVariables struct {
 	LifetimeSyn      *ebpf.Variable `ebpf:"lifetime_syn"`
 	LifetimeTcp      *ebpf.Variable `ebpf:"lifetime_tcp"`
 	ServiceLoopback4 *ebpf.Variable `ebpf:"service_loopback4"`
+	ServiceLoopback6 *ebpf.Variable `ebpf:"service_loopback6"`
 }
 
 // ciliumStandinPrograms contains all programs after they have been loaded into the kernel.

@@ -152,6 +152,9 @@ type Options struct {
 	// SNAT; Cilium's default 169.254.42.1). Unset: hairpin traffic is not
 	// SNATed.
 	ServiceLoopback4 netip.Addr
+	// ServiceLoopback6 is the same for IPv6, which Cilium SNATs from 1.19
+	// (default fe80::1). Unset: IPv6 hairpins are not SNATed.
+	ServiceLoopback6 netip.Addr
 }
 
 // Load loads the stand-in's programs over the maps pinned in dir (see
@@ -171,6 +174,11 @@ func LoadOptions(dir string, o *Options) (*Datapath, error) {
 		a := o.ServiceLoopback4.As4()
 		if err := spec.Variables["service_loopback4"].Set(binary.NativeEndian.Uint32(a[:])); err != nil {
 			return nil, fmt.Errorf("standin: set service_loopback4: %w", err)
+		}
+	}
+	if o.ServiceLoopback6.Is6() {
+		if err := spec.Variables["service_loopback6"].Set(o.ServiceLoopback6.As16()); err != nil {
+			return nil, fmt.Errorf("standin: set service_loopback6: %w", err)
 		}
 	}
 	if lt != nil {
@@ -246,6 +254,22 @@ func (d *Datapath) AttachHostSide(ifname string) error {
 // backends, in Cilium's v1.16 service map layout (frontend key with
 // backend_slot 0 and protocol 0, one slot per backend, backends by ID).
 func (d *Datapath) AddService(proto uint8, vip netip.AddrPort, backends ...netip.AddrPort) error {
+	return d.AddServiceFlags(proto, vip, 0, 0, backends...)
+}
+
+// SvcFlag2L7LB is lb_service.flags2's SVC_FLAG_L7_LOADBALANCER (bit 2 in
+// 1.16 to 1.20): the stand-in then behaves as Cilium with ENABLE_L7_LB
+// (no SERVICE entry, no backend: the plain OUT entry to the VIP).
+// AddServiceFlags writes L7ProxyPort as the frontend's l7_lb_proxy_port,
+// which 1.19+ require non-zero.
+const SvcFlag2L7LB = 1 << 2
+
+// L7ProxyPort is the Envoy port AddServiceFlags gives an L7 frontend.
+const L7ProxyPort = 15001
+
+// AddServiceFlags is AddService with the frontend's flags and flags2
+// (struct lb4_service / lb6_service).
+func (d *Datapath) AddServiceFlags(proto uint8, vip netip.AddrPort, flags, flags2 uint8, backends ...netip.AddrPort) error {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	revNAT := d.nextRevNAT
@@ -265,7 +289,13 @@ func (d *Datapath) AddService(proto uint8, vip netip.AddrPort, backends ...netip
 			return fmt.Errorf("standin: add backend slot %d of %s: %w", slot+1, vip, err)
 		}
 	}
-	if err := svcMap.Put(serviceKey(vip, 0, v6), serviceValue(0, uint16(len(backends)), revNAT)); err != nil {
+	var port uint32
+	if flags2&SvcFlag2L7LB != 0 {
+		port = L7ProxyPort
+	}
+	fv := serviceValue(port, uint16(len(backends)), revNAT)
+	fv[8], fv[9] = flags, flags2
+	if err := svcMap.Put(serviceKey(vip, 0, v6), fv); err != nil {
 		return fmt.Errorf("standin: add service %s: %w", vip, err)
 	}
 	return nil
