@@ -28,6 +28,7 @@ func TestUncoveredFeatureThroughDaemon(t *testing.T) {
 	cfg := testConfig(t, root)
 	cfg.MetricsAddr = "127.0.0.1:0"
 	cfg.DelegateSocket = filepath.Join(t.TempDir(), "delegate", "delegate.sock")
+	cfg.CNIConfDir = chainedConfDir(t)
 	cfg.CiliumNodeConfig = filepath.Join(t.TempDir(), "node_config.h")
 	if err := os.WriteFile(cfg.CiliumNodeConfig, []byte("#define ENABLE_IPV4 1\n"), 0o644); err != nil {
 		t.Fatal(err)
