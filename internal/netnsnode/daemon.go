@@ -125,8 +125,10 @@ func StartDaemon(ctx context.Context, c *Cleanup, cfg DaemonConfig) (*Daemon, er
 	c.Push(fmt.Sprintf("stop scrubd (pid %d)", d.cmd.Process.Pid), d.Stop)
 	d.Client = client.New(d.Socket)
 
-	// Ready when its status says so: CT maps open, programs loaded.
-	deadline := time.Now().Add(20 * time.Second)
+	// Ready when its status says so: CT maps open, programs loaded. The
+	// bound is generous: on a loaded 2-CPU machine the program loads alone
+	// took 18.6 s (load 12), and a bound is only for a daemon that hangs.
+	deadline := time.Now().Add(90 * time.Second)
 	for {
 		select {
 		case <-d.exited:
@@ -142,7 +144,7 @@ func StartDaemon(ctx context.Context, c *Cleanup, cfg DaemonConfig) (*Daemon, er
 			return d, nil
 		}
 		if time.Now().After(deadline) {
-			return nil, fmt.Errorf("scrubd not ready after 20 s (last: %v); its log %s ends with:\n%s", err, d.LogPath, tail(d.LogPath, 15))
+			return nil, fmt.Errorf("scrubd not ready after 90 s (last: %v); its log %s ends with:\n%s", err, d.LogPath, tail(d.LogPath, 15))
 		}
 	}
 }
