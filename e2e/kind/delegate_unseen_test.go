@@ -38,6 +38,13 @@ import (
 // cleanup does both if the test stops early), and the test waits for
 // ctscrub_cni_chained 1 before the DELs.
 //
+// First, pods through the chain fill every free address of the node and
+// are deleted: the wave then gets addresses the index tracks as complete,
+// released by DELs scrubd saw (unseen_wave_ips_seen_before). Without that,
+// on a fresh cluster, every wave address is one the index never tracked and
+// every scrub of it sweeps whatever the ownership rules say (the first run,
+// 2026-12-03 13:25 UTC, passed on the old code that way).
+//
 // The wave's flows are the churn's: TCP, UDP and ping from a client pod,
 // plus each pod's own egress out of the cluster (SNAT mappings) and its own
 // DNS and requests through a Service: flows only the wave pods' own
@@ -94,8 +101,14 @@ spec:
 `, ns, node, e.clientImage, e.serverImage)))
 	c.must(5*time.Minute, "kubectl", "-n", ns, "wait", "--for=condition=Ready", "pod/client", "--timeout=5m")
 	agent := c.podOn("kube-system", "k8s-app=cilium", node)
-	allocBase, allocMax := c.ipamAllocated(agent)
-	t.Logf("Cilium's IPAM on %s before the wave: %d of %d addresses allocated", node, allocBase, allocMax)
+	// Seen first: pods through the chain on every free address of the
+	// node, then deleted, so that whatever address the wave gets is one
+	// the index tracks, complete, released by a DEL scrubd saw (on a fresh
+	// cluster an address never tracked sweeps anyway: "not tracked since
+	// the index started", and the test could not fail).
+	seeded := c.fill(ns, "seed", node, agent, e.clientImage)
+	c.must(5*time.Minute, "kubectl", "-n", ns, "delete", "pod", "-l", "app=unseen-seed", "--wait=true", "--timeout=5m")
+	c.waitReleased(agent, seeded)
 
 	// Unchain and hold it.
 	file, orig, sidecar := c.unchain(node)
@@ -124,6 +137,16 @@ spec:
 		t.Fatalf("wave: %d pod IPs (%v), want %d", len(ips), ips, perWave)
 	}
 	t.Logf("the unseen wave: %v", ips)
+	seenBefore := 0
+	for ip := range ips {
+		if seeded[ip] != "" {
+			seenBefore++
+		}
+	}
+	result(t, "unseen_wave_ips_seen_before", seenBefore)
+	if seenBefore == 0 {
+		t.Errorf("no address of the unseen wave %v was held by a seen pod before: the index tracked none of them", ips)
+	}
 	// Was it really unseen? The file, as the runtime read it for the ADDs,
 	// and scrubd's log: no ADD scrub of a wave IP (the plugin's scrubs name
 	// their container; the delegate's do not).
@@ -225,33 +248,10 @@ spec:
 
 	// Reuse: every free address of the node's pod CIDR taken again, the
 	// wave's among them.
-	var alloc int
-	eventually(t, c.ctx, 2*time.Minute, "Cilium on "+node+" releases the wave's addresses", func() (bool, string) {
-		alloc, _ = c.ipamAllocated(agent)
-		return alloc <= allocBase, fmt.Sprintf("%d allocated, %d before the wave", alloc, allocBase)
-	})
-	free := allocMax - alloc
-	t.Logf("reuse: %d of %d addresses allocated on %s: %d pods take every free one", alloc, allocMax, node, free)
-	b.Reset()
-	for i := range free {
-		fmt.Fprintf(&b, `apiVersion: v1
-kind: Pod
-metadata: {name: reuse-%[1]d, namespace: %[2]s, labels: {app: unseen-reuse}}
-spec:
-  nodeName: %[3]s
-  terminationGracePeriodSeconds: 1
-  containers:
-    - {name: sleep, image: %[4]s, imagePullPolicy: IfNotPresent, command: ["sleep", "36000"]}
----
-`, i, ns, node, e.clientImage)
-	}
-	c.kubectl("apply", "-f", writeFile(t, t.TempDir(), "reuse.yaml", b.String()))
-	if _, err := c.run(10*time.Minute, "kubectl", "-n", ns, "wait", "--for=condition=Ready", "pod", "-l", "app=unseen-reuse", "--timeout=10m"); err != nil {
-		// Counted with the pods that did start.
-		t.Errorf("not every reusing pod became Ready: %v", err)
-	}
+	c.waitReleased(agent, ips)
+	reused := c.fill(ns, "reuse", node, agent, e.clientImage)
 	reusers := map[string]string{} // wave IP -> the pod that has it now
-	for ip, pod := range c.podIPs(ns, "app=unseen-reuse") {
+	for ip, pod := range reused {
 		if ips[ip] != "" {
 			reusers[ip] = pod
 			t.Logf("reuse: %s has %s, held by unseen %s before", pod, ip, ips[ip])
@@ -320,6 +320,53 @@ spec:
 	if answers["index"] > 0 {
 		t.Errorf("%d delegate answers about the unseen wave's IPs came from the index alone (%v): the index never saw those pods' flows", answers["index"], byEvent)
 	}
+}
+
+// fill creates, on node, as many pods (label app=unseen-<name>) as its pod
+// CIDR has free addresses (Cilium's allocator starts at a random offset:
+// filling the range is what makes every free address taken), waits for
+// them, and returns IP -> pod of those that got one.
+func (c *cluster) fill(ns, name, node, agent, image string) map[string]string {
+	c.t.Helper()
+	alloc, size := c.ipamAllocated(agent)
+	free := size - alloc
+	c.t.Logf("%s: %d of %d addresses allocated on %s: %d pods take every free one", name, alloc, size, node, free)
+	var b strings.Builder
+	for i := range free {
+		fmt.Fprintf(&b, `apiVersion: v1
+kind: Pod
+metadata: {name: %[5]s-%[1]d, namespace: %[2]s, labels: {app: unseen-%[5]s}}
+spec:
+  nodeName: %[3]s
+  terminationGracePeriodSeconds: 1
+  containers:
+    - {name: sleep, image: %[4]s, imagePullPolicy: IfNotPresent, command: ["sleep", "36000"]}
+---
+`, i, ns, node, image, name)
+	}
+	c.kubectl("apply", "-f", writeFile(c.t, c.t.TempDir(), name+".yaml", b.String()))
+	if _, err := c.run(10*time.Minute, "kubectl", "-n", ns, "wait", "--for=condition=Ready", "pod", "-l", "app=unseen-"+name, "--timeout=10m"); err != nil {
+		// Counted with the pods that did start.
+		c.t.Errorf("%s: not every pod became Ready: %v", name, err)
+	}
+	return c.podIPs(ns, "app=unseen-"+name)
+}
+
+// waitReleased waits until Cilium's agent has none of ips allocated (other
+// pods, CoreDNS, Cilium's health endpoint, take addresses meanwhile: a
+// count would not say).
+func (c *cluster) waitReleased(agent string, ips map[string]string) {
+	c.t.Helper()
+	eventually(c.t, c.ctx, 2*time.Minute, "Cilium ("+agent+") releases the deleted pods' addresses", func() (bool, string) {
+		out := c.must(time.Minute, "kubectl", "-n", "kube-system", "exec", agent, "-c", "cilium-agent", "--", "cilium-dbg", "status", "--all-addresses")
+		var held []string
+		for ip, n := range countIPs(out, ips) {
+			if n > 0 {
+				held = append(held, ip)
+			}
+		}
+		return len(held) == 0, fmt.Sprintf("still allocated: %v", held)
+	})
 }
 
 // unchain pauses the ctscrub sidecar that re-chains it (SIGSTOP; a cleanup
