@@ -345,9 +345,41 @@ spec:
 `, i, ns, node, image, name)
 	}
 	c.kubectl("apply", "-f", writeFile(c.t, c.t.TempDir(), name+".yaml", b.String()))
-	if _, err := c.run(10*time.Minute, "kubectl", "-n", ns, "wait", "--for=condition=Ready", "pod", "-l", "app=unseen-"+name, "--timeout=10m"); err != nil {
-		// Counted with the pods that did start.
-		c.t.Errorf("%s: not every pod became Ready: %v", name, err)
+	// Done when every pod is Ready, or when the range is full and every
+	// pod that got an address is Ready: an address taken meanwhile by
+	// another pod (the agent's health endpoint, CoreDNS) leaves one of ours
+	// without ("unable to allocate IP"; the full run of 13:41 UTC waited
+	// 10 min for it). Those are deleted, so that they take no address
+	// later.
+	var noIP []string
+	eventually(c.t, c.ctx, 10*time.Minute, name+": pods on every free address of "+node, func() (bool, string) {
+		out := c.kubectl("-n", ns, "get", "pods", "-l", "app=unseen-"+name, "-o",
+			`jsonpath={range .items[*]}{.metadata.name} {.status.conditions[?(@.type=="Ready")].status} {.status.podIP}{"\n"}{end}`)
+		ready, withIP := 0, 0
+		noIP = nil
+		for _, l := range strings.Split(strings.TrimSpace(out), "\n") {
+			f := strings.Fields(l)
+			switch {
+			case len(f) == 3:
+				withIP++
+				if f[1] == "True" {
+					ready++
+				}
+			case len(f) >= 1:
+				noIP = append(noIP, f[0])
+			}
+		}
+		if ready == free {
+			return true, ""
+		}
+		if n, size := c.ipamAllocated(agent); n >= size && ready == withIP {
+			return true, ""
+		}
+		return false, fmt.Sprintf("%d of %d Ready, %d with an address", ready, free, withIP)
+	})
+	if len(noIP) > 0 {
+		c.t.Logf("%s: the range is full; %d pods got no address and are deleted: %v", name, len(noIP), noIP)
+		c.must(5*time.Minute, "kubectl", append([]string{"-n", ns, "delete", "pod", "--wait=true"}, noIP...)...)
 	}
 	return c.podIPs(ns, "app=unseen-"+name)
 }
