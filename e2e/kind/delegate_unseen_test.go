@@ -352,6 +352,7 @@ spec:
 	// 10 min for it). Those are deleted, so that they take no address
 	// later.
 	var noIP []string
+	settledAt, settledSince := -1, time.Time{}
 	eventually(c.t, c.ctx, 10*time.Minute, name+": pods on every free address of "+node, func() (bool, string) {
 		out := c.kubectl("-n", ns, "get", "pods", "-l", "app=unseen-"+name, "-o",
 			`jsonpath={range .items[*]}{.metadata.name} {.status.conditions[?(@.type=="Ready")].status} {.status.podIP}{"\n"}{end}`)
@@ -372,8 +373,18 @@ spec:
 		if ready == free {
 			return true, ""
 		}
+		// Full, and settled: Cilium allocates at the CNI ADD, before the
+		// pod reports its address, so a full range with every addressed pod
+		// Ready must hold for a while (pods still in their ADD show up).
 		if n, size := c.ipamAllocated(agent); n >= size && ready == withIP {
-			return true, ""
+			if withIP != settledAt || settledSince.IsZero() {
+				settledAt, settledSince = withIP, time.Now()
+			}
+			if time.Since(settledSince) >= 20*time.Second {
+				return true, ""
+			}
+		} else {
+			settledSince = time.Time{}
 		}
 		return false, fmt.Sprintf("%d of %d Ready, %d with an address", ready, free, withIP)
 	})
