@@ -39,7 +39,7 @@ type Objects struct {
 	// bpf_lxc.c with socket LB in host-namespace-only mode, and the
 	// fourth's with ENABLE_L7_LB.
 	LXC, Host, LXCHostFW, HostDSR, LXCHostNS, LXCL7LB string
-	BuildTime                                time.Duration // zero when every object came from the cache
+	BuildTime                                         time.Duration // zero when every object came from the cache
 }
 
 // Clang is the compiler used (the one `make generate` pins).
