@@ -306,6 +306,15 @@ func (w *World) Run(s Step) {
 		if len(valid) == 0 {
 			return // a GC with no valid attachment is refused
 		}
+		// Only what the GC itself deletes counts: an earlier step's scrub of
+		// a peer's IP (a DEL retry sweeping an IP an unseen pod holds now)
+		// may have taken a pod-to-pod entry already.
+		before := map[int]bool{}
+		for _, ip := range w.ips {
+			for _, e := range w.entries[ip] {
+				before[e.ID] = w.sys.Present(e)
+			}
+		}
 		w.sys.GC(valid)
 		for id := range w.active {
 			if !w.pods[id].alive {
@@ -317,10 +326,10 @@ func (w *World) Run(s Step) {
 			for _, e := range w.entries[ip] {
 				if w.sys.Present(e) {
 					left = append(left, e)
-				} else if w.pods[e.Pod].alive && (e.PeerPod < 0 || w.pods[e.PeerPod].alive) {
+				} else if before[e.ID] && w.pods[e.Pod].alive && (e.PeerPod < 0 || w.pods[e.PeerPod].alive) {
 					// A flow between two pods goes with either: only one
 					// whose every pod is alive must stay.
-					w.fail("GC deleted an entry of %s of pod %d, alive", ip, e.Pod)
+					w.fail("GC deleted an entry of %s of pod %d, alive (peer %v, pod %d; indexed %v)", ip, e.Pod, e.Peer, e.PeerPod, e.Indexed)
 				}
 			}
 			w.entries[ip] = left
