@@ -398,6 +398,7 @@ func (f *Filing) merge(ip netip.Addr, b *recBuf) {
 				e.notePendingLocked(svcID6(&b.svc6[i]))
 			}
 			e.pruneAt = max(e.pruneAt, 2*e.size())
+			f.ix.mirrorAllLocked(e)
 		}
 		e.mu.Unlock()
 		f.ix.keys.Add(int64(added))

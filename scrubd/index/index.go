@@ -92,6 +92,10 @@ type Index struct {
 
 	// filing is the bootstrap pass's Filing while one is open (filing.go).
 	filing atomic.Pointer[Filing]
+
+	// peers mirrors the slots' keys under their other addresses while
+	// EnablePeers has turned it on (peers.go); nil: off.
+	peers atomic.Pointer[peerTable]
 }
 
 // Hooks let the recorder follow keys out of the index. The recorder's
@@ -377,6 +381,7 @@ func (ix *Index) AddTo4(ip netip.Addr, k ctmap.CTKey4) {
 		drop = ix.markLocked(e, ReasonFull)
 	} else if e.add4(&k) {
 		ix.keys.Add(1)
+		ix.mirror4(e, &k)
 	}
 	e.mu.Unlock()
 	if drop {
@@ -399,6 +404,7 @@ func (ix *Index) AddTo6(ip netip.Addr, k ctmap.CTKey6) {
 		drop = ix.markLocked(e, ReasonFull)
 	} else if e.add6(&k) {
 		ix.keys.Add(1)
+		ix.mirror6(e, &k)
 	}
 	e.mu.Unlock()
 	if drop {
@@ -555,6 +561,7 @@ func (ix *Index) dropSlot(ip netip.Addr, e *IPEntry) {
 	e.incomplete, e.tracked, e.unrecorded = "", false, ""
 	e.mu.Unlock()
 	sh.mu.Unlock()
+	ix.maybeCleanPeers()
 }
 
 // Track declares ip complete from now on: called after a sweep removed every
@@ -672,6 +679,7 @@ func (ix *Index) Take(ip netip.Addr) (k4 []ctmap.CTKey4, k6 []ctmap.CTKey6, st S
 	if drop {
 		ix.dropSlot(ip, e)
 	}
+	ix.maybeCleanPeers()
 	h := ix.hooks.Load()
 	taken := h != nil && h.Taken != nil && len(k4)+len(k6) > 0
 	if taken {
@@ -721,11 +729,13 @@ func (ix *Index) Return(ip netip.Addr, k4 []ctmap.CTKey4, k6 []ctmap.CTKey6) {
 	for i := range k4 {
 		if e.add4(&k4[i]) {
 			ix.keys.Add(1)
+			ix.mirror4(e, &k4[i])
 		}
 	}
 	for i := range k6 {
 		if e.add6(&k6[i]) {
 			ix.keys.Add(1)
+			ix.mirror6(e, &k6[i])
 		}
 	}
 	e.noteServiceKeysLocked(k4, k6)

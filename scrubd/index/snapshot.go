@@ -150,6 +150,12 @@ func (ix *Index) restoreIP(si SnapshotIP) error {
 	e.pruneAt = max(1024, 2*e.size())
 	k4, k6 := e.list(nil, nil)
 	e.noteServiceKeysLocked(k4, k6)
+	for i := range k4 {
+		ix.mirror4(e, &k4[i])
+	}
+	for i := range k6 {
+		ix.mirror6(e, &k6[i])
+	}
 	for _, ss := range si.Svc {
 		var id svcID
 		switch {

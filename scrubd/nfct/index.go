@@ -68,6 +68,73 @@ type index struct {
 	lossGen uint64 // bumped on every detected loss of events
 	seedGen uint64 // lossGen when the last complete seed dump started
 	seeded  bool
+
+	// peers, while on (enablePeers), files each entry of a local pod also
+	// under its addresses outside the pod CIDRs (a Service backend on
+	// another node when the CIDRs are this node's): a remote-backend scrub
+	// finds them in O(k). Addresses inside the CIDRs are in ips already.
+	// Bounded by the local pods' entries: a record goes with its entry's
+	// DESTROY event or its delete.
+	peers     map[netip.Addr]map[flowKey]uint32
+	peerFlows int
+}
+
+// enablePeers turns the peer records on (before the seed dump).
+func (ix *index) enablePeers() {
+	ix.mu.Lock()
+	if ix.peers == nil {
+		ix.peers = map[netip.Addr]map[flowKey]uint32{}
+	}
+	ix.mu.Unlock()
+}
+
+// peerAddrs returns e's addresses outside the pod CIDRs, each once.
+func (ix *index) peerAddrs(e *Entry, out *[4]netip.Addr) int {
+	n := 0
+	for _, ip := range [4]netip.Addr{e.Orig.Src, e.Orig.Dst, e.Reply.Src, e.Reply.Dst} {
+		ip = ip.Unmap()
+		if !ip.IsValid() || ix.owns(ip) {
+			continue
+		}
+		dup := false
+		for i := 0; i < n; i++ {
+			dup = dup || out[i] == ip
+		}
+		if !dup {
+			out[n] = ip
+			n++
+		}
+	}
+	return n
+}
+
+// peerFlowsOf lists the entries filed under addr: in its slot when it lies
+// in the pod CIDRs, else in the peer records.
+func (ix *index) peerFlowsOf(addr netip.Addr) []flow {
+	ix.mu.Lock()
+	defer ix.mu.Unlock()
+	var fs []flow
+	if s := ix.ips[addr]; s != nil {
+		for k, id := range s.flows {
+			fs = append(fs, flow{k, id})
+		}
+	}
+	for k, id := range ix.peers[addr] {
+		fs = append(fs, flow{k, id})
+	}
+	return fs
+}
+
+// forgetPeerLocked drops a peer record of flow k, unless it is a newer flow.
+func (ix *index) forgetPeerLocked(addr netip.Addr, k flowKey, id uint32) {
+	m := ix.peers[addr]
+	if cur, ok := m[k]; ok && cur == id {
+		delete(m, k)
+		ix.peerFlows--
+		if len(m) == 0 {
+			delete(ix.peers, addr)
+		}
+	}
 }
 
 func newIndex(cidrs []netip.Prefix, zones []uint16) *index {
@@ -145,6 +212,20 @@ func (ix *index) add(e *Entry) {
 		}
 		s.flows[k] = e.ID
 	}
+	if ix.peers != nil {
+		var ps [4]netip.Addr
+		for _, p := range ps[:ix.peerAddrs(e, &ps)] {
+			m := ix.peers[p]
+			if m == nil {
+				m = map[flowKey]uint32{}
+				ix.peers[p] = m
+			}
+			if _, ok := m[k]; !ok {
+				ix.peerFlows++
+			}
+			m[k] = e.ID
+		}
+	}
 	ix.mu.Unlock()
 }
 
@@ -160,6 +241,12 @@ func (ix *index) remove(e *Entry) {
 	ix.mu.Lock()
 	for _, ip := range ips[:n] {
 		ix.forgetLocked(ip, k, e.ID)
+	}
+	if ix.peers != nil {
+		var ps [4]netip.Addr
+		for _, p := range ps[:ix.peerAddrs(e, &ps)] {
+			ix.forgetPeerLocked(p, k, e.ID)
+		}
 	}
 	ix.mu.Unlock()
 }

@@ -71,6 +71,9 @@ type Config struct {
 	// event losses; 0 means 30 s, negative disables them (only the per-IP
 	// fallback then restores completeness).
 	ResyncAfterLoss time.Duration
+	// Peers files local pods' entries under their addresses outside the
+	// pod CIDRs too, for ScrubPeer (the remote-backend watch).
+	Peers bool
 }
 
 // NFCT is the nf_conntrack backend. It implements scrub.Backend.
@@ -124,6 +127,9 @@ func New(cfg Config) (*NFCT, error) {
 		flushOK: kernelAtLeast(6, 12),
 		resync:  make(chan struct{}, 1),
 		stop:    make(chan struct{}),
+	}
+	if cfg.Peers {
+		n.ix.enablePeers()
 	}
 	if cfg.Fallback == FallbackFlush && !n.flushOK {
 		return nil, fmt.Errorf("nfct: fallback %q needs Linux 6.12+ (CTA_FILTER on flush); this kernel is older: use %q", FallbackFlush, FallbackDump)
@@ -390,6 +396,39 @@ func (n *NFCT) scrub(ctx context.Context, req scrub.Request, sweep bool) (scrub.
 		}
 	}
 	return finish(nil)
+}
+
+// ScrubPeer deletes this node's entries that hold addr, a Service backend
+// that left the cluster (docs/remote.md): the entries of local clients
+// towards it, DNATed to it (addr is their reply source) or sent to it, in
+// O(k), each by its tuple and flow ID (a newer flow that reused the tuple
+// survives). It trusts no completeness: an entry the index missed stays
+// for kube-proxy or its timeout, as without it. The caller makes sure no
+// local pod holds addr.
+func (n *NFCT) ScrubPeer(ctx context.Context, addr netip.Addr) (scrub.Result, error) {
+	start := time.Now()
+	addr = addr.Unmap()
+	res := scrub.Result{Backend: n.Name(), Method: scrub.MethodIndex, Outcome: scrub.Complete, Deleted: map[string]int{MapName: 0}}
+	n.catchUp(ctx)
+	fs := n.ix.peerFlowsOf(addr)
+	del, err := n.deleteFlows(ctx, netip.Addr{}, fs)
+	res.Deleted[MapName], res.Total, res.Duration = del, del, time.Since(start)
+	if err != nil {
+		res.Outcome, res.Error = scrub.Failed, err.Error()
+		return res, err
+	}
+	// Deleted or already gone: their records go (DESTROY events would
+	// drop them too, unless lost).
+	n.ix.mu.Lock()
+	for _, f := range fs {
+		ix := n.ix
+		if s := ix.ips[addr]; s != nil {
+			ix.forgetLocked(addr, f.key, f.id)
+		}
+		ix.forgetPeerLocked(addr, f.key, f.id)
+	}
+	n.ix.mu.Unlock()
+	return res, nil
 }
 
 // deleteBatch is how many deletes go in one sendmsg: their ACKs (about 1 KiB

@@ -193,7 +193,7 @@ func (r *Recorder) resolveOne(ix *index.Index, ip netip.Addr, ct *ctmap.Maps, be
 		if err != nil || !found {
 			return false, err
 		}
-		addOut(ix, s, bk)
+		addOut(ix, s, b, bk)
 		return true, nil
 	}
 	// Backends the recorder read from the entry on later packets.
@@ -286,12 +286,12 @@ func (r *Recorder) resolveOne(ix *index.Index, ip netip.Addr, ct *ctmap.Maps, be
 			if final {
 				return "no OUT entry towards the SERVICE entry's backend", 0, nil
 			}
-			addOut(ix, s, bk)
+			addOut(ix, s, b, bk)
 			ix.ServiceResolved(ip, s, b, true, false)
 			return "", 0, nil
 		}
 	}
-	addOut(ix, s, bk)
+	addOut(ix, s, b, bk)
 	ix.ServiceResolved(ip, s, b, false, false)
 	return "", 0, nil
 }
@@ -400,8 +400,17 @@ func present(ct *ctmap.Maps, s index.Service, o outKeys) bool {
 
 // addOut indexes the OUT key and its RELATED key as Apply indexes a flow's
 // (under each address with a slot: a local backend pod's too).
-func addOut(ix *index.Index, s index.Service, bk ctmap.Backend) {
+//
+// The SERVICE key goes in the index's peer table under the backend's
+// address, with b, the backend ID its entry named: a remote-backend scrub
+// of that address deletes it while it still names b (docs/remote.md).
+func addOut(ix *index.Index, s index.Service, b uint32, bk ctmap.Backend) {
 	o := outKey(s, bk)
+	client := s.K4.SAddr()
+	if s.V6 {
+		client = s.K6.SAddr()
+	}
+	ix.ServiceBackend(client, s, b, bk.Addr)
 	if s.V6 {
 		ix.Add6(o.k6)
 		ix.Add6(o.k6.Related())
