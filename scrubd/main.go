@@ -198,6 +198,8 @@ func runConfig(args []string) (daemon.Config, error) {
 	fs.Var(durationFlag{&flagCfg.StatsInterval}, "stats-interval", "refresh interval of ctscrub_ct_entries")
 	fs.BoolVar(&flagCfg.Pprof, "pprof", false, "serve /debug/pprof on the metrics address")
 	fs.StringVar(&flagCfg.LogLevel, "log-level", flagCfg.LogLevel, "debug, info, warn or error")
+	fs.BoolVar(&flagCfg.RemoteBackends.Enabled, "remote-backends", false, "watch EndpointSlices and delete this node's CT entries towards backends that left the cluster (docs/remote.md)")
+	fs.Var(durationFlag{&flagCfg.RemoteBackends.Hold}, "remote-backends-hold", "how long a backend address must be in no EndpointSlice before it counts as gone (default 1s)")
 	fs.StringVar(&flagCfg.Expiry.Mode, "expiry-mode", flagCfg.Expiry.Mode, "expiry pass over Cilium's CT maps: off, report or sweep")
 	fs.Var(durationFlag{&flagCfg.Expiry.Interval}, "expiry-interval", "fixed interval between expiry passes")
 	fs.StringVar(&flagCfg.Expiry.Clock, "expiry-clock", flagCfg.Expiry.Clock, "clock of Cilium's CT lifetimes: auto, ktime or jiffies")
@@ -269,6 +271,10 @@ func runConfig(args []string) (daemon.Config, error) {
 			cfg.RingBytes = flagCfg.RingBytes
 		case "daemonset":
 			cfg.DaemonSet = flagCfg.DaemonSet
+		case "remote-backends":
+			cfg.RemoteBackends.Enabled = flagCfg.RemoteBackends.Enabled
+		case "remote-backends-hold":
+			cfg.RemoteBackends.Hold = flagCfg.RemoteBackends.Hold
 		}
 	})
 	var err error

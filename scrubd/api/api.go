@@ -195,6 +195,9 @@ type Status struct {
 	// Bootstrap: the pass over the CT maps at start (scrubd/bootstrap);
 	// absent before the first.
 	Bootstrap *BootstrapStatus `json:"bootstrap,omitempty"`
+
+	// RemoteBackends: the remote-backend watch; absent when off.
+	RemoteBackends *RemoteBackendsStatus `json:"remote_backends,omitempty"`
 }
 
 // BootstrapStatus is the bootstrap pass, running or last ended.
@@ -231,3 +234,28 @@ type Error struct {
 }
 
 func (e *Error) Error() string { return e.Message }
+
+// RemoteBackendsStatus is the remote-backend watch (docs/remote.md), when on.
+type RemoteBackendsStatus struct {
+	Synced    bool   `json:"synced"` // every EndpointSlice listed once
+	Events    uint64 `json:"events"`
+	Slices    int    `json:"slices"`
+	Addresses int    `json:"addresses"` // distinct addresses the slices name
+	Waiting   int    `json:"waiting"`   // in no slice, waiting out the hold
+	// Scrubbed: addresses whose entries on this node were deleted;
+	// EntriesDeleted: those entries.
+	Scrubbed       uint64              `json:"scrubbed"`
+	EntriesDeleted uint64              `json:"entries_deleted"`
+	Last           *RemoteBackendScrub `json:"last,omitempty"`
+}
+
+// RemoteBackendScrub is one address's deletion.
+type RemoteBackendScrub struct {
+	Addr    netip.Addr `json:"addr"`
+	Service string     `json:"service"` // the Service of the slice it left last
+	Since   time.Time  `json:"since"`   // the watch received that change
+	Done    time.Time  `json:"done"`
+	Seconds float64    `json:"seconds"`
+	Deleted int        `json:"deleted"`
+	Error   string     `json:"error,omitempty"`
+}

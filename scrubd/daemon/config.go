@@ -101,6 +101,9 @@ type Config struct {
 	// node: the conflist entry and the recorder's filters (scrubd/main.go,
 	// uninstall.go). "": never.
 	DaemonSet string `yaml:"daemonset"`
+	// RemoteBackends: watch EndpointSlices and delete this node's entries
+	// towards backends that left the cluster (remote.go, docs/remote.md).
+	RemoteBackends RemoteBackendsConfig `yaml:"remote_backends"`
 }
 
 // ExpiryConfig configures the expiry pass (scrubd/expiry).
@@ -238,6 +241,9 @@ func (c *Config) Validate() ([]netip.Prefix, error) {
 	}
 	if c.QueueLimit < c.MaxInFlight {
 		return nil, fmt.Errorf("queue_limit %d is below max_in_flight %d: the queue holds the running scrubs too", c.QueueLimit, c.MaxInFlight)
+	}
+	if c.RemoteBackends.Hold.Duration < 0 {
+		return nil, errors.New("remote_backends.hold is negative")
 	}
 	if c.ShutdownGrace.Duration < 0 {
 		return nil, errors.New("shutdown_grace is negative")

@@ -137,6 +137,9 @@ type Daemon struct {
 
 	ownNetns netnsid.ID // scrubd's own network namespace (netns.go); zero if unknown
 
+	// remote is the remote-backend watch (remote.go); nil when off.
+	remote *remoteBackends
+
 	// boot follows the bootstrap pass over the CT maps (scrubd/bootstrap):
 	// its metrics and `scrubd status`.
 	boot bootstrap.Progress
@@ -203,6 +206,12 @@ func New(opts Options) (*Daemon, error) {
 	}
 	d.workCtx, d.cancelWork = context.WithCancel(context.Background())
 	d.m = newMetrics(d, opts.Registry)
+	if d.cfg.RemoteBackends.Enabled {
+		if d.remote, err = newRemoteBackends(d, d.m.reg); err != nil {
+			return nil, fmt.Errorf("remote backends: %w", err)
+		}
+		d.tasks = append(d.tasks, Task{Name: "remote-backends", Run: d.remote.run})
+	}
 	if err := d.boot.Register(d.m.reg); err != nil {
 		return nil, fmt.Errorf("register the bootstrap pass's metrics: %w", err)
 	}

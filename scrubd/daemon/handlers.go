@@ -748,7 +748,12 @@ func (d *Daemon) Status() api.Status {
 			}
 		}
 	}
+	var rb *api.RemoteBackendsStatus
+	if d.remote != nil {
+		rb = d.remote.status()
+	}
 	return api.Status{
+		RemoteBackends:    rb,
 		UncoveredFeatures: uncovered,
 		Version:           d.version,
 		Backends:          d.backendNames(),

@@ -26,7 +26,7 @@ const (
 // maps only).
 //
 // fallback is the nfct_fallback setting: "" or "auto", "flush", "dump".
-func OpenNFCT(cidrs []netip.Prefix, fallback string, auto, ciliumPresent bool, log *slog.Logger) (*nfct.NFCT, error) {
+func OpenNFCT(cidrs []netip.Prefix, fallback string, auto, ciliumPresent, peers bool, log *slog.Logger) (*nfct.NFCT, error) {
 	fb := nfct.Fallback(fallback)
 	switch fb {
 	case "auto":
@@ -42,7 +42,7 @@ func OpenNFCT(cidrs []netip.Prefix, fallback string, auto, ciliumPresent bool, l
 		}
 		return nil, fmt.Errorf("nfct backend: nf_conntrack is not loaded on this node (/proc/sys/net/netfilter/nf_conntrack_max: %v)", err)
 	}
-	n, err := nfct.New(nfct.Config{PodCIDRs: cidrs, Fallback: fb})
+	n, err := nfct.New(nfct.Config{PodCIDRs: cidrs, Fallback: fb, Peers: peers})
 	if err != nil {
 		if auto {
 			log.Warn("nfct backend off", "err", err)

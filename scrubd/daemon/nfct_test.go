@@ -63,7 +63,7 @@ func TestNFCTStatsAndCollectors(t *testing.T) {
 	if st := n.Stats(); st.Keys != len(es) || st.Lost != 0 || st.IncompleteIPs != 0 || st.IPs != 2 {
 		t.Errorf("index figures %+v, want %d keys for 2 IPs, nothing lost or incomplete", st, len(es))
 	}
-	if _, err := OpenNFCT(nil, "sideways", true, false, nil); err == nil {
+	if _, err := OpenNFCT(nil, "sideways", true, false, false, nil); err == nil {
 		t.Error("an unknown nfct_fallback must be refused, even with backends: auto")
 	}
 }

@@ -27,6 +27,9 @@ func Open(cfg Config, log *slog.Logger, version string) (*Daemon, error) {
 	want, _ := ParseBackends(cfg.Backends)
 	auto := want == nil
 	ix := index.New(index.Config{PodCIDRs: cidrs})
+	if cfg.RemoteBackends.Enabled {
+		ix.EnablePeers() // before any key: the snapshot, the pass, the recorder
+	}
 	opts := Options{Config: cfg, Index: ix, Logger: log, Version: version}
 	var closers []func() error
 	fail := func(err error) (*Daemon, error) {
@@ -100,7 +103,7 @@ func Open(cfg Config, log *slog.Logger, version string) (*Daemon, error) {
 		}
 	}
 	if auto || slices.Contains(want, "nfct") {
-		n, err := OpenNFCT(cidrs, cfg.NFCTFallback, auto, len(opts.Backends) > 0, log)
+		n, err := OpenNFCT(cidrs, cfg.NFCTFallback, auto, len(opts.Backends) > 0, cfg.RemoteBackends.Enabled, log)
 		if err != nil {
 			for _, b := range opts.Backends {
 				b.Close()

@@ -489,6 +489,17 @@ func (ix *Index) Unrecorded(ip netip.Addr, reason string) {
 	e.mu.Unlock()
 }
 
+// Held reports whether a pod of this node holds ip (Hold).
+func (ix *Index) Held(ip netip.Addr) bool {
+	e := ix.entry(ip, false)
+	if e == nil {
+		return false
+	}
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	return e.held
+}
+
 // Recorded ends Unrecorded: the recorder is attached to the pod holding ip.
 func (ix *Index) Recorded(ip netip.Addr) {
 	e := ix.entry(ip, false)
