@@ -3,6 +3,7 @@ package kind
 import (
 	"encoding/json"
 	"fmt"
+	"sort"
 	"strings"
 	"testing"
 	"time"
@@ -427,6 +428,9 @@ spec:
 	result(t, "ips_reused", reused)
 	result(t, "ct_entries_before_del", before)
 	result(t, "scrubs", methods)
+	// Issue 35: the Cilium features whose entries the recorder cannot see
+	// on this install, as scrubd reports them (empty on the default install).
+	result(t, "uncovered_features", uncoveredFeatures(c.metrics(node)))
 	if len(sweptWhy) > 0 {
 		result(t, "swept_why", sweptWhy)
 	}
@@ -556,4 +560,44 @@ func (c *cluster) podsOn(namespace, sel, node string) []string {
 	c.t.Helper()
 	return strings.Fields(c.kubectl("-n", namespace, "get", "pods", "-l", sel,
 		"--field-selector", "spec.nodeName="+node, "-o", "jsonpath={.items[*].metadata.name}"))
+}
+
+// uncoveredFeatures is the feature label of every
+// ctscrub_uncovered_feature series at 1 in a scrape of scrubd's /metrics,
+// sorted; never nil, so the JSON says [] rather than null.
+func uncoveredFeatures(metrics string) []string {
+	out := []string{}
+	for _, l := range strings.Split(metrics, "\n") {
+		if !strings.HasPrefix(l, "ctscrub_uncovered_feature{") {
+			continue
+		}
+		labels, value, ok := strings.Cut(strings.TrimPrefix(l, "ctscrub_uncovered_feature{"), "} ")
+		if !ok || strings.TrimSpace(value) != "1" {
+			continue
+		}
+		for _, kv := range strings.Split(labels, ",") {
+			if v, ok := strings.CutPrefix(kv, "feature="); ok {
+				out = append(out, strings.Trim(v, `"`))
+			}
+		}
+	}
+	sort.Strings(out)
+	return out
+}
+
+func TestUncoveredFeaturesFromMetrics(t *testing.T) {
+	scrape := `# HELP ctscrub_uncovered_feature ...
+# TYPE ctscrub_uncovered_feature gauge
+ctscrub_uncovered_feature{backend="cilium",feature="nodeport_backends"} 1
+ctscrub_uncovered_feature{backend="cilium",feature="host_firewall"} 0
+ctscrub_uncovered_feature{backend="cilium",feature="l7_proxy"} 1
+ctscrub_uncovered_features_total 3
+`
+	got := uncoveredFeatures(scrape)
+	if want := []string{"l7_proxy", "nodeport_backends"}; strings.Join(got, ",") != strings.Join(want, ",") {
+		t.Fatalf("uncoveredFeatures = %v, want %v", got, want)
+	}
+	if got := uncoveredFeatures("ctscrub_scrubs_total 1\n"); got == nil || len(got) != 0 {
+		t.Fatalf("no feature series: got %#v, want an empty, non-nil list", got)
+	}
 }
