@@ -67,10 +67,10 @@ func netnsCookie() (uint64, error) {
 }
 
 // own records addrs as the addresses of interface ifindex in the network
-// namespace with cookie netns. A reused address's entry (an earlier pod's)
-// is overwritten.
-func (r *Recorder) own(addrs []netip.Addr, netns uint64, ifindex int) error {
-	v := ownerValue{Netns: netns, Ifindex: uint32(ifindex)}
+// namespace with cookie netns, whose host-side peer is hostIfindex (0:
+// none). A reused address's entry (an earlier pod's) is overwritten.
+func (r *Recorder) own(addrs []netip.Addr, netns uint64, ifindex, hostIfindex int) error {
+	v := ownerValue{Netns: netns, Ifindex: uint32(ifindex), HostIfindex: uint32(hostIfindex)}
 	var errs []error
 	for _, ip := range addrs {
 		if err := r.objs.RecOwner.Update(mapped(ip), &v, ebpf.UpdateAny); err != nil {
