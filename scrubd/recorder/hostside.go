@@ -51,7 +51,11 @@ func (r *Recorder) hostPeer(h *netlink.Handle, l netlink.Link) (int, error) {
 	if peer == 0 || l.Attrs().NetNsID < 0 {
 		return 0, fmt.Errorf("%w: the peer of %s is not in another namespace (IFLA_LINK %d, netnsid %d)", ErrHostSide, l.Attrs().Name, peer, l.Attrs().NetNsID)
 	}
-	node, err := h.GetNetNsIdByFd(int(r.nodeNS.Fd()))
+	ns, err := r.nodeNSFile()
+	if err != nil {
+		return 0, fmt.Errorf("%w: %w", ErrHostSide, err)
+	}
+	node, err := h.GetNetNsIdByFd(int(ns.Fd()))
 	if err != nil {
 		return 0, fmt.Errorf("%w: the node's namespace id in the pod's: %w", ErrHostSide, err)
 	}
@@ -200,7 +204,24 @@ func openNodeNS(path string) (*os.File, error) {
 	return f, nil
 }
 
+// nodeNSFile is the node's namespace, opened at the first call that finds
+// it (Options.NodeNetns may name a namespace made after Load).
+func (r *Recorder) nodeNSFile() (*os.File, error) {
+	r.nodeNSMu.Lock()
+	defer r.nodeNSMu.Unlock()
+	if r.nodeNS == nil {
+		f, err := openNodeNS(r.opts.NodeNetns)
+		if err != nil {
+			return nil, err
+		}
+		r.nodeNS = f
+	}
+	return r.nodeNS, nil
+}
+
 func (r *Recorder) closeNodeNS() {
+	r.nodeNSMu.Lock()
+	defer r.nodeNSMu.Unlock()
 	if r.nodeNS != nil {
 		r.nodeNS.Close()
 		r.nodeNS = nil

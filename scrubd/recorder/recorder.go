@@ -158,8 +158,10 @@ type Recorder struct {
 	noEntries atomic.Uint64 // flows settled as "Cilium made no entry"
 
 	// nodeNS: the namespace of the pods' host-side veths (Options.NodeNetns),
-	// open; nil with ContainerSideOnly.
-	nodeNS *os.File
+	// open; nil with ContainerSideOnly, or until the first Attach opens a
+	// named one (nodeNSMu).
+	nodeNSMu sync.Mutex
+	nodeNS   *os.File
 
 	// netnsCheck: the programs compare a sent packet's network namespace
 	// with its source address's owner's, not only the ifindex.
@@ -245,8 +247,10 @@ func Load(opts Options) (*Recorder, error) {
 	}
 	r := &Recorder{opts: opts, lostSeen: make(map[[16]byte]uint64)}
 	r.life.path = opts.NodeConfig
-	if !opts.ContainerSideOnly {
-		if r.nodeNS, err = openNodeNS(opts.NodeNetns); err != nil {
+	if !opts.ContainerSideOnly && opts.NodeNetns == "" {
+		// The process's own, now: the calling goroutine's thread is in it.
+		// A named one is opened at the first Attach (it may not exist yet).
+		if r.nodeNS, err = openNodeNS(""); err != nil {
 			return nil, err
 		}
 	}
