@@ -177,6 +177,18 @@ func TestHostLinkLifecycle(t *testing.T) {
 	if again := order(); len(again) != 2 || again[0] != ids[0] {
 		t.Fatalf("after a second Attach: %v, want %v (the same link, in place)", again, ids)
 	}
+	// New programs (Cilium's service maps changed): Attach swaps the
+	// link's program in place; it stays ahead of the stand-in.
+	if err := w.rec.ReloadPrograms(); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := w.rec.Attach(p.Path, "eth0"); err != nil {
+		t.Fatal(err)
+	}
+	if again := order(); len(again) != 2 || again[0] != hostID() || again[0] == ids[0] || again[1] != ids[1] {
+		t.Fatalf("after ReloadPrograms and Attach: %v, want the reloaded host program (%d) first, then the stand-in's %d", again, hostID(), ids[1])
+	}
+	ids = order()
 	if err := w.rec.Detach(p.Path, "eth0"); err != nil {
 		t.Fatal(err)
 	}
@@ -216,5 +228,46 @@ func TestHostSideNotFound(t *testing.T) {
 	}
 	if err := w.rec.Detach(p.Path, "eth0"); err != nil {
 		t.Fatal(err)
+	}
+}
+
+// The host-side link is pinned: frames a pod sends past its tc egress
+// while scrubd is down are recorded into the pinned ring and read by the
+// next instance, whose Attach keeps the same link.
+func TestHostLinkRecordsWhileDown(t *testing.T) {
+	w := newWorld(t, 1)
+	p := w.pods[0]
+	w.stop()
+	w.stop = nil
+	if err := w.rec.Close(); err != nil {
+		t.Fatal(err)
+	}
+	remote, mac := w.node.Remote, gatewayMAC(t, w.node)
+	if err := qdiscbypass.SendUDP(p.Path, "eth0", mac, p.Addr4, remote.Addr4, 46003, silentPort, []byte("down")); err != nil {
+		t.Fatal(err)
+	}
+	key := ctmap.NewKey4(p.Addr4, remote.Addr4, silentPort, 46003, ctmap.ProtoUDP, ctmap.FlagOut)
+	for deadline := time.Now().Add(5 * time.Second); !lookup4(t, w.ct.Map(ctmap.Any4), key); time.Sleep(20 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("stand-in made no entry for the bypassed frame")
+		}
+	}
+	w.rec = w.loadRecorder(t, w.ct.Root)
+	w.ix = w.newIndex()
+	w.run(t)
+	if !w.rec.HostAttached(p.Path, "eth0") {
+		t.Fatal("host-side link gone with the recorder instance")
+	}
+	if _, err := w.rec.Attach(p.Path, "eth0"); err != nil {
+		t.Fatal(err)
+	}
+	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(50 * time.Millisecond) {
+		ks, _, _ := w.ix.KeysOf(p.Addr4)
+		if containsKey(ks, key) {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the bypassed flow sent while down is not indexed after restart: %v", ks)
+		}
 	}
 }
