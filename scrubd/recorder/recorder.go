@@ -498,13 +498,13 @@ func (r *Recorder) AttachSteps(netnsPath, ifname string, mark func(step string))
 		return ifindex, fmt.Errorf("recorder: attach to %s in netns %s: %w", ifname, netnsPath, errors.Join(err, hostErr))
 	}
 	mark("forget")
-	if hostErr != nil {
-		return ifindex, fmt.Errorf("recorder: attach to %s in netns %s: %w", ifname, netnsPath, hostErr)
-	}
 	// A pod attached by an older scrubd (tcx links pinned under
 	// PinDir/links): the filters record now, so the links can go.
 	r.removeLegacyLinks(netnsPath, ifname)
 	mark("legacy")
+	if hostErr != nil {
+		return ifindex, fmt.Errorf("recorder: attach to %s in netns %s: %w", ifname, netnsPath, hostErr)
+	}
 	return ifindex, nil
 }
 
