@@ -9,6 +9,12 @@
  * interface sees every packet of the pod, including those Cilium delivers
  * with a peer redirect that skips the host-side veth.
  *
+ * recorder_host runs as a tcx link at the head of the pod's host-side veth's
+ * ingress, ahead of Cilium's cil_from_container: the packets the pod sends,
+ * as the egress program sees them, plus those a packet socket sent with
+ * PACKET_QDISC_BYPASS, which skip the pod's tc egress. Both share the flow
+ * caches, so a flow the egress program recorded is a cache hit here.
+ *
  * For each new flow it sends one struct record (the CT key Cilium creates
  * for the flow) through a ring buffer; scrubd indexes it per pod IP. It never
  * changes a verdict: every path returns TC_ACT_UNSPEC (the next filter runs;
@@ -18,6 +24,11 @@
 char __license[] SEC("license") = "Dual BSD/GPL";
 
 #define REC_NEXT -1 /* TC_ACT_UNSPEC == TCX_NEXT */
+
+/* Where a program runs (record's egress argument; non-zero = the pod sends). */
+#define AT_POD_INGRESS 0
+#define AT_POD_EGRESS 1
+#define AT_HOST_INGRESS 2 /* the host-side veth's ingress: what the pod sends */
 
 /* The flow as seen from the pod: local = the pod's side. Direction-free, so
  * a flow's packets both ways hit the same entry. One map per family keeps
@@ -218,9 +229,9 @@ struct {
  * pod sending no new flow meanwhile) makes that pod's flows foreign: its
  * IPs sweep, fail closed. */
 struct owner {
-	__u64 netns;   /* cookie of the interface's network namespace */
-	__u32 ifindex; /* the interface, in that namespace */
-	__u32 pad;
+	__u64 netns;        /* cookie of the interface's network namespace */
+	__u32 ifindex;      /* the interface, in that namespace */
+	__u32 host_ifindex; /* its host-side peer, in the node's namespace (0: none) */
 };
 
 struct {
@@ -261,12 +272,14 @@ static __always_inline int scoped_source(const struct flow *f)
  * packet without a socket (forwarded inside the pod, which takes
  * CAP_NET_ADMIN there, and with it the power to remove the filters) has
  * only the ifindex to go by: bpf_get_netns_cookie reads the socket's
- * namespace, and would name the initial one. */
-static __always_inline int own_source(struct __sk_buff *skb, const __u32 *src)
+ * namespace, and would name the initial one. On the host side the packet
+ * arrives on the peer (host_ifindex, unique in the node's namespace); a veth
+ * keeps the sending socket, so the cookie is still the pod's. */
+static __always_inline int own_source(struct __sk_buff *skb, const __u32 *src, int at)
 {
 	struct owner *o = bpf_map_lookup_elem(&rec_owner, src);
 
-	if (!o || o->ifindex != skb->ifindex)
+	if (!o || (at == AT_HOST_INGRESS ? o->host_ifindex : o->ifindex) != skb->ifindex)
 		return 0;
 	if (owner_netns && skb->sk && bpf_get_netns_cookie(skb) != o->netns)
 		return 0;
@@ -458,7 +471,7 @@ static __always_inline int emit(struct __sk_buff *skb, const struct flow *f, int
 {
 	struct record *r;
 	__u8 flags = dir;
-	int foreign = egress && !scoped_source(f) && !own_source(skb, f->src);
+	int foreign = egress && !scoped_source(f) && !own_source(skb, f->src, egress);
 	int svc = !foreign && egress ? to_service(f) : 0;
 	__u64 head;
 
@@ -650,11 +663,17 @@ static __always_inline int record(struct __sk_buff *skb, int egress)
 SEC("tc")
 int recorder_egress(struct __sk_buff *skb)
 {
-	return record(skb, 1);
+	return record(skb, AT_POD_EGRESS);
 }
 
 SEC("tc")
 int recorder_ingress(struct __sk_buff *skb)
 {
-	return record(skb, 0);
+	return record(skb, AT_POD_INGRESS);
+}
+
+SEC("tc")
+int recorder_host(struct __sk_buff *skb)
+{
+	return record(skb, AT_HOST_INGRESS);
 }

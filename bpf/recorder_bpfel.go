@@ -88,10 +88,10 @@ type RecorderLbService struct {
 }
 
 type RecorderOwner struct {
-	_       structs.HostLayout
-	Netns   uint64
-	Ifindex uint32
-	Pad     uint32
+	_           structs.HostLayout
+	Netns       uint64
+	Ifindex     uint32
+	HostIfindex uint32
 }
 
 type RecorderSeenKey4 struct {
@@ -145,6 +145,7 @@ const (
 	RecorderMapRecLostTotal        = "rec_lost_total"
 	RecorderMapRecOwner            = "rec_owner"
 	RecorderProgRecorderEgress     = "recorder_egress"
+	RecorderProgRecorderHost       = "recorder_host"
 	RecorderProgRecorderIngress    = "recorder_ingress"
 	RecorderVarFrontMask           = "front_mask"
 	RecorderVarOwnerNetns          = "owner_netns"
@@ -194,6 +195,7 @@ type RecorderSpecs struct {
 // It can be passed ebpf.CollectionSpec.Assign.
 type RecorderProgramSpecs struct {
 	RecorderEgress  *ebpf.ProgramSpec `ebpf:"recorder_egress"`
+	RecorderHost    *ebpf.ProgramSpec `ebpf:"recorder_host"`
 	RecorderIngress *ebpf.ProgramSpec `ebpf:"recorder_ingress"`
 }
 
@@ -301,12 +303,14 @@ type RecorderVariables struct {
 // It can be passed to LoadRecorderObjects or ebpf.CollectionSpec.LoadAndAssign.
 type RecorderPrograms struct {
 	RecorderEgress  *ebpf.Program `ebpf:"recorder_egress"`
+	RecorderHost    *ebpf.Program `ebpf:"recorder_host"`
 	RecorderIngress *ebpf.Program `ebpf:"recorder_ingress"`
 }
 
 func (p *RecorderPrograms) Close() error {
 	return _RecorderClose(
 		p.RecorderEgress,
+		p.RecorderHost,
 		p.RecorderIngress,
 	)
 }

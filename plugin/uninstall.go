@@ -238,7 +238,7 @@ func removeState(pinDir, runDir string, out io.Writer) error {
 				continue
 			}
 		}
-		// Removing a pin drops the map (or an older scrubd's tcx link)
+		// Removing a pin drops the map, the host-side tcx link (or an older scrubd's)
 		// with its last reference.
 		if err := os.RemoveAll(p); err != nil && !errors.Is(err, syscall.ENOENT) {
 			errs = append(errs, fmt.Errorf("remove %s: %w", p, err))

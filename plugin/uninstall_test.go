@@ -40,7 +40,9 @@ func newUninstallNode(t *testing.T) *uninstallNode {
 		t.Skip("needs root: network namespaces, tc filters, BPF programs")
 	}
 	n := &uninstallNode{pinDir: filepath.Join(standin.TempDir(t), "ctscrub"), netnsDir: t.TempDir(), runDir: t.TempDir(), proc: t.TempDir()}
-	rec, err := recorder.Load(recorder.Options{PinDir: n.pinDir, CTRoot: t.TempDir(), RingBytes: 1 << 16})
+	// Container side only: the pods' veths end in their own namespaces
+	// (uninstall removes filters; the host-side links go with the pin dir).
+	rec, err := recorder.Load(recorder.Options{PinDir: n.pinDir, CTRoot: t.TempDir(), RingBytes: 1 << 16, ContainerSideOnly: true})
 	if err != nil {
 		t.Fatal(err)
 	}

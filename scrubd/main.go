@@ -187,6 +187,7 @@ func runConfig(args []string) (daemon.Config, error) {
 	fs.StringVar(&flagCfg.DelegateSocket, "delegate-socket", flagCfg.DelegateSocket, "serve the delegate API for Cilium's agent (docs/delegate-api.md) on this unix socket, in a directory of its own (e.g. "+api.DefaultDelegateSocket+"; empty: off)")
 	fs.StringVar(&flagCfg.CTRoot, "ct-root", flagCfg.CTRoot, "bpffs directory with Cilium's global CT maps")
 	fs.StringVar(&flagCfg.PinDir, "pin-dir", flagCfg.PinDir, "ctscrub's own bpffs directory (recorder maps and links)")
+	fs.StringVar(&flagCfg.NodeNetns, "node-netns", flagCfg.NodeNetns, "network namespace of the pods' host-side veths, for the recorder's host-side links (empty: scrubd's own)")
 	fs.StringVar(&flagCfg.StateFile, "state-file", flagCfg.StateFile, "attachments state file, for restarts")
 	fs.StringVar(&flagCfg.MetricsAddr, "metrics-addr", flagCfg.MetricsAddr, "address of /metrics, /healthz, /readyz (off: none; ${HOST_IP}:9967 takes the host from the environment)")
 	fs.Var(&cidrs, "pod-cidr", "pod CIDR of this node, repeatable or comma-separated (REQUIRED): scrubs of other IPs are refused")
@@ -233,6 +234,8 @@ func runConfig(args []string) (daemon.Config, error) {
 			cfg.CTRoot = flagCfg.CTRoot
 		case "pin-dir":
 			cfg.PinDir = flagCfg.PinDir
+		case "node-netns":
+			cfg.NodeNetns = flagCfg.NodeNetns
 		case "state-file":
 			cfg.StateFile = flagCfg.StateFile
 		case "metrics-addr":

@@ -105,6 +105,7 @@ type chain struct {
 	maps   *ctmap.Maps
 	scrubd *node.Scrubd
 	sfx    string
+	subnet netip.Prefix
 }
 
 type pod struct {
@@ -119,7 +120,7 @@ type pod struct {
 
 func testChain(t *testing.T, ver string) {
 	ref := referencePlugins(t, ver)
-	c := newChain(t, ver, ref)
+	c := newChain(t, ver, ref, true)
 	ctx := context.Background()
 
 	a, b := c.add("a"), c.add("b")
@@ -260,7 +261,10 @@ func testChain(t *testing.T, ver string) {
 	}
 }
 
-func newChain(t *testing.T, ver, refDir string) *chain {
+// newChain builds the node; with nodeNetns scrubd is told the node's
+// namespace (where the bridge plugin leaves the host-side veths), so its
+// recorder puts its host-side links there.
+func newChain(t *testing.T, ver, refDir string, nodeNetns bool) *chain {
 	sfx := node.Suffix()
 	c := &chain{t: t, ver: ver, sfx: sfx}
 	// The bridge, its veths and the gateway address live in a node
@@ -286,7 +290,12 @@ func newChain(t *testing.T, ver, refDir string) *chain {
 	t.Cleanup(func() { c.maps.Close() })
 
 	subnet := netip.MustParsePrefix(fmt.Sprintf("10.%d.%d.0/24", 130+rand.IntN(30), rand.IntN(250)))
-	c.scrubd = node.StartScrubd(t, node.Options{CTRoot: dir, PodCIDRs: []string{subnet.String()}})
+	c.subnet = subnet
+	opts := node.Options{CTRoot: dir, PodCIDRs: []string{subnet.String()}}
+	if nodeNetns {
+		opts.Args = []string{"--node-netns", c.nodeNS}
+	}
+	c.scrubd = node.StartScrubd(t, opts)
 
 	base := subnet.Addr().As4()
 	ip := func(last byte) string { b := base; b[3] = last; return netip.AddrFrom4(b).String() }

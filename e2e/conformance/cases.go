@@ -295,6 +295,17 @@ var Cases = []Case{
 		e.Expect("SCTP", e.N.Send(a, SCTPFrame(AP(e.IP(a), 40003), AP(w, 3868))))
 		return []*Pod{a}, nil
 	}},
+	// A sender that skips its eth0's tc egress (PACKET_QDISC_BYPASS): only
+	// the recorder's host-side link sees its frames (issue 35 item 2).
+	{Name: "qdisc-bypass-sender", Run: func(e *Env) ([]*Pod, []string) {
+		a, w := e.Pod("a"), e.World()
+		e.N.AddRemote(w, worldID)
+		e.Expect("UDP", e.N.SendBypassed(a, UDPFrame(AP(e.IP(a), 40101), AP(w, 53))))
+		e.Expect("SYN", e.N.SendBypassed(a, TCPFrame(AP(e.IP(a), 40102), AP(w, 443), SYN)))
+		e.Expect("SYN-ACK", e.N.FromNetdev(TCPFrame(AP(w, 443), AP(e.IP(a), 40102), SYN|ACK)))
+		e.Expect("ACK", e.N.SendBypassed(a, TCPFrame(AP(e.IP(a), 40102), AP(w, 443), ACK)))
+		return []*Pod{a}, nil
+	}},
 	{Name: "world-to-pod", Run: func(e *Env) ([]*Pod, []string) {
 		a, w := e.Pod("a"), e.World()
 		e.Expect("SYN", e.N.FromNetdev(TCPFrame(AP(w, 50001), AP(e.IP(a), 8080), SYN)))

@@ -702,6 +702,23 @@ func (n *Node) Send(p *Pod, frame []byte) Result {
 	return r
 }
 
+// SendBypassed: pod p sends frame with PACKET_QDISC_BYPASS (a packet
+// socket): its eth0's tc egress, where the container-side recorder sits,
+// never sees it; the recorder's host-side link, at the head of the veth's
+// ingress, does, then Cilium's cil_from_container.
+func (n *Node) SendBypassed(p *Pod, frame []byte) Result {
+	n.t.Helper()
+	if err := n.Rec.RunHostFrame(frame); err != nil {
+		n.t.Fatal(err)
+	}
+	if err := n.SI.RunFromPod(frame); err != nil {
+		n.t.Fatal(err)
+	}
+	r := n.run(n.LXC, "cil_from_container", frame)
+	n.deliver(r)
+	return r
+}
+
 // FromNetdev: frame arrives on the node's native device (from the world,
 // a remote node's pod, a NodePort client, a DSR load balancer). Cilium's
 // cil_from_netdev handles it; what it delivers to a local pod reaches that

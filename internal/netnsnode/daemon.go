@@ -46,6 +46,10 @@ type DaemonConfig struct {
 	PodCIDRs []netip.Prefix
 	// RingBytes: the recorder's ring buffer (0: scrubd's default).
 	RingBytes int
+	// NodeNetns: where the pods' host-side veths are (scrubd runs in the
+	// machine's namespace, the node is a netns of its own): the recorder's
+	// host-side links go there.
+	NodeNetns string
 }
 
 // NodeDaemonConfig is scrubd on this node: the binary in binDir, its socket
@@ -53,11 +57,12 @@ type DaemonConfig struct {
 // the node's pod CIDRs.
 func NodeDaemonConfig(binDir, ctRoot string) DaemonConfig {
 	return DaemonConfig{
-		Bin:      filepath.Join(binDir, "scrubd"),
-		WorkDir:  WorkDir,
-		PinDir:   filepath.Join(BPFDir, "scrubd"),
-		CTRoot:   ctRoot,
-		PodCIDRs: []netip.Prefix{PodCIDR4, PodCIDR6},
+		Bin:       filepath.Join(binDir, "scrubd"),
+		WorkDir:   WorkDir,
+		PinDir:    filepath.Join(BPFDir, "scrubd"),
+		CTRoot:    ctRoot,
+		PodCIDRs:  []netip.Prefix{PodCIDR4, PodCIDR6},
+		NodeNetns: NetnsPath(NodeNS),
 	}
 }
 
@@ -105,6 +110,9 @@ func StartDaemon(ctx context.Context, c *Cleanup, cfg DaemonConfig) (*Daemon, er
 	}
 	if cfg.RingBytes > 0 {
 		args = append(args, "--ring-bytes", fmt.Sprint(cfg.RingBytes))
+	}
+	if cfg.NodeNetns != "" {
+		args = append(args, "--node-netns", cfg.NodeNetns)
 	}
 	logf, err := os.Create(d.LogPath)
 	if err != nil {

@@ -44,6 +44,10 @@ type Config struct {
 	CiliumNodeConfig string `yaml:"cilium_node_config"`
 	// PinDir is ctscrub's own bpffs directory (recorder maps and links).
 	PinDir string `yaml:"pin_dir"`
+	// NodeNetns is the network namespace the pods' host-side veths live in
+	// (where the recorder's host-side links go): "" for scrubd's own, as
+	// on a node where scrubd runs with hostNetwork.
+	NodeNetns string `yaml:"node_netns"`
 	// StateFile lists the attachments scrubd indexes, for restarts.
 	StateFile string `yaml:"state_file"`
 	// MetricsAddr serves /metrics, /healthz, /readyz ("" or "off": none).

@@ -66,7 +66,7 @@ func TestCTMapsRecreatedUnderDaemon(t *testing.T) {
 	const entries = 1 << 14
 	root, dp := standinRoot(t, entries)
 	node, pod := standinNode(t, dp)
-	cfg := podConfig(t, root)
+	cfg := podConfig(t, root, node)
 	cfg.Expiry.Mode = "report" // its programs move to the new maps too
 	td := startDaemon(t, cfg)
 	ctx := context.Background()

@@ -525,7 +525,7 @@ func (d *Daemon) restore() error {
 					// behind cached flows of an earlier holder of its
 					// IPs), the index misses flows; its IPs sweep.
 					for _, ip := range pod.IPs {
-						if errors.Is(err, recorder.ErrForget) {
+						if errors.Is(err, recorder.ErrForget) && !errors.Is(err, recorder.ErrHostSide) {
 							d.ix.MarkIncomplete(ip, reattachFailed(err))
 						} else {
 							// Nothing records the pod: no sweep may

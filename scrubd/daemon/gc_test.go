@@ -62,7 +62,7 @@ func TestGCRefusedWhenUnscopedAndScopedByNetwork(t *testing.T) {
 		{a: api.Attachment{ContainerID: "a2", IfName: "eth0"}, network: "a"},
 		{a: api.Attachment{ContainerID: "b1", IfName: "eth0"}, network: "b"},
 	}
-	td := startDaemon(t, podConfig(t, root))
+	td := startDaemon(t, podConfig(t, root, node))
 	ctx := context.Background()
 	for _, m := range ms {
 		m.pod = node.AddPod()
@@ -135,7 +135,7 @@ func TestGCLeavesIPAnAddTookAlone(t *testing.T) {
 	root, _ := standinRoot(t, 1<<16)
 	node := netpods.NewNode(t)
 	pod := node.AddPod()
-	cfg := podConfig(t, root)
+	cfg := podConfig(t, root, node)
 	cfg.MaxInFlight = 1
 	td := startDaemon(t, cfg)
 	ctx := context.Background()

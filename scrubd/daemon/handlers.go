@@ -508,6 +508,13 @@ func (d *Daemon) handleIndexStart(w http.ResponseWriter, r *http.Request) {
 	pod := api.IndexedPod{Attachment: req.Attachment, Netns: req.Netns, IPs: ips, Since: time.Now().UTC(), Network: req.Network}
 	if d.rec != nil {
 		ifindex, err := d.rec.AttachSteps(req.Netns, req.IfName, func(step string) { steps.Mark("attach." + step) })
+		hostMissing := errors.Is(err, recorder.ErrHostSide)
+		if hostMissing {
+			// Recording, except what the pod sends past its tc egress
+			// (PACKET_QDISC_BYPASS): no sweep may vouch for its IPs while
+			// it lives.
+			d.log.Error("attach recorder: no host-side link; the pod's IPs stay incomplete while it lives", "container_id", req.ContainerID, "ips", ips, "err", err)
+		}
 		if errors.Is(err, recorder.ErrForget) {
 			// Recording, but flows cached for an earlier holder of these
 			// IPs may hide the new pod's: their scrubs must sweep.
@@ -517,6 +524,9 @@ func (d *Daemon) handleIndexStart(w http.ResponseWriter, r *http.Request) {
 			}
 			err = nil
 		}
+		if hostMissing {
+			err = nil
+		}
 		if err != nil {
 			d.log.Error("attach recorder", "container_id", req.ContainerID, "ifname", req.IfName, "netns", req.Netns, "err", err)
 			writeError(w, &api.Error{Code: api.CodeInternal, Message: fmt.Sprintf("attach recorder to %s in %s: %v", req.IfName, req.Netns, err)})
@@ -524,7 +534,11 @@ func (d *Daemon) handleIndexStart(w http.ResponseWriter, r *http.Request) {
 		}
 		pod.Ifindex = ifindex
 		for _, ip := range ips {
-			d.ix.Recorded(ip)
+			if hostMissing {
+				d.ix.Unrecorded(ip, recorder.ReasonHostSide)
+			} else {
+				d.ix.Recorded(ip)
+			}
 		}
 	}
 	displaced, err := d.startPod(pod) // owned now: no longer released
@@ -557,6 +571,9 @@ const reasonNotReattached = "recorder could not re-attach to the pod after a res
 // when the recorder's re-attach failed with err: attached but behind cached
 // flows of an earlier holder of the IPs (recorder.ErrForget), or not at all.
 func reattachFailed(err error) string {
+	if errors.Is(err, recorder.ErrHostSide) {
+		return recorder.ReasonHostSide
+	}
 	if errors.Is(err, recorder.ErrForget) {
 		return recorder.ReasonForgetFailed
 	}

@@ -108,8 +108,14 @@ func (r *ctRoot) entriesOf(t *testing.T, ip netip.Addr) int {
 	return n
 }
 
-func podConfig(t *testing.T, root *ctRoot) Config {
+// podConfig is testConfig for pods of node (nil: pods whose veths' other
+// ends are in scrubd's own namespace), where the recorder puts its
+// host-side links.
+func podConfig(t *testing.T, root *ctRoot, node *netpods.Node) Config {
 	cfg := testConfig(t, root)
+	if node != nil {
+		cfg.NodeNetns = node.Path
+	}
 	cfg.PodCIDRs = []string{netpods.PodCIDR4.String(), netpods.PodCIDR6.String()}
 	return cfg
 }
@@ -121,7 +127,7 @@ func podConfig(t *testing.T, root *ctRoot) Config {
 func TestIndexedPodEndToEnd(t *testing.T) {
 	root, node, pod := standinPod(t, 1<<16)
 	pod.ServeEcho()
-	cfg := podConfig(t, root)
+	cfg := podConfig(t, root, node)
 	td := startDaemon(t, cfg)
 	ctx := context.Background()
 	a := api.Attachment{ContainerID: "c0ffee", IfName: "eth0"}
@@ -240,6 +246,9 @@ func startProcess(t *testing.T, bin string, cfg Config, logName string) *daemonP
 	for _, c := range cfg.PodCIDRs {
 		args = append(args, "--pod-cidr", c)
 	}
+	if cfg.NodeNetns != "" {
+		args = append(args, "--node-netns", cfg.NodeNetns)
+	}
 	cmd := exec.Command(bin, args...)
 	cmd.Stdout, cmd.Stderr = logf, logf
 	if err := cmd.Start(); err != nil {
@@ -283,7 +292,7 @@ func TestKilledDaemonRestarts(t *testing.T) {
 	target := netip.MustParseAddr("10.244.0.200") // entries but never indexed: sweeps
 	keys := podFlows(target, 1000)
 	root.put4(t, keys)
-	cfg := podConfig(t, root)
+	cfg := podConfig(t, root, node)
 	bin := buildScrubd(t)
 	c := client.New(cfg.Socket)
 	ctx := context.Background()
@@ -423,7 +432,7 @@ func TestIndexStartDisplacesStaleOwner(t *testing.T) {
 	root, _ := standinRoot(t, 1<<12)
 	node := netpods.NewNode(t)
 	oldPod, newPod := node.AddPod(), node.AddPod()
-	td := startDaemon(t, podConfig(t, root))
+	td := startDaemon(t, podConfig(t, root, node))
 	ctx := context.Background()
 	ip := newPod.Addr4 // the new pod got the IP the old one had
 	old := api.Attachment{ContainerID: "old", IfName: "eth0"}
@@ -454,7 +463,7 @@ func TestIndexStartDisplacesStaleOwner(t *testing.T) {
 // snapshot over other maps (the recorder's pins re-created) is dropped.
 func TestCleanRestartKeepsIndex(t *testing.T) {
 	root, node, pod := standinPod(t, 1<<16)
-	cfg := podConfig(t, root)
+	cfg := podConfig(t, root, node)
 	ctx := context.Background()
 	ip := pod.Addr4
 	a := api.Attachment{ContainerID: "clean", IfName: "eth0"}
@@ -528,7 +537,7 @@ func TestCleanRestartKeepsIndex(t *testing.T) {
 // scrub of the IP leaves nothing.
 func TestDelKeepsRecordingUntilInterfaceGoes(t *testing.T) {
 	root, node, pod := standinPod(t, 1<<16)
-	td := startDaemon(t, podConfig(t, root))
+	td := startDaemon(t, podConfig(t, root, node))
 	ctx := context.Background()
 	a := api.Attachment{ContainerID: "de1", IfName: "eth0"}
 	ips := []netip.Addr{pod.Addr4}
@@ -577,7 +586,7 @@ func TestDelKeepsRecordingUntilInterfaceGoes(t *testing.T) {
 func delWindow(t *testing.T) (*netpods.Node, *netpods.Pod, *ctRoot, *testDaemon, int) {
 	t.Helper()
 	root, node, pod := standinPod(t, 1<<16)
-	td := startDaemon(t, podConfig(t, root))
+	td := startDaemon(t, podConfig(t, root, node))
 	ctx := context.Background()
 	a := api.Attachment{ContainerID: "late1", IfName: "eth0"}
 	ips := []netip.Addr{pod.Addr4}
@@ -703,7 +712,7 @@ func TestDelLateLeavesNewOwnerAlone(t *testing.T) {
 // same check before it calls scrubd (plugin/netns.go).
 func TestIndexStartRefusesOwnNetns(t *testing.T) {
 	root, _ := standinRoot(t, 1<<12)
-	td := startDaemon(t, podConfig(t, root))
+	td := startDaemon(t, podConfig(t, root, nil))
 	// An Ethernet interface of this process's (so scrubd's) namespace that
 	// the attach would take without the check.
 	la := netlink.NewLinkAttrs()

@@ -67,7 +67,7 @@ func Open(cfg Config, log *slog.Logger, version string) (*Daemon, error) {
 			} else {
 				log.Warn("recorder: no kernel entry counter, so the CT maps' fill is not watched: flows to a service without backends mark their pods incomplete")
 			}
-			rec, err := recorder.Load(recorder.Options{PinDir: cfg.PinDir, CTRoot: cfg.CTRoot, Log: log, CT: maps, RingBytes: cfg.RingBytes,
+			rec, err := recorder.Load(recorder.Options{PinDir: cfg.PinDir, CTRoot: cfg.CTRoot, Log: log, CT: maps, RingBytes: cfg.RingBytes, NodeNetns: cfg.NodeNetns,
 				NodeConfig: cfg.CiliumNodeConfig, CTFill: fill,
 				L7LB: func() bool { return c.Features().NodeConfig().L7LB }})
 			if err != nil {

@@ -15,7 +15,7 @@ import (
 // and after a clean restart the IPs stayed complete from the snapshot.
 func TestRestoreFailsClosedWhenReattachFails(t *testing.T) {
 	root, node, pod := standinPod(t, 1<<16)
-	cfg := podConfig(t, root)
+	cfg := podConfig(t, root, node)
 	ctx := context.Background()
 	ip := pod.Addr4
 	first := startDaemon(t, cfg)

@@ -20,7 +20,7 @@ import (
 // services the old map lacked were recorded by VIP). Its next scrub sweeps.
 func TestServiceMapsRecreatedUnderDaemon(t *testing.T) {
 	root, node, pod := standinPod(t, 1<<14)
-	td := startDaemon(t, podConfig(t, root))
+	td := startDaemon(t, podConfig(t, root, node))
 	ctx := context.Background()
 	a := api.Attachment{ContainerID: "svcmaps", IfName: "eth0"}
 	ips := []netip.Addr{pod.Addr4, pod.Addr6}

@@ -65,7 +65,7 @@ func TestIndexStartScrubsFirst(t *testing.T) {
 	root, _ := standinRoot(t, 1<<16)
 	node := netpods.NewNode(t)
 	pod := node.AddPod()
-	td := startDaemon(t, podConfig(t, root))
+	td := startDaemon(t, podConfig(t, root, node))
 	stale := podFlows(pod.Addr4, 30) // a previous owner's, never indexed
 	root.put4(t, stale)
 	c := client.New(td.cfg.Socket)
@@ -101,7 +101,7 @@ func TestIndexStopIsWholeDel(t *testing.T) {
 	root, _ := standinRoot(t, 1<<16)
 	node := netpods.NewNode(t)
 	pod := node.AddPod()
-	td := startDaemon(t, podConfig(t, root))
+	td := startDaemon(t, podConfig(t, root, node))
 	ctx := context.Background()
 	a := api.Attachment{ContainerID: "c0ffee", IfName: "eth0"}
 	if err := td.c.IndexStart(ctx, api.IndexStartRequest{Attachment: a, Netns: pod.Path, IPs: []netip.Addr{pod.Addr4}, Scrub: true}); err != nil {

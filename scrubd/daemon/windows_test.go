@@ -217,8 +217,8 @@ func (g *gatedBackend) Scrub(ctx context.Context, req scrub.Request) (scrub.Resu
 // of sweeps (the sticky Unrecorded mark, as restore uses), not only until
 // the next sweep makes them complete again.
 func TestServiceMapsReattachFailureIsSticky(t *testing.T) {
-	root, _, pod := standinPod(t, 1<<14)
-	td := startDaemon(t, podConfig(t, root))
+	root, node, pod := standinPod(t, 1<<14)
+	td := startDaemon(t, podConfig(t, root, node))
 	ctx := context.Background()
 	a := api.Attachment{ContainerID: "svcsticky", IfName: "eth0"}
 	if err := td.c.IndexStart(ctx, api.IndexStartRequest{Attachment: a, Netns: pod.Path, IPs: []netip.Addr{pod.Addr4}, Network: "pods", Scrub: true}); err != nil {

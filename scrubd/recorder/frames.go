@@ -35,6 +35,21 @@ func (r *Recorder) RunFrame(egress bool, frame []byte) error {
 	return nil
 }
 
+// RunHostFrame runs the host-side program (recorder_host) on one Ethernet
+// frame the pod sends, with BPF_PROG_TEST_RUN, as if it crossed the pod's
+// host-side veth's ingress: how the conformance suite feeds a frame sent
+// with PACKET_QDISC_BYPASS, which the container-side programs never see.
+// The frame's source is first recorded as the pod's own, as in RunFrame.
+func (r *Recorder) RunHostFrame(frame []byte) error {
+	if err := ownTestRunSource(r.objs.RecOwner, frame); err != nil {
+		return fmt.Errorf("recorder: test run: %w", err)
+	}
+	if _, err := r.HostProgram().Run(&ebpf.RunOptions{Data: frame}); err != nil {
+		return fmt.Errorf("recorder: test run: %w", err)
+	}
+	return nil
+}
+
 // Drain applies every record waiting in the ring buffer to ix and returns
 // how many it applied. Not to be used while Run reads the ring.
 func (r *Recorder) Drain(ix *index.Index) (int, error) {

@@ -67,10 +67,10 @@ func netnsCookie() (uint64, error) {
 }
 
 // own records addrs as the addresses of interface ifindex in the network
-// namespace with cookie netns. A reused address's entry (an earlier pod's)
-// is overwritten.
-func (r *Recorder) own(addrs []netip.Addr, netns uint64, ifindex int) error {
-	v := ownerValue{Netns: netns, Ifindex: uint32(ifindex)}
+// namespace with cookie netns, whose host-side peer is hostIfindex (0:
+// none). A reused address's entry (an earlier pod's) is overwritten.
+func (r *Recorder) own(addrs []netip.Addr, netns uint64, ifindex, hostIfindex int) error {
+	v := ownerValue{Netns: netns, Ifindex: uint32(ifindex), HostIfindex: uint32(hostIfindex)}
 	var errs []error
 	for _, ip := range addrs {
 		if err := r.objs.RecOwner.Update(mapped(ip), &v, ebpf.UpdateAny); err != nil {
@@ -131,13 +131,13 @@ func ownTestRunSource(m *ebpf.Map, frame []byte) error {
 
 // ownTestRun records addrs as owned by the device BPF_PROG_TEST_RUN runs
 // programs on: the loopback (ifindex 1) of the caller's network namespace,
-// with a socket of that namespace.
+// with a socket of that namespace, on the pod's side and the host's alike.
 func ownTestRun(m *ebpf.Map, addrs ...netip.Addr) error {
 	c, err := netnsCookie()
 	if err != nil {
 		return err
 	}
-	v := ownerValue{Netns: c, Ifindex: 1}
+	v := ownerValue{Netns: c, Ifindex: 1, HostIfindex: 1}
 	for _, ip := range addrs {
 		if err := m.Update(mapped(ip), &v, ebpf.UpdateAny); err != nil {
 			return fmt.Errorf("record %s as the test run's own: %w", ip, err)

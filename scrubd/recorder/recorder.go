@@ -114,6 +114,16 @@ type Options struct {
 	// plain flow Cilium then keeps; without L7LB, or when it reports
 	// false, the pod is marked incomplete (ReasonL7LBUnconfirmed).
 	L7LB func() bool
+	// NodeNetns is the network namespace the pods' host-side veths live
+	// in, where Attach puts the host-side link (docs/recorder.md,
+	// "Host-side recording"). Default: the process's own (scrubd runs in
+	// the node's).
+	NodeNetns string
+	// ContainerSideOnly attaches the container-side filters only, as the
+	// recorder did before host-side recording: frames a pod sends with
+	// PACKET_QDISC_BYPASS are then missed. For tests and benchmarks of the
+	// container side; scrubd never sets it.
+	ContainerSideOnly bool
 }
 
 // Recorder is the loaded recorder.
@@ -123,7 +133,7 @@ type Recorder struct {
 	// progMu guards what ReloadPrograms swaps: the programs Attach puts on
 	// interfaces, and the service maps they read.
 	progMu sync.RWMutex
-	prog   [2]*ebpf.Program       // ingress, egress
+	prog   [3]*ebpf.Program       // ingress, egress, host side
 	vip    [2]bool                // VIP detection on for IPv4, IPv6
 	svc    [numWatched]ebpf.MapID // the Cilium maps the programs read (watchedMaps)
 	// reloaded: programs of a ReloadPrograms (r.objs holds the first ones).
@@ -146,6 +156,12 @@ type Recorder struct {
 	fill      fillWatch     // the CT maps' fill, sampled (noentry.go)
 	life      lifetimes     // SERVICE entries' lifetimes on this node
 	noEntries atomic.Uint64 // flows settled as "Cilium made no entry"
+
+	// nodeNS: the namespace of the pods' host-side veths (Options.NodeNetns),
+	// open; nil with ContainerSideOnly, or until the first Attach opens a
+	// named one (nodeNSMu).
+	nodeNSMu sync.Mutex
+	nodeNS   *os.File
 
 	// netnsCheck: the programs compare a sent packet's network namespace
 	// with its source address's owner's, not only the ifindex.
@@ -231,8 +247,16 @@ func Load(opts Options) (*Recorder, error) {
 	}
 	r := &Recorder{opts: opts, lostSeen: make(map[[16]byte]uint64)}
 	r.life.path = opts.NodeConfig
+	if !opts.ContainerSideOnly && opts.NodeNetns == "" {
+		// The process's own, now: the calling goroutine's thread is in it.
+		// A named one is opened at the first Attach (it may not exist yet).
+		if r.nodeNS, err = openNodeNS(""); err != nil {
+			return nil, err
+		}
+	}
 	repl, err := openServiceMaps(spec, opts, &r.vip, &r.svc)
 	if err != nil {
+		r.closeNodeNS()
 		return nil, err
 	}
 	defer func() {
@@ -245,6 +269,7 @@ func Load(opts Options) (*Recorder, error) {
 		MapReplacements: repl,
 	})
 	if err != nil {
+		r.closeNodeNS()
 		var ve *ebpf.VerifierError
 		switch {
 		case errors.Is(err, ebpf.ErrMapIncompatible):
@@ -255,7 +280,10 @@ func Load(opts Options) (*Recorder, error) {
 		}
 		return nil, fmt.Errorf("recorder: load BPF programs (root, bpffs at /sys/fs/bpf?): %w", err)
 	}
-	r.prog = [2]*ebpf.Program{r.objs.RecorderIngress, r.objs.RecorderEgress}
+	r.prog = [3]*ebpf.Program{r.objs.RecorderIngress, r.objs.RecorderEgress, r.objs.RecorderHost}
+	if n := r.PruneHostLinks(); n > 0 {
+		opts.Log.Info("recorder: removed host-side links of interfaces gone while scrubd was down", "links", n)
+	}
 	r.netnsCheck = netnsCookieInTC()
 	if !r.netnsCheck {
 		opts.Log.Warn("recorder: this kernel's tc programs cannot read a network namespace's cookie (bpf_get_netns_cookie); "+
@@ -444,32 +472,46 @@ func (r *Recorder) Attach(netnsPath, ifname string) (ifindex int, err error) {
 
 // AttachSteps is Attach calling mark (when not nil) after each of its steps
 // with the step's name ("enter", "link", "addrs", "owner", "qdisc",
-// "filters", "leave", "forget", "legacy"): scrubd's per-request timing
-// (docs/daemon.md, "Server-Timing").
+// "filters", "leave", "host", "forget", "legacy"): scrubd's per-request
+// timing (docs/daemon.md, "Server-Timing").
+//
+// Unless Options.ContainerSideOnly, Attach also puts recorder_host on the
+// interface's host-side peer (attachHost). When that fails the filters stay
+// on and the error wraps ErrHostSide: the caller must keep the pod's IPs
+// incomplete while it lives (ReasonHostSide).
 func (r *Recorder) AttachSteps(netnsPath, ifname string, mark func(step string)) (ifindex int, err error) {
 	if mark == nil {
 		mark = func(string) {}
 	}
-	addrs, ifindex, err := r.attachFilters(netnsPath, ifname, mark)
+	defer r.lockIface(netnsPath, ifname)()
+	addrs, ifindex, hostIfindex, hostErr, err := r.attachFilters(netnsPath, ifname, mark)
 	mark("leave")
 	if err != nil {
 		return 0, fmt.Errorf("recorder: attach to %s in netns %s: %w", ifname, netnsPath, err)
 	}
+	if hostErr == nil && hostIfindex != 0 {
+		hostErr = r.attachHost(netnsPath, ifname, hostIfindex)
+	}
+	mark("host")
+	// After both hooks: flows cached before either was on are recorded again.
 	if err := r.ForgetIPs(addrs...); err != nil {
-		return ifindex, fmt.Errorf("recorder: attach to %s in netns %s: %w", ifname, netnsPath, err)
+		return ifindex, fmt.Errorf("recorder: attach to %s in netns %s: %w", ifname, netnsPath, errors.Join(err, hostErr))
 	}
 	mark("forget")
 	// A pod attached by an older scrubd (tcx links pinned under
 	// PinDir/links): the filters record now, so the links can go.
 	r.removeLegacyLinks(netnsPath, ifname)
 	mark("legacy")
+	if hostErr != nil {
+		return ifindex, fmt.Errorf("recorder: attach to %s in netns %s: %w", ifname, netnsPath, hostErr)
+	}
 	return ifindex, nil
 }
 
 // attachFilters records the interface's addresses as its own, then installs
-// (or re-points) its filters, and returns the addresses.
-func (r *Recorder) attachFilters(netnsPath, ifname string, mark func(string)) (addrs []netip.Addr, ifindex int, err error) {
-	defer r.lockIface(netnsPath, ifname)()
+// (or re-points) its filters, and returns the addresses, and the host-side
+// peer's ifindex or why it has none (wrapping ErrHostSide).
+func (r *Recorder) attachFilters(netnsPath, ifname string, mark func(string)) (addrs []netip.Addr, ifindex, hostIfindex int, hostErr error, err error) {
 	err = InNetns(netnsPath, func() error {
 		mark("enter")
 		// NETLINK_ROUTE only: a handle with no family named opens a
@@ -492,6 +534,9 @@ func (r *Recorder) attachFilters(netnsPath, ifname string, mark func(string)) (a
 			return fmt.Errorf("interface %q has link type %q, not Ethernet: the recorder parses Ethernet frames only (veth, netkit in L2 mode); this pod cannot be indexed, its scrubs will sweep", ifname, et)
 		}
 		ifindex = l.Attrs().Index
+		if !r.opts.ContainerSideOnly {
+			hostIfindex, hostErr = r.hostPeer(h, l)
+		}
 		list, err := h.AddrList(l, netlink.FAMILY_ALL)
 		if err != nil {
 			return fmt.Errorf("list addresses of %s: %w", ifname, err)
@@ -509,7 +554,7 @@ func (r *Recorder) attachFilters(netnsPath, ifname string, mark func(string)) (a
 		if err != nil {
 			return err
 		}
-		if err := r.own(addrs, netns, ifindex); err != nil {
+		if err := r.own(addrs, netns, ifindex, hostIfindex); err != nil {
 			return err
 		}
 		mark("owner")
@@ -527,7 +572,7 @@ func (r *Recorder) attachFilters(netnsPath, ifname string, mark func(string)) (a
 		mark("filters")
 		return nil
 	})
-	return addrs, ifindex, err
+	return addrs, ifindex, hostIfindex, hostErr, err
 }
 
 // replaceFilters creates the interface's two filters or swaps their program
@@ -578,7 +623,7 @@ func Attached(netnsPath, ifname string) (bool, error) {
 }
 
 // Detach removes the recorder's filters from ifname in netnsPath (the
-// clsact qdisc stays: other programs may use it) and the interface's
+// clsact qdisc stays: other programs may use it), its host-side link, and the interface's
 // addresses' owner entries that still name it. It succeeds when the
 // netns, the interface or the filters are already gone. The daemon does not
 // call it at CNI DEL: the filters keep recording until the runtime removes
@@ -586,6 +631,7 @@ func Attached(netnsPath, ifname string) (bool, error) {
 func (r *Recorder) Detach(netnsPath, ifname string) error {
 	defer r.lockIface(netnsPath, ifname)()
 	r.removeLegacyLinks(netnsPath, ifname)
+	r.detachHost(netnsPath, ifname)
 	if _, err := os.Stat(netnsPath); errors.Is(err, os.ErrNotExist) {
 		return nil
 	}
@@ -697,7 +743,7 @@ func (r *Recorder) Run(ctx context.Context, ix *index.Index) error {
 		// current between scrubs.
 		t := time.NewTicker(time.Second)
 		defer t.Stop()
-		for {
+		for n := 1; ; n++ {
 			select {
 			case <-ctx.Done():
 				rd.Close()
@@ -706,6 +752,11 @@ func (r *Recorder) Run(ctx context.Context, ix *index.Index) error {
 			}
 			if err := r.PollLost(ix); err != nil {
 				r.opts.Log.Warn("recorder: poll lost counters", "err", err)
+			}
+			// Deleted pods leave their host-side links' pins (scrubd
+			// does not detach at DEL); each holds a program.
+			if n%60 == 0 {
+				r.PruneHostLinks()
 			}
 		}
 	}()
@@ -890,7 +941,7 @@ func (r *Recorder) ReloadPrograms() error {
 	}
 	objs.RecorderMaps.Close() // clones of r.objs's and of the service maps
 	r.progMu.Lock()
-	r.prog = [2]*ebpf.Program{objs.RecorderIngress, objs.RecorderEgress}
+	r.prog = [3]*ebpf.Program{objs.RecorderIngress, objs.RecorderEgress, objs.RecorderHost}
 	r.vip, r.svc = vip, ids
 	// The programs an earlier reload made: filters still using them hold
 	// their own references (until Attach moves them), so only this
@@ -898,7 +949,7 @@ func (r *Recorder) ReloadPrograms() error {
 	for _, p := range r.reloaded {
 		p.Close()
 	}
-	r.reloaded = []*ebpf.Program{objs.RecorderIngress, objs.RecorderEgress}
+	r.reloaded = []*ebpf.Program{objs.RecorderIngress, objs.RecorderEgress, objs.RecorderHost}
 	r.progMu.Unlock()
 	r.opts.Log.Warn("recorder: Cilium's service maps changed; programs reloaded over the maps pinned now",
 		"vip_detection_v4", vip[0], "vip_detection_v6", vip[1])
@@ -1009,7 +1060,7 @@ func (r *Recorder) Lost() uint64 {
 	return v
 }
 
-// Reloaded reports how many reloaded programs the recorder holds open (2
+// Reloaded reports how many reloaded programs the recorder holds open (3
 // after any number of reloads, 0 before the first).
 func (r *Recorder) Reloaded() int {
 	r.progMu.RLock()
@@ -1020,6 +1071,7 @@ func (r *Recorder) Reloaded() int {
 // Close releases the programs and maps. Pinned maps and the filters stay, so
 // attached interfaces keep recording until the next Load reads the ring.
 func (r *Recorder) Close() error {
+	r.closeNodeNS()
 	if r.legacy != nil {
 		r.legacy.Close()
 	}

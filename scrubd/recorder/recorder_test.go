@@ -102,7 +102,7 @@ func newWorldOpts(t *testing.T, npods int, opt func(*recorder.Options)) *world {
 
 func (w *world) loadRecorder(t *testing.T, ctDir string) *recorder.Recorder {
 	t.Helper()
-	o := recorder.Options{PinDir: w.pinDir, CTRoot: ctDir, RingBytes: 1 << 20, CT: w.ct, ReopenIdle: time.Second}
+	o := recorder.Options{PinDir: w.pinDir, CTRoot: ctDir, RingBytes: 1 << 20, CT: w.ct, ReopenIdle: time.Second, NodeNetns: w.node.Path}
 	if w.opt != nil {
 		w.opt(&o)
 	}
@@ -872,6 +872,7 @@ func TestRingFullMarksLost(t *testing.T) {
 		PinDir:    filepath.Join(standin.TempDir(t), "ctscrub"),
 		CTRoot:    w.ct.Root,
 		RingBytes: os.Getpagesize(), // room for ~70 records
+		NodeNetns: w.node.Path,
 	})
 	if err != nil {
 		t.Fatal(err)

@@ -78,8 +78,8 @@ func TestReloadsDoNotAccumulatePrograms(t *testing.T) {
 			t.Fatalf("reload %d: programs unchanged", i)
 		}
 		prev = [2]int{in.FD(), eg.FD()}
-		if n := r.Reloaded(); n != 2 {
-			t.Fatalf("reload %d: %d reloaded programs held open, want 2", i, n)
+		if n := r.Reloaded(); n != 3 {
+			t.Fatalf("reload %d: %d reloaded programs held open, want 3 (pod ingress, pod egress, host side)", i, n)
 		}
 	}
 	if first.FD() < 0 {

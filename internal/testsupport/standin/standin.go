@@ -228,18 +228,19 @@ func (d *Datapath) Maps() (*ctmap.Maps, error) { return ctmap.Open(d.dir) }
 
 // AttachHostSide attaches the stand-in with tcx to ifname, the host-side
 // veth of a pod, in the current network namespace (call it inside the node
-// namespace when the veth lives there). Close detaches it.
+// namespace when the veth lives there), at the tail as Cilium attaches its
+// own (the recorder's host-side link stays at the head). Close detaches it.
 func (d *Datapath) AttachHostSide(ifname string) error {
 	l, err := netlink.LinkByName(ifname)
 	if err != nil {
 		return fmt.Errorf("standin: find host-side veth %q: %w", ifname, err)
 	}
 	idx := l.Attrs().Index
-	in, err := link.AttachTCX(link.TCXOptions{Interface: idx, Program: d.objs.StandinFromPod, Attach: ebpf.AttachTCXIngress, Anchor: link.Head()})
+	in, err := link.AttachTCX(link.TCXOptions{Interface: idx, Program: d.objs.StandinFromPod, Attach: ebpf.AttachTCXIngress, Anchor: link.Tail()})
 	if err != nil {
 		return fmt.Errorf("standin: tcx ingress on %s: %w", ifname, err)
 	}
-	eg, err := link.AttachTCX(link.TCXOptions{Interface: idx, Program: d.objs.StandinToPod, Attach: ebpf.AttachTCXEgress, Anchor: link.Head()})
+	eg, err := link.AttachTCX(link.TCXOptions{Interface: idx, Program: d.objs.StandinToPod, Attach: ebpf.AttachTCXEgress, Anchor: link.Tail()})
 	if err != nil {
 		in.Close()
 		return fmt.Errorf("standin: tcx egress on %s: %w", ifname, err)
