@@ -88,9 +88,10 @@ fuzz: ## Fuzz every parser briefly (FUZZTIME each, default 20s)
 	GO=$(GO) FUZZTIME=$(FUZZTIME) ./scripts/fuzz.sh $(FUZZ_TARGETS)
 
 .PHONY: model
-model: ## The ownership model walks, long: the rule 20 x MODEL_STEPS (50000), the real daemon 20 x MODEL_DAEMON_STEPS (500); make test runs 20 x 20000 and 8 x 150; root
+model: ## The ownership model walks, long: the rule 20 x MODEL_STEPS (50000), the real daemon 20 x MODEL_DAEMON_STEPS (500), the sweeper's leave walk 20 x MODEL_LEAVE_TRIALS (50) passes; make test runs 20 x 20000, 8 x 150 and 4 x 15; root
 	$(GO) test -count=1 -v -run TestOwnershipModel ./scrubd/owner -model.steps $${MODEL_STEPS:-50000} -model.seeds 20
 	$(GO) test -count=1 -v -timeout 60m -run TestOwnershipModelDaemon ./scrubd/daemon -model.daemon.steps $${MODEL_DAEMON_STEPS:-500} -model.daemon.seeds 20
+	$(GO) test -count=1 -v -timeout 60m -run TestSweepLeaveModel ./scrubd/cilium -model.leave.trials $${MODEL_LEAVE_TRIALS:-50} -model.leave.seeds 20
 
 .PHONY: demo
 demo: build ## Demo node: netns pods through the real CNI chain, CT maps, scrubs (ENTRIES, default 1M)
