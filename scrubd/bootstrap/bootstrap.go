@@ -57,6 +57,14 @@ type Options struct {
 	// to apply what the kernel recorded until then (0: 1 minute). A
 	// reader that is not running by then fails the pass.
 	SyncWait time.Duration
+	// Heal names the marks made before the pass that it makes good
+	// (index.BeginFilingHealing): the daemon's restart marks, lost
+	// records, ... nil: a slot marked before the pass stays out of it.
+	Heal func(reason string) bool
+	// Walked, when set, is called once the walk is over and its keys
+	// merged, before the recorder's records are awaited: entries made from
+	// here on reach the index only as records (tests hold the pass there).
+	Walked func()
 
 	// afterBatch, tests only: called on the walking goroutine after each
 	// batch read (the batch's number in its map, from 1).
@@ -97,7 +105,7 @@ func Run(ctx context.Context, ix *index.Index, maps *ctmap.Maps, opts Options) (
 		p = &Progress{}
 	}
 	res.Start = time.Now()
-	f, err := ix.BeginFiling()
+	f, err := ix.BeginFilingHealing(opts.Heal)
 	if err != nil {
 		return res, err
 	}
@@ -140,6 +148,9 @@ func Run(ctx context.Context, ix *index.Index, maps *ctmap.Maps, opts Options) (
 	// Each address's records into its set: two workers, the tables built
 	// without a lock.
 	f.Merge(2)
+	if opts.Walked != nil {
+		opts.Walked()
+	}
 	// Every record the kernel produced before now (an entry made behind
 	// the walk) applied, and the lost counters read (a lost record marks
 	// its IP, or spoils the pass).
