@@ -101,6 +101,13 @@ type Config struct {
 	// node: the conflist entry and the recorder's filters (scrubd/main.go,
 	// uninstall.go). "": never.
 	DaemonSet string `yaml:"daemonset"`
+	// Bootstrap: "on" (the default) attaches the recorder to every pod
+	// interface of the node at start and makes one pass over Cilium's CT
+	// maps, after which each address's index is whole (boot.go,
+	// docs/design.md "The bootstrap pass"); "off": only the restored
+	// attachments are recorded, and addresses are known again only after
+	// they were seen to come and go.
+	Bootstrap string `yaml:"bootstrap"`
 }
 
 // ExpiryConfig configures the expiry pass (scrubd/expiry).
@@ -148,6 +155,7 @@ func DefaultConfig() Config {
 		StoppedTTL:       Duration{time.Hour},
 		StatsInterval:    Duration{30 * time.Second},
 		LogLevel:         "info",
+		Bootstrap:        "on",
 		Expiry:           ExpiryConfig{Mode: "sweep", Clock: "auto", Interval: Duration{60 * time.Second}},
 	}
 }
@@ -247,6 +255,9 @@ func (c *Config) Validate() ([]netip.Prefix, error) {
 	}
 	if c.RingBytes != 0 && (c.RingBytes < os.Getpagesize() || c.RingBytes&(c.RingBytes-1) != 0) {
 		return nil, fmt.Errorf("ring_bytes %d: must be a power of two of at least %d (a page), or 0 for the default", c.RingBytes, os.Getpagesize())
+	}
+	if c.Bootstrap != "" && c.Bootstrap != "on" && c.Bootstrap != "off" {
+		return nil, fmt.Errorf("bootstrap %q: want on or off", c.Bootstrap)
 	}
 	return out, nil
 }
