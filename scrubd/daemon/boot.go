@@ -61,6 +61,7 @@ type bootState struct {
 	// in netns, the node's namespace when set); walked is the pass's
 	// bootstrap.Options.Walked.
 	netns  string
+	ifOpts podIfOptions
 	scan   func() ([]PodInterface, []string, error)
 	walked func()
 }
@@ -76,7 +77,7 @@ func (d *Daemon) scanPods() (pods []PodInterface, missed []string, err error) {
 		return d.bs.scan()
 	}
 	find := func() error {
-		pods, missed, err = scanPodInterfaces(podIfOptions{})
+		pods, missed, err = scanPodInterfaces(d.bs.ifOpts)
 		return err
 	}
 	if d.bs.netns == "" {

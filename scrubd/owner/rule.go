@@ -471,8 +471,7 @@ type Boot struct {
 // unclean stop) is the State a clean stop wrote: its releases and creates
 // are taken only when the find shows that no pod ran unseen while scrubd
 // was down: no found pod outside the attachments, none missed, and no
-// kept IP held now. Anything else is a sign of an unseen owner: a new
-// epoch.
+// kept IP held now; otherwise none is taken, as after an unclean stop.
 func (r *Rule) BeginBoot(kept *State, found []Found, missed bool) *Boot {
 	for _, f := range found {
 		r.Start(f.A, f.IPs)
@@ -503,9 +502,9 @@ func (r *Rule) BeginBoot(kept *State, found []Found, missed bool) *Boot {
 				s.created, s.crEpoch = true, r.epoch
 			}
 			b.Restored = true
-		} else {
-			r.epoch++
 		}
+		// Else they are not taken: a restart starts with none, as after an
+		// unclean stop.
 	}
 	b.epoch, b.seq = r.epoch, r.seq
 	return b
