@@ -63,6 +63,7 @@ type bootState struct {
 	netns  string
 	ifOpts podIfOptions
 	scan   func() ([]PodInterface, []string, error)
+	attach func(netns, ifname string) error
 	walked func()
 }
 
@@ -147,7 +148,11 @@ func (d *Daemon) findAtStart() {
 			d.ix.Hold(ip)
 			d.ix.MarkIncomplete(ip, index.ReasonOwner)
 		}
-		if _, err := d.rec.Attach(p.Netns, p.IfName); err != nil {
+		attach := func() error { _, err := d.rec.Attach(p.Netns, p.IfName); return err }
+		if d.bs.attach != nil {
+			attach = func() error { return d.bs.attach(p.Netns, p.IfName) }
+		}
+		if err := attach(); err != nil {
 			for _, ip := range ips {
 				if errors.Is(err, recorder.ErrForget) {
 					d.ix.MarkIncomplete(ip, recorder.ReasonForgetFailed)
