@@ -208,6 +208,7 @@ func runConfig(args []string) (daemon.Config, error) {
 	fs.StringVar(&flagCfg.CNIDefaultNetwork, "cni-default-network", flagCfg.CNIDefaultNetwork, "CRI-O's cni_default_network, when set: its config file in --cni-conf-dir must chain ctscrub too (empty: none)")
 	fs.IntVar(&flagCfg.RingBytes, "ring-bytes", flagCfg.RingBytes, "recorder ring buffer size in bytes, a power of two (0: 8 MiB)")
 	fs.StringVar(&flagCfg.DaemonSet, "daemonset", flagCfg.DaemonSet, "namespace/name of scrubd's DaemonSet: when it is deleted, SIGTERM takes ctscrub off the node (empty: never)")
+	fs.StringVar(&flagCfg.Bootstrap, "bootstrap", flagCfg.Bootstrap, "on: at start, attach the recorder to every pod interface of the node and make one pass over Cilium's CT maps (off: only restored attachments)")
 	fs.StringVar(&flagCfg.NFCTFallback, "nfct-fallback", flagCfg.NFCTFallback, "nf_conntrack scrub of incomplete IPs: auto (empty), flush or dump")
 	if err := fs.Parse(args); err != nil {
 		return daemon.Config{}, err
@@ -278,6 +279,8 @@ func runConfig(args []string) (daemon.Config, error) {
 			cfg.RemoteBackends.Enabled = flagCfg.RemoteBackends.Enabled
 		case "remote-backends-hold":
 			cfg.RemoteBackends.Hold = flagCfg.RemoteBackends.Hold
+		case "bootstrap":
+			cfg.Bootstrap = flagCfg.Bootstrap
 		}
 	})
 	var err error

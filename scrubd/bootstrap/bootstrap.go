@@ -57,6 +57,19 @@ type Options struct {
 	// to apply what the kernel recorded until then (0: 1 minute). A
 	// reader that is not running by then fails the pass.
 	SyncWait time.Duration
+	// Heal names the marks made before the pass that it makes good
+	// (index.BeginFilingHealing): the daemon's restart marks, lost
+	// records, ... nil: a slot marked before the pass stays out of it.
+	Heal func(reason string) bool
+	// Walked, when set, is called once the walk is over and its keys
+	// merged, before the recorder's records are awaited: entries made from
+	// here on reach the index only as records (tests hold the pass there).
+	Walked func()
+	// Finish, when set, is called with a successful pass's result before
+	// the pass is reported done (Progress, `scrubd status`): the caller
+	// declares complete what the pass vouches for there, so whoever sees
+	// the pass done sees its addresses tracked.
+	Finish func(Result)
 
 	// afterBatch, tests only: called on the walking goroutine after each
 	// batch read (the batch's number in its map, from 1).
@@ -97,7 +110,7 @@ func Run(ctx context.Context, ix *index.Index, maps *ctmap.Maps, opts Options) (
 		p = &Progress{}
 	}
 	res.Start = time.Now()
-	f, err := ix.BeginFiling()
+	f, err := ix.BeginFilingHealing(opts.Heal)
 	if err != nil {
 		return res, err
 	}
@@ -140,6 +153,9 @@ func Run(ctx context.Context, ix *index.Index, maps *ctmap.Maps, opts Options) (
 	// Each address's records into its set: two workers, the tables built
 	// without a lock.
 	f.Merge(2)
+	if opts.Walked != nil {
+		opts.Walked()
+	}
 	// Every record the kernel produced before now (an entry made behind
 	// the walk) applied, and the lost counters read (a lost record marks
 	// its IP, or spoils the pass).
@@ -156,6 +172,10 @@ func Run(ctx context.Context, ix *index.Index, maps *ctmap.Maps, opts Options) (
 	res.Addrs = f.End()
 	res.Pairs = f.Added()
 	res.Filing = f
+	if opts.Finish != nil {
+		res.Done = time.Now()
+		opts.Finish(res)
+	}
 	return res, nil
 }
 

@@ -108,6 +108,13 @@ type Config struct {
 	// RemoteBackends: watch EndpointSlices and delete this node's entries
 	// towards backends that left the cluster (remote.go, docs/remote.md).
 	RemoteBackends RemoteBackendsConfig `yaml:"remote_backends"`
+	// Bootstrap: "on" (the default) attaches the recorder to every pod
+	// interface of the node at start and makes one pass over Cilium's CT
+	// maps, after which each address's index is whole (boot.go,
+	// docs/design.md "The bootstrap pass"); "off": only the restored
+	// attachments are recorded, and addresses are known again only after
+	// they were seen to come and go.
+	Bootstrap string `yaml:"bootstrap"`
 }
 
 // ExpiryConfig configures the expiry pass (scrubd/expiry).
@@ -155,6 +162,7 @@ func DefaultConfig() Config {
 		StoppedTTL:       Duration{time.Hour},
 		StatsInterval:    Duration{30 * time.Second},
 		LogLevel:         "info",
+		Bootstrap:        "on",
 		Expiry:           ExpiryConfig{Mode: "sweep", Clock: "auto", Interval: Duration{60 * time.Second}},
 	}
 }
@@ -257,6 +265,9 @@ func (c *Config) Validate() ([]netip.Prefix, error) {
 	}
 	if c.RingBytes != 0 && (c.RingBytes < os.Getpagesize() || c.RingBytes&(c.RingBytes-1) != 0) {
 		return nil, fmt.Errorf("ring_bytes %d: must be a power of two of at least %d (a page), or 0 for the default", c.RingBytes, os.Getpagesize())
+	}
+	if c.Bootstrap != "" && c.Bootstrap != "on" && c.Bootstrap != "off" {
+		return nil, fmt.Errorf("bootstrap %q: want on or off", c.Bootstrap)
 	}
 	return out, nil
 }

@@ -143,6 +143,9 @@ type Daemon struct {
 	// boot follows the bootstrap pass over the CT maps (scrubd/bootstrap):
 	// its metrics and `scrubd status`.
 	boot bootstrap.Progress
+	// bs is the bootstrap's state: the pods found at start, the rule's
+	// judgement at the pass's end (boot.go).
+	bs bootState
 
 	// workCtx is the parent of every request and flight: cancelled when the
 	// shutdown grace runs out.
@@ -326,6 +329,10 @@ func (d *Daemon) Run(ctx context.Context) error {
 	defer stopBG()
 	if d.rec != nil {
 		bg.Go(func() { d.runRecorder(bgCtx) })
+	}
+	if d.bs.rule != nil {
+		// The pass waits for the reader (index.Sync) at its end.
+		bg.Go(func() { d.runBootstrap(bgCtx) })
 	}
 	for _, t := range d.tasks {
 		bg.Go(func() {
@@ -557,8 +564,11 @@ func (d *Daemon) restore() error {
 			}
 		}
 	}
+	if d.bootOn() {
+		d.findAtStart() // boot.go
+	}
 	for _, ip := range d.ix.IPs() {
-		if d.pods.owner(ip) == nil { // incl. pods gone while scrubd was down
+		if d.holderOf(ip) == nil { // incl. pods gone while scrubd was down
 			d.ix.Release(ip)
 		}
 	}

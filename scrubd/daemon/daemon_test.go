@@ -211,6 +211,10 @@ func testConfig(t *testing.T, root *ctRoot) Config {
 	// The expiry pass has tests of its own; here its walk of the whole map
 	// at start would compete for the CPUs with the scrubs under test.
 	cfg.Expiry.Mode = "off"
+	// The bootstrap finds pods in scrubd's network namespace: the test's is
+	// the machine's, whose interfaces are no test's. Tests of it set a
+	// node namespace of their own (boot_test.go).
+	cfg.Bootstrap = "off"
 	return cfg
 }
 

@@ -57,6 +57,9 @@ func (d *Daemon) handleGC(w http.ResponseWriter, r *http.Request) {
 			}
 		}
 	}
+	for _, ip := range d.foundIPs() { // pods found at start hold theirs
+		keep[ip] = true
+	}
 	resp := api.GCResponse{Dropped: []api.Attachment{}}
 	var scrubIPs []netip.Addr
 	var tickets []*owner.Ticket
@@ -143,7 +146,7 @@ func (d *Daemon) scrubGC(ctx context.Context, tickets []*owner.Ticket, ips []net
 	var mu sync.Mutex
 	newOwner := map[netip.Addr]bool{}
 	still := func(ip netip.Addr) bool {
-		ok := d.pods.owner(ip) == nil
+		ok := d.holderOf(ip) == nil
 		for _, t := range tickets {
 			if _, mine := t.Has(ip); mine && !t.Still(ip) {
 				ok = false

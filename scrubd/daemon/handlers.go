@@ -617,7 +617,7 @@ func (d *Daemon) delBeforeStop(w http.ResponseWriter, r *http.Request, req api.I
 		// are live and must stay.
 		kept := ips[:0:0]
 		for _, ip := range ips {
-			if o := d.pods.owner(ip); o != nil && *o != me {
+			if o := d.holderOf(ip); o != nil && *o != me {
 				resp.Skipped = append(resp.Skipped, api.IPOwner{IP: ip, Owner: *o})
 				d.log.Info("DEL: not scrubbing an IP another attachment holds now", "ip", ip, "container_id", me.ContainerID, "ifname", me.IfName, "owner_container_id", o.ContainerID)
 				continue
@@ -673,6 +673,9 @@ func (d *Daemon) handleIndexStop(w http.ResponseWriter, r *http.Request) {
 	if req.ContainerID == "" || req.IfName == "" {
 		writeError(w, &api.Error{Code: api.CodeBadRequest, Message: "index stop needs container_id and ifname"})
 		return
+	}
+	if _, known := d.pods.get(req.Attachment); !known {
+		d.adoptFound(req.Attachment, req.Netns) // a pod found at start (boot.go)
 	}
 	var del api.DelResponse
 	if req.Del != nil {
@@ -820,7 +823,7 @@ func (d *Daemon) handleCTStats(w http.ResponseWriter, r *http.Request) {
 // attachment holds (index.Release).
 func (d *Daemon) releaseUnheld(ips []netip.Addr) {
 	for _, ip := range ips {
-		if d.pods.owner(ip) == nil {
+		if d.holderOf(ip) == nil {
 			d.ix.Release(ip)
 		}
 	}

@@ -8,6 +8,7 @@ import (
 	"net/netip"
 	"os"
 	"path/filepath"
+	"sync"
 	"testing"
 
 	"github.com/ctscrub/ctscrub/internal/testsupport/ownermodel"
@@ -39,6 +40,15 @@ type daemonSystem struct {
 	td    *testDaemon
 	netns string // the pods' network namespace files
 	conf  string // the CNI config file the watch reads
+
+	// The bootstrap: the node's pods as its find sees them (their netns
+	// files, less hidden ones), and the pass held after its walk until
+	// PassEnd (or the daemon's stop).
+	mu     sync.Mutex
+	ips    map[api.Attachment]netip.Addr
+	hidden map[api.Attachment]bool
+	missed bool
+	hold   chan struct{}
 }
 
 const (
@@ -51,13 +61,69 @@ func newDaemonSystem(t *testing.T) ownermodel.System {
 	cfg := testConfig(t, root)
 	cfg.DelegateSocket = filepath.Join(t.TempDir(), "delegate", "delegate.sock")
 	cfg.CNIConfDir = t.TempDir()
-	s := &daemonSystem{t: t, root: root, cfg: cfg, netns: t.TempDir(), conf: filepath.Join(cfg.CNIConfDir, "05-cilium.conflist")}
+	cfg.Bootstrap = "on"
+	s := &daemonSystem{t: t, root: root, cfg: cfg, netns: t.TempDir(), conf: filepath.Join(cfg.CNIConfDir, "05-cilium.conflist"),
+		ips: map[api.Attachment]netip.Addr{}, hidden: map[api.Attachment]bool{}}
 	if err := os.WriteFile(s.conf, []byte(chainedConf), 0o644); err != nil {
 		t.Fatal(err)
 	}
-	s.td = startDaemon(t, cfg)
-	s.waitChained(true)
+	s.start(nil)
+	waitPass(t, s.td)
 	return s
+}
+
+// start runs the daemon, its bootstrap's find on the model's pods.
+func (s *daemonSystem) start(walked func()) {
+	s.td = startDaemonWith(s.t, s.cfg, func(d *Daemon) {
+		d.bs.scan, d.bs.walked = s.scan, walked
+		d.bs.attach = func(string, string) error { return nil } // recorded: the model applies the records
+		d.bs.cover = []netip.Prefix{netip.MustParsePrefix("10.244.0.8/29")}
+	}, true)
+	// Before the daemon's stop (cleanups run last first): a held pass
+	// would keep it from stopping.
+	s.t.Cleanup(func() {
+		if s.hold != nil {
+			close(s.hold)
+			s.hold = nil
+		}
+	})
+	s.waitChained(counterValueChained(s))
+}
+
+// scan is the node's pods as the bootstrap's find sees them.
+func (s *daemonSystem) scan() ([]PodInterface, []string, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	var out []PodInterface
+	for a, ip := range s.ips {
+		if _, err := os.Stat(s.netnsOf(a)); err != nil || s.hidden[a] {
+			continue
+		}
+		out = append(out, PodInterface{Netns: s.netnsOf(a), IfName: a.IfName, IPs: []netip.Addr{ip}})
+	}
+	var missed []string
+	if s.missed {
+		missed = []string{"hidden"}
+	}
+	return out, missed, nil
+}
+
+func (s *daemonSystem) Born(a api.Attachment, ip netip.Addr) {
+	s.mu.Lock()
+	s.ips[a] = ip
+	s.mu.Unlock()
+	if err := os.WriteFile(s.netnsOf(a), nil, 0o644); err != nil {
+		s.t.Fatal(err)
+	}
+}
+
+func (s *daemonSystem) PassEnd() {
+	if s.hold == nil {
+		return
+	}
+	close(s.hold)
+	s.hold = nil
+	waitPass(s.t, s.td)
 }
 
 func (s *daemonSystem) waitChained(chained bool) {
@@ -86,9 +152,6 @@ func (s *daemonSystem) Add(a api.Attachment, ip netip.Addr, fail bool) bool {
 	if fail || !complete {
 		d.releaseUnheld([]netip.Addr{ip})
 		return complete
-	}
-	if err := os.WriteFile(s.netnsOf(a), nil, 0o644); err != nil {
-		s.t.Fatal(err)
 	}
 	d.ix.Recorded(ip)
 	if _, err := d.startPod(api.IndexedPod{Attachment: a, Netns: s.netnsOf(a), IPs: []netip.Addr{ip}, Network: "pods"}); err != nil {
@@ -127,7 +190,11 @@ func (s *daemonSystem) SetChained(chained bool) {
 	s.waitChained(chained)
 }
 
-func (s *daemonSystem) Restart(kill bool, gone []api.Attachment) {
+func (s *daemonSystem) Restart(kill bool, gone, hidden []api.Attachment, missed bool) {
+	if s.hold != nil {
+		close(s.hold) // the pass held by the last restart: the stop cancels it
+		s.hold = nil
+	}
 	s.td.stop()
 	if kill {
 		// No consistent snapshot: what the dead process had read is gone.
@@ -135,8 +202,15 @@ func (s *daemonSystem) Restart(kill bool, gone []api.Attachment) {
 			s.t.Fatal(err)
 		}
 	}
-	s.td = startDaemon(s.t, s.cfg)
-	s.waitChained(counterValueChained(s))
+	s.mu.Lock()
+	s.hidden, s.missed = map[api.Attachment]bool{}, missed
+	for _, a := range hidden {
+		s.hidden[a] = true
+	}
+	s.mu.Unlock()
+	hold := make(chan struct{})
+	s.hold = hold
+	s.start(func() { <-hold })
 }
 
 // counterValueChained is what the conflist file says now.

@@ -242,7 +242,7 @@ func startProcess(t *testing.T, bin string, cfg Config, logName string) *daemonP
 	}
 	args := []string{"run", "--socket", cfg.Socket, "--ct-root", cfg.CTRoot, "--pin-dir", cfg.PinDir,
 		"--state-file", cfg.StateFile, "--metrics-addr", "off", "--backends", "cilium", "--shutdown-grace", "2s",
-		"--expiry-mode", "off"}
+		"--expiry-mode", "off", "--bootstrap", cfg.Bootstrap}
 	for _, c := range cfg.PodCIDRs {
 		args = append(args, "--pod-cidr", c)
 	}

@@ -32,6 +32,8 @@ func (d *Daemon) beginScrub(req api.ScrubRequest, ips []netip.Addr) *owner.Ticke
 		ev = owner.Del
 		if a.IfName == "" {
 			a = d.pods.attachmentOf(req.ContainerID, ips)
+		} else if _, known := d.pods.get(a); !known {
+			d.adoptFound(a, req.Netns) // a pod found at start (boot.go)
 		}
 	}
 	t := d.own.Begin(ev, a, ips)
@@ -88,6 +90,7 @@ func (d *Daemon) startPod(pod api.IndexedPod) ([]api.IndexedPod, error) {
 	for _, old := range displaced {
 		d.own.Stop(old.Attachment)
 	}
+	displaced = append(displaced, d.displaceFound(pod.IPs)...)
 	d.own.Start(pod.Attachment, pod.IPs)
 	return displaced, nil
 }

@@ -81,6 +81,16 @@ type podIfOptions struct {
 // mount removed: a sandbox being torn down) is skipped; so are the node's
 // other devices. The result is sorted by netns path and interface name.
 func findPodInterfaces(opts podIfOptions) ([]PodInterface, error) {
+	pods, _, err := scanPodInterfaces(opts)
+	return pods, err
+}
+
+// scanPodInterfaces is findPodInterfaces that also names the host ends it
+// could not follow (missed): veths whose peer's namespace has no path it
+// can open. Each may be a pod whose addresses nobody can read: a sandbox
+// being torn down, or one of a runtime that keeps no bind mount while
+// scrubd cannot see its processes (hostPID off).
+func scanPodInterfaces(opts podIfOptions) (pods []PodInterface, missed []string, err error) {
 	if len(opts.NetnsDirs) == 0 {
 		opts.NetnsDirs = []string{"/var/run/netns", "/run/netns"}
 	}
@@ -89,12 +99,12 @@ func findPodInterfaces(opts podIfOptions) ([]PodInterface, error) {
 	}
 	h, err := netlink.NewHandle(unix.NETLINK_ROUTE)
 	if err != nil {
-		return nil, fmt.Errorf("find pod interfaces: netlink: %w", err)
+		return nil, nil, fmt.Errorf("find pod interfaces: netlink: %w", err)
 	}
 	defer h.Close()
 	links, err := h.LinkList()
 	if err != nil {
-		return nil, fmt.Errorf("find pod interfaces: list the node's links: %w", err)
+		return nil, nil, fmt.Errorf("find pod interfaces: list the node's links: %w", err)
 	}
 	bridges := map[int]string{}
 	for _, l := range links {
@@ -118,12 +128,12 @@ func findPodInterfaces(opts podIfOptions) ([]PodInterface, error) {
 		byNsid[a.NetNsID] = append(byNsid[a.NetNsID], hostEnd{l, kind})
 	}
 	if len(byNsid) == 0 {
-		return nil, nil
+		return nil, nil, nil
 	}
 
 	paths, err := netnsPaths(opts)
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
 	// The calling thread's namespace (the node's): not a pod's.
 	self, _ := netnsid.Of("/proc/thread-self/ns/net")
@@ -152,18 +162,29 @@ func findPodInterfaces(opts podIfOptions) ([]PodInterface, error) {
 		if err != nil {
 			errs = append(errs, err)
 		}
+		for _, e := range ends {
+			if !slices.ContainsFunc(found, func(f PodInterface) bool { return f.HostIfindex == e.link.Attrs().Index }) {
+				missed = append(missed, e.link.Attrs().Name) // its peer could not be read
+			}
+		}
 		out = append(out, found...)
 		if len(byNsid) == 0 {
 			break
 		}
 	}
+	for _, ends := range byNsid {
+		for _, e := range ends {
+			missed = append(missed, e.link.Attrs().Name)
+		}
+	}
+	slices.Sort(missed)
 	slices.SortFunc(out, func(a, b PodInterface) int {
 		if c := strings.Compare(a.Netns, b.Netns); c != 0 {
 			return c
 		}
 		return strings.Compare(a.IfName, b.IfName)
 	})
-	return out, errors.Join(errs...)
+	return out, missed, errors.Join(errs...)
 }
 
 // netnsPaths lists the candidate paths: bind mounts first (they outlast any

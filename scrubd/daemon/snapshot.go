@@ -13,6 +13,7 @@ import (
 
 	"github.com/ctscrub/ctscrub/scrubd/ctmap"
 	"github.com/ctscrub/ctscrub/scrubd/index"
+	"github.com/ctscrub/ctscrub/scrubd/owner"
 )
 
 // A clean stop (SIGTERM) writes the index to a snapshot beside the state
@@ -39,6 +40,35 @@ type snapshotFile struct {
 	Version int
 	MapIDs  map[string]ebpf.MapID // pinned map path -> kernel map ID
 	IPs     []snapshotIP
+	// Rule (added within version 2, as snapshotIP.Svc was: gob skips a
+	// field its reader does not know, so an earlier scrubd reads the file
+	// without it, and this one reads an earlier file with it nil, no
+	// release kept: both sweep where they know nothing): the ownership
+	// rule's releases and creates at the stop, in a format of its own.
+	Rule *snapshotRule
+}
+
+// ruleStateVersion is snapshotRule's format. A reader that does not know
+// a file's version keeps no release from it.
+const ruleStateVersion = 1
+
+// snapshotRule is owner.State on disk.
+type snapshotRule struct {
+	Version           int
+	Released, Created []netip.Addr
+}
+
+func encodeRule(st owner.State) *snapshotRule {
+	return &snapshotRule{Version: ruleStateVersion, Released: st.Released, Created: st.Created}
+}
+
+// decodeRule is the rule's state kept in a snapshot, nil when it holds
+// none this scrubd can read.
+func decodeRule(r *snapshotRule) *owner.State {
+	if r == nil || r.Version != ruleStateVersion {
+		return nil
+	}
+	return &owner.State{Released: r.Released, Created: r.Created}
 }
 
 // snapshotIP stores an IP's keys as flat bytes: gob writes a []byte as is,
@@ -172,7 +202,7 @@ func (d *Daemon) writeSnapshotMarking(incomplete []netip.Addr) error {
 	defer os.Remove(tmp.Name())
 	snap := d.ix.Snapshot()
 	markIncomplete(&snap, incomplete, reasonStillRunning)
-	err = gob.NewEncoder(tmp).Encode(snapshotFile{Version: snapshotVersion, MapIDs: ids, IPs: encodeIndex(snap)})
+	err = gob.NewEncoder(tmp).Encode(snapshotFile{Version: snapshotVersion, MapIDs: ids, IPs: encodeIndex(snap), Rule: encodeRule(d.own.State())})
 	if err == nil {
 		err = tmp.Sync()
 	}
@@ -232,5 +262,8 @@ func (d *Daemon) loadSnapshot() (bool, error) {
 		d.log.Warn("index snapshot unreadable: dropped, attached IPs will sweep", "path", path, "err", err)
 		return false, nil
 	}
+	// Used only once the attach step has found no pod that ran unseen
+	// while scrubd was down (owner.Rule.BeginBoot).
+	d.bs.kept = decodeRule(s.Rule)
 	return true, nil
 }

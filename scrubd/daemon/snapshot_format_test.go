@@ -4,10 +4,12 @@ import (
 	"bytes"
 	"encoding/gob"
 	"net/netip"
+	"slices"
 	"testing"
 
 	"github.com/ctscrub/ctscrub/scrubd/ctmap"
 	"github.com/ctscrub/ctscrub/scrubd/index"
+	"github.com/ctscrub/ctscrub/scrubd/owner"
 )
 
 // A version 1 snapshot (whole keys) is still read after the upgrade to
@@ -118,5 +120,52 @@ func TestSnapshotServiceStatesCompatible(t *testing.T) {
 	}
 	if len(old.IPs) != 1 || len(old.IPs[0].Recs4) != 2*index.RecSize4 {
 		t.Fatalf("an earlier scrubd read %+v", old.IPs)
+	}
+}
+
+// The ownership rule's state added to version 2 goes both ways through
+// gob: this scrubd reads its releases and creates back, an earlier one
+// (snapshotFile without Rule) reads the same file's index, this one reads
+// an earlier file with no release kept, and a rule state of an unknown
+// format keeps none.
+func TestSnapshotRuleStateCompatible(t *testing.T) {
+	pod := netip.MustParseAddr("10.0.0.1")
+	ix := index.New(index.Config{})
+	ix.Track(pod)
+	rel, cr := []netip.Addr{pod}, []netip.Addr{netip.MustParseAddr("10.0.0.2")}
+	var buf bytes.Buffer
+	if err := gob.NewEncoder(&buf).Encode(snapshotFile{Version: snapshotVersion, IPs: encodeIndex(ix.Snapshot()),
+		Rule: encodeRule(owner.State{Released: rel, Created: cr})}); err != nil {
+		t.Fatal(err)
+	}
+	raw := buf.Bytes()
+	var f snapshotFile
+	if err := gob.NewDecoder(bytes.NewReader(raw)).Decode(&f); err != nil {
+		t.Fatal(err)
+	}
+	if st := decodeRule(f.Rule); st == nil || !slices.Equal(st.Released, rel) || !slices.Equal(st.Created, cr) {
+		t.Fatalf("rule state read back: %+v", st)
+	}
+
+	var old struct { // snapshotFile as an earlier scrubd has it
+		Version int
+		IPs     []snapshotIP
+	}
+	if err := gob.NewDecoder(bytes.NewReader(raw)).Decode(&old); err != nil || len(old.IPs) != 1 {
+		t.Fatalf("an earlier scrubd reads %+v, %v", old.IPs, err)
+	}
+	buf.Reset()
+	if err := gob.NewEncoder(&buf).Encode(old); err != nil {
+		t.Fatal(err)
+	}
+	f = snapshotFile{}
+	if err := gob.NewDecoder(&buf).Decode(&f); err != nil || len(f.IPs) != 1 {
+		t.Fatalf("an earlier scrubd's file: %+v, %v", f, err)
+	}
+	if st := decodeRule(f.Rule); st != nil {
+		t.Errorf("releases kept from a file that has none: %+v", st)
+	}
+	if st := decodeRule(&snapshotRule{Version: ruleStateVersion + 1, Released: rel}); st != nil {
+		t.Errorf("releases kept from a rule state of an unknown format: %+v", st)
 	}
 }

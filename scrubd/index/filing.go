@@ -53,6 +53,9 @@ type Filing struct {
 	gone    map[netip.Addr]struct{} // slots dropped or forgotten during the pass
 	spoiled bool                    // SpoilFiling: no address is vouched for
 	ended   bool
+	// heal (BeginFilingHealing): the marks made before the pass that it
+	// makes good; nil: a slot marked before the pass is not vouched for.
+	heal func(reason string) bool
 
 	// Records filed and not merged yet, per address.
 	buf4 map[[4]byte]*recBuf
@@ -73,8 +76,19 @@ var ErrFilingOpen = errors.New("index: a bootstrap pass is already filing")
 
 // BeginFiling opens a bootstrap pass's Filing (see Filing). Only one may be
 // open at a time.
-func (ix *Index) BeginFiling() (*Filing, error) {
-	f := &Filing{ix: ix, epoch: ix.gens.Add(1), gone: map[netip.Addr]struct{}{},
+func (ix *Index) BeginFiling() (*Filing, error) { return ix.BeginFilingHealing(nil) }
+
+// BeginFilingHealing is BeginFiling for a pass that makes good the marks
+// heal accepts, made before it began: a slot so marked is vouched for
+// like an unmarked one, and TrackFiled clears its mark. The walk reads
+// every entry older than the pass, so a mark that says only that keys of
+// the IP may be missing from its set (a restart without a snapshot, lost
+// records, a cancelled sweep, an owner the recorder did not see) is made
+// good by it; a mark that says the set stays short after the pass (the
+// set full, a Cilium feature whose entries are elsewhere, a forged source)
+// is not. A mark made during the pass still withdraws the slot.
+func (ix *Index) BeginFilingHealing(heal func(reason string) bool) (*Filing, error) {
+	f := &Filing{ix: ix, epoch: ix.gens.Add(1), gone: map[netip.Addr]struct{}{}, heal: heal,
 		buf4: map[[4]byte]*recBuf{}, buf6: map[[16]byte]*recBuf{}, all: len(ix.cfg.PodCIDRs) == 0}
 	for _, p := range ix.cfg.PodCIDRs {
 		if p.Addr().Is4() {
@@ -97,7 +111,7 @@ func (ix *Index) BeginFiling() (*Filing, error) {
 		sh.mu.RLock()
 		for _, e := range sh.ips {
 			e.mu.Lock()
-			if !e.dead {
+			if !e.dead && (heal == nil || e.incomplete == "" || heal(e.incomplete)) {
 				e.filed = f.epoch
 			}
 			e.mu.Unlock()
@@ -449,7 +463,7 @@ func (f *Filing) End() []netip.Addr {
 				e.pruneAt = max(e.pruneAt, 2*e.size())
 				// A spoiled pass keeps the epochs: TrackFiled then
 				// drops the slots it made that nobody holds.
-				if !spoiled && e.incomplete == "" && e.unrecorded == "" {
+				if !spoiled && (e.incomplete == "" || f.heal != nil) && e.unrecorded == "" {
 					out = append(out, ip)
 				}
 			}
@@ -519,7 +533,14 @@ func (ix *Index) TrackFiled(f *Filing, trust func(netip.Addr) bool) (tracked []n
 		if (vouched || made) && !e.dead {
 			e.filed, e.made = 0, 0
 			switch {
-			case vouched && ok && e.incomplete == "" && e.unrecorded == "":
+			case vouched && ok && (e.incomplete == "" || f.heal != nil) && e.unrecorded == "":
+				// A mark left on a vouched slot was made before the pass
+				// and healed by it (BeginFilingHealing): marks since
+				// took the epoch away.
+				if e.incomplete != "" {
+					e.incomplete = ""
+					ix.incomplete.Add(-1)
+				}
 				e.tracked = true
 				e.gen = ix.gens.Add(1)
 				tracked = append(tracked, c.ip)

@@ -33,25 +33,53 @@ type ruleSystem struct {
 	tracked map[netip.Addr]bool
 	present map[int]ownermodel.Entry
 	active  map[api.Attachment]netip.Addr // scrubd's journal
+	alive   map[api.Attachment]netip.Addr // the node's pods (their netns)
+
+	// The bootstrap of the last restart (scrubd/daemon boot.go): the pods
+	// it found that no attachment names (by their real attachment: the
+	// DEL's netns names them), what the rule judges at the pass's end, and
+	// the pass: the entries its walk read, those filed into the index, the
+	// IPs marked while it ran.
+	found  map[api.Attachment]netip.Addr
+	boot   *Boot
+	hidden map[api.Attachment]bool
+	missed bool
+	open   bool
+	walked map[int]bool
+	filed  map[int]bool
+	marked map[netip.Addr]bool
 }
 
 func newRuleSystem() ownermodel.System {
-	return &ruleSystem{r: New(), tracked: map[netip.Addr]bool{}, present: map[int]ownermodel.Entry{}, active: map[api.Attachment]netip.Addr{}}
+	return &ruleSystem{r: New(), tracked: map[netip.Addr]bool{}, present: map[int]ownermodel.Entry{}, active: map[api.Attachment]netip.Addr{},
+		alive: map[api.Attachment]netip.Addr{}, found: map[api.Attachment]netip.Addr{}, filed: map[int]bool{}}
+}
+
+// foundName is the name a found pod holds its IP under until its DEL.
+func foundName(a api.Attachment) api.Attachment {
+	return api.Attachment{ContainerID: "found:" + a.ContainerID, IfName: a.IfName}
 }
 
 // verdicts applies a ticket's Sweep verdicts: the IP's index is marked.
 func (s *ruleSystem) verdicts(t *Ticket, ips ...netip.Addr) {
 	for _, ip := range ips {
 		if t.Verdict(ip) == Sweep {
-			s.tracked[ip] = false
+			s.mark(ip)
 		}
+	}
+}
+
+func (s *ruleSystem) mark(ip netip.Addr) {
+	s.tracked[ip] = false
+	if s.open {
+		s.marked[ip] = true
 	}
 }
 
 // scrub is the backend: the index's entries of a tracked IP, or a sweep.
 func (s *ruleSystem) scrub(ip netip.Addr) {
 	for id, e := range s.present {
-		if e.IP == ip && (!s.tracked[ip] || e.Indexed) {
+		if e.IP == ip && (!s.tracked[ip] || e.Indexed || s.filed[id]) {
 			delete(s.present, id)
 		}
 	}
@@ -87,12 +115,22 @@ func (s *ruleSystem) Add(a api.Attachment, ip netip.Addr, fail bool) bool {
 			delete(s.active, b)
 		}
 	}
+	for b, x := range s.found {
+		if x == ip {
+			s.r.Stop(foundName(b)) // displaced (displaceFound)
+			delete(s.found, b)
+		}
+	}
 	s.r.Start(a, []netip.Addr{ip})
 	s.active[a] = ip
 	return true
 }
 
 func (s *ruleSystem) Del(a api.Attachment, ip netip.Addr) bool {
+	if fip, ok := s.found[a]; ok && s.r.Rename(foundName(a), a) { // adoptFound
+		delete(s.found, a)
+		s.active[a] = fip
+	}
 	_, known := s.active[a]
 	defer func() {
 		s.r.Stop(a)
@@ -105,6 +143,11 @@ func (s *ruleSystem) Del(a api.Attachment, ip netip.Addr) bool {
 		for _, x := range s.active {
 			if x == ip {
 				return false // another attachment holds it: left alone
+			}
+		}
+		for _, x := range s.found {
+			if x == ip {
+				return false // a pod found at start holds it (holderOf)
 			}
 		}
 	}
@@ -123,6 +166,9 @@ func (s *ruleSystem) GC(valid []api.Attachment) {
 		if ip, in := s.active[a]; in {
 			keep[ip] = true
 		}
+	}
+	for _, ip := range s.found {
+		keep[ip] = true
 	}
 	var tickets []*Ticket
 	for a, ip := range s.active {
@@ -146,14 +192,23 @@ func (s *ruleSystem) GC(valid []api.Attachment) {
 	for _, t := range tickets {
 		_, distrust := t.End(true)
 		for _, ip := range distrust {
-			s.tracked[ip] = false
+			s.mark(ip)
 		}
 	}
 }
 
 func (s *ruleSystem) SetChained(chained bool) { s.r.SetChained(chained) }
 
-func (s *ruleSystem) Restart(kill bool, gone []api.Attachment) {
+// Restart is the daemon's restore and its bootstrap's attach step
+// (findAtStart): the rule starts anew with the attachments, the pods found
+// that no attachment names, and, after a clean stop, the rule's state kept
+// in the snapshot; the pass begins.
+func (s *ruleSystem) Restart(kill bool, gone, hidden []api.Attachment, missed bool) {
+	var kept *State
+	if !kill {
+		st := s.r.State()
+		kept = &st
+	}
 	s.r = New()
 	for _, a := range gone {
 		delete(s.active, a)
@@ -164,9 +219,70 @@ func (s *ruleSystem) Restart(kill bool, gone []api.Attachment) {
 	if kill {
 		clear(s.tracked)
 	}
+	clear(s.found)
+	s.hidden = map[api.Attachment]bool{}
+	for _, a := range hidden {
+		s.hidden[a] = true
+	}
+	var strangers []Found
+	for a, ip := range s.alive {
+		if _, in := s.active[a]; in || s.hidden[a] {
+			continue
+		}
+		s.found[a] = ip
+		s.tracked[ip] = false // ReasonOwner: it ran unseen until now
+		strangers = append(strangers, Found{A: foundName(a), IPs: []netip.Addr{ip}})
+	}
+	s.missed = missed
+	s.boot = s.r.BeginBoot(kept, strangers, missed)
+	s.open, s.marked, s.walked = true, map[netip.Addr]bool{}, map[int]bool{}
+	for id := range s.present {
+		s.walked[id] = true // older than the pass: the walk reads them
+	}
 }
 
-func (s *ruleSystem) Gone(api.Attachment)             {}
+// PassEnd is the pass's end (runBootstrap): the walk's entries and the
+// recorded ones are filed; the second find's pods no ADD attached (born
+// since, outside ctscrub) and the missed ones keep free addresses out; the
+// rule judges each address.
+func (s *ruleSystem) PassEnd() {
+	if !s.open {
+		return
+	}
+	s.open = false
+	for id, e := range s.present {
+		if s.walked[id] || e.Indexed {
+			s.filed[id] = true
+		}
+	}
+	freeNow := !s.missed
+	unrecorded := map[netip.Addr]bool{}
+	for a, ip := range s.alive {
+		_, act := s.active[a]
+		_, fnd := s.found[a]
+		if s.hidden[a] {
+			freeNow = false
+		} else if !act && !fnd {
+			freeNow = false
+			unrecorded[ip] = true
+		}
+	}
+	var tracked []netip.Addr
+	for _, ip := range ownermodel.IPs() {
+		if !s.marked[ip] && !unrecorded[ip] && s.boot.Trust(ip, freeNow) {
+			s.tracked[ip] = true
+			tracked = append(tracked, ip)
+		}
+	}
+	s.boot.Release(tracked, freeNow)
+}
+
+func (s *ruleSystem) Born(a api.Attachment, ip netip.Addr) { s.alive[a] = ip }
+
+func (s *ruleSystem) Gone(a api.Attachment) {
+	delete(s.alive, a)
+	delete(s.hidden, a)
+}
 func (s *ruleSystem) Flow(e ownermodel.Entry)         { s.present[e.ID] = e }
 func (s *ruleSystem) Present(e ownermodel.Entry) bool { _, ok := s.present[e.ID]; return ok }
 

@@ -399,3 +399,179 @@ func (t *Ticket) Has(ip netip.Addr) (Verdict, bool) {
 	v, ok := t.verdicts[ip]
 	return v, ok
 }
+
+// Rename moves from's holding to to, with the epoch it was indexed in: a
+// pod the attach step at start found (a holder under a name of scrubd's
+// own, Boot) whose CNI DEL now names it. It reports whether from held.
+func (r *Rule) Rename(from, to api.Attachment) bool {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	h, ok := r.holders[from]
+	if !ok {
+		return false
+	}
+	delete(r.holders, from)
+	r.holders[to] = h
+	return true
+}
+
+// State is what of the rule survives a clean stop (the index snapshot):
+// the IPs released and created in the current epoch. Holders are not in
+// it: after a restart they come from the attachments and the attach step.
+type State struct {
+	Released, Created []netip.Addr
+}
+
+// State returns the releases and creates that count now (none while the
+// CNI config does not chain ctscrub).
+func (r *Rule) State() State {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	var st State
+	for ip := range r.ips {
+		if r.releasedLocked(ip) {
+			st.Released = append(st.Released, ip)
+		}
+		if r.createdLocked(ip) {
+			st.Created = append(st.Created, ip)
+		}
+	}
+	return st
+}
+
+// Found is a pod interface the attach step at start found that no
+// restored attachment names: it holds IPs, and the recorder was attached
+// to it then. A is the name scrubd gives it until its DEL names it
+// (Rename).
+type Found struct {
+	A   api.Attachment
+	IPs []netip.Addr
+}
+
+// Boot is the rule's part of one start: the holders the attach step
+// found, what a clean stop kept, and, at the end of the bootstrap pass
+// over the CT maps, which addresses the pass may be trusted for.
+type Boot struct {
+	r      *Rule
+	epoch  uint64
+	seq    uint64             // events after it give an IP a generation above it
+	held   map[netip.Addr]int // holders of this epoch per IP at the start
+	holder map[netip.Addr]api.Attachment
+	// free: the attach step found every pod interface of the node, so an
+	// address no pod held at the start has no pod the recorder misses.
+	free bool
+	// Restored reports whether kept's releases and creates were taken.
+	Restored bool
+}
+
+// BeginBoot records what the attach step at start found, after the
+// restored attachments were started (Start): found (pods no attachment
+// names) become holders of this epoch; missed reports pod interfaces it
+// could not open (a pod whose IPs nobody knows). kept (nil after an
+// unclean stop) is the State a clean stop wrote: its releases and creates
+// are taken only when the find shows that no pod ran unseen while scrubd
+// was down: no found pod outside the attachments, none missed, and no
+// kept IP held now; otherwise none is taken, as after an unclean stop.
+func (r *Rule) BeginBoot(kept *State, found []Found, missed bool) *Boot {
+	for _, f := range found {
+		r.Start(f.A, f.IPs)
+	}
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	b := &Boot{r: r, free: !missed, held: map[netip.Addr]int{}, holder: map[netip.Addr]api.Attachment{}}
+	for a, h := range r.holders {
+		for _, ip := range h.ips {
+			b.held[ip]++
+			b.holder[ip] = a
+		}
+	}
+	if kept != nil {
+		ok := len(found) == 0 && !missed
+		for _, ip := range append(append([]netip.Addr(nil), kept.Released...), kept.Created...) {
+			if b.held[ip] > 0 {
+				ok = false
+			}
+		}
+		if ok && !r.unchained {
+			for _, ip := range kept.Released {
+				s := r.ip(ip)
+				s.released, s.relEpoch = true, r.epoch
+			}
+			for _, ip := range kept.Created {
+				s := r.ip(ip)
+				s.created, s.crEpoch = true, r.epoch
+			}
+			b.Restored = true
+		}
+		// Else they are not taken: a restart starts with none, as after an
+		// unclean stop.
+	}
+	b.epoch, b.seq = r.epoch, r.seq
+	return b
+}
+
+// Trust is the rule's answer, at the end of the bootstrap pass, for an
+// address the pass vouches for (its set holds every entry of it the maps
+// had, and every one the recorder saw since the attach). It is trusted
+// when no sign of an unseen owner and no event that gives it an owner
+// (an ADD, a delegate create, an index start, an unknown DEL) came since
+// BeginBoot, and either
+//   - one holder held it at the start and holds it now (the recorder saw
+//     it since: a restored attachment, or a pod the attach step found), or
+//   - nobody held it and free: every pod of the node was found at the
+//     start, and (freeNow) again at the end of the pass (no pod the
+//     recorder misses may have sent towards it).
+//
+// An address two holders claimed, or whose holder left (its DEL, a GC), is
+// not trusted: its next scrub sweeps.
+func (b *Boot) Trust(ip netip.Addr, freeNow bool) bool {
+	r := b.r
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return b.trustLocked(ip, freeNow)
+}
+
+func (b *Boot) trustLocked(ip netip.Addr, freeNow bool) bool {
+	r := b.r
+	if r.epoch != b.epoch || r.unchained {
+		return false
+	}
+	if s := r.ips[ip]; s != nil && s.gen > b.seq {
+		return false
+	}
+	switch b.held[ip] {
+	case 0:
+		if !b.free || !freeNow {
+			return false
+		}
+		for _, h := range r.holders {
+			if holds(h, ip) {
+				return false
+			}
+		}
+		return true
+	case 1:
+		h, ok := r.holders[b.holder[ip]]
+		return ok && h.epoch == r.epoch && holds(h, ip)
+	}
+	return false
+}
+
+// Release releases the addresses of ips that nobody held, once the index
+// has declared them complete (index.TrackFiled): their next ADD or
+// delegate create may trust the index, as after a DEL. Each is judged
+// again as Trust judges it. It returns those released.
+func (b *Boot) Release(ips []netip.Addr, freeNow bool) (released []netip.Addr) {
+	r := b.r
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	for _, ip := range ips {
+		if b.held[ip] != 0 || !b.trustLocked(ip, freeNow) {
+			continue
+		}
+		s := r.ip(ip)
+		s.released, s.relEpoch = true, r.epoch
+		released = append(released, ip)
+	}
+	return released
+}

@@ -55,8 +55,17 @@ type System interface {
 	// SetChained makes the CNI config chain ctscrub or not.
 	SetChained(chained bool)
 	// Restart restarts scrubd; kill: without a clean stop. gone is the
-	// attachments whose pod is gone (their netns too).
-	Restart(kill bool, gone []api.Attachment)
+	// attachments whose pod is gone (their netns too). The restart's
+	// bootstrap finds every live pod's interface except hidden's, and
+	// missed says that it could not follow one (hidden, or a device it
+	// cannot tell from a pod's). Its pass over the CT maps runs until
+	// PassEnd (or the next restart).
+	Restart(kill bool, gone, hidden []api.Attachment, missed bool)
+	// PassEnd lets the bootstrap pass end and waits for it.
+	PassEnd()
+	// Born says that a's pod exists now (its sandbox and network
+	// namespace), before anything else of it.
+	Born(a api.Attachment, ip netip.Addr)
 	// Gone says that a's pod is gone: its sandbox and network namespace.
 	Gone(a api.Attachment)
 	// Flow makes e's CT entries (and, when e.Indexed, records them).
@@ -82,11 +91,13 @@ const (
 	OpKill                       // scrubd is killed (the index is lost)
 	OpCreateMissed               // a pod created outside the chain, and the conflist watch missed it
 	OpDeleteMissed               // a pod's DEL bypasses ctscrub, and the watch missed it
+	OpRestartMissed              // scrubd restarts cleanly and its bootstrap's find misses a pod
+	OpPassEnd                    // the bootstrap pass of the last restart ends
 	numOps
 )
 
 var opNames = [numOps]string{"create", "create-add-fails", "traffic", "delete", "delete-agent-first", "retry-del",
-	"unchain", "rechain", "gc", "restart", "kill", "create-missed", "delete-missed"}
+	"unchain", "rechain", "gc", "restart", "kill", "create-missed", "delete-missed", "restart-find-misses", "pass-end"}
 
 // Step is one step: an Op and two choices, taken modulo what is there when
 // the step runs (so any sub-list of steps is a valid walk).
@@ -100,7 +111,7 @@ func (s Step) String() string { return fmt.Sprintf("%s(%d,%d)", opNames[s.Op], s
 // Weights of the ops: pods come and go and talk often; signs, GCs and
 // restarts are rare, as on a node.
 var Weights = [numOps]int{OpCreate: 20, OpCreateFail: 2, OpTraffic: 30, OpDelete: 15, OpDeleteAgentFirst: 4,
-	OpRetryDel: 3, OpUnchain: 2, OpRechain: 3, OpGC: 3, OpRestart: 1, OpKill: 1, OpCreateMissed: 1, OpDeleteMissed: 1}
+	OpRetryDel: 3, OpUnchain: 2, OpRechain: 3, OpGC: 3, OpRestart: 1, OpKill: 1, OpCreateMissed: 1, OpDeleteMissed: 1, OpRestartMissed: 1, OpPassEnd: 3}
 
 // Steps generates n steps from seed.
 func Steps(seed uint64, n int) []Step {
@@ -137,6 +148,7 @@ type World struct {
 	holder  map[netip.Addr]*pod // the alive pod holding an IP
 	entries map[netip.Addr][]Entry
 	active  map[int]bool // scrubd's active attachments, as its journal has them
+	found   map[int]bool // live pods the last restart's bootstrap found: recorded since
 	chained bool
 	nextID  int
 	// Violation is the first broken invariant ("" while none).
@@ -155,7 +167,7 @@ func IPs() []netip.Addr {
 // NewWorld starts a walk on sys.
 func NewWorld(sys System) *World {
 	return &World{sys: sys, ips: IPs(), holder: map[netip.Addr]*pod{}, entries: map[netip.Addr][]Entry{},
-		active: map[int]bool{}, chained: true}
+		active: map[int]bool{}, found: map[int]bool{}, chained: true}
 }
 
 func (w *World) fail(format string, args ...any) {
@@ -227,6 +239,7 @@ func (w *World) Run(s Step) {
 		p.att = api.Attachment{ContainerID: fmt.Sprintf("c%d", p.id), IfName: "eth0"}
 		w.pods = append(w.pods, p)
 		w.holder[ip] = p
+		w.sys.Born(p.att, ip)
 		w.delegate(api.DelegateEventCreate, ip) // cilium-cni's ADD, first in the chain
 		if !w.chained || s.Op == OpCreateMissed {
 			p.bypass = s.Op == OpCreateMissed
@@ -255,12 +268,12 @@ func (w *World) Run(s Step) {
 			return
 		}
 		p, peer := al[s.A%len(al)], al[s.B%len(al)]
-		e := Entry{ID: w.nextID, IP: p.ip, Pod: p.id, PeerPod: -1, Indexed: w.active[p.id]}
+		e := Entry{ID: w.nextID, IP: p.ip, Pod: p.id, PeerPod: -1, Indexed: w.recorded(p)}
 		w.nextID++
 		if peer != p {
 			// A peer's flow towards p, recorded on either interface.
 			e.Peer, e.PeerPod = peer.ip, peer.id
-			e.Indexed = e.Indexed || w.active[peer.id]
+			e.Indexed = e.Indexed || w.recorded(peer)
 		}
 		w.sys.Flow(e)
 		w.entries[p.ip] = append(w.entries[p.ip], e)
@@ -334,7 +347,7 @@ func (w *World) Run(s Step) {
 			}
 			w.entries[ip] = left
 		}
-	case OpRestart, OpKill:
+	case OpRestart, OpKill, OpRestartMissed:
 		var gone []api.Attachment
 		for id := range w.active {
 			if p := w.pods[id]; !p.alive {
@@ -342,12 +355,38 @@ func (w *World) Run(s Step) {
 				delete(w.active, id) // restore stops it: its netns is gone
 			}
 		}
-		w.sys.Restart(s.Op == OpKill, gone)
+		// The bootstrap attaches the recorder to every live pod it finds;
+		// a restored attachment is re-attached whatever the find says.
+		var hidden []api.Attachment
+		if s.Op == OpRestartMissed {
+			var cand []*pod
+			for _, p := range w.alive() {
+				if !w.active[p.id] {
+					cand = append(cand, p)
+				}
+			}
+			if len(cand) > 0 {
+				hidden = append(hidden, cand[s.B%len(cand)].att)
+			}
+		}
+		clear(w.found)
+		for _, p := range w.alive() {
+			if len(hidden) == 0 || p.att != hidden[0] {
+				w.found[p.id] = true
+			}
+		}
+		w.sys.Restart(s.Op == OpKill, gone, hidden, s.Op == OpRestartMissed)
 		if !w.chained {
 			w.sys.SetChained(false) // the conflist watch's first reading
 		}
+	case OpPassEnd:
+		w.sys.PassEnd()
 	}
 }
+
+// recorded reports whether a recorder sees p's flows: its attachment's,
+// or the bootstrap's since it found p.
+func (w *World) recorded(p *pod) bool { return w.active[p.id] || w.found[p.id] }
 
 // Walk runs steps on a fresh System and returns the index of the step
 // after which an invariant broke (-1: none) and what broke.
