@@ -57,8 +57,10 @@ type Node struct {
 	Feat *cilium.Features
 	// extra: pins of per-endpoint or per-cluster CT maps a case made
 	extra []string
-	Rec   *recorder.Recorder
-	Ix    *index.Index
+	// cfgDir holds the node_config.h Feat reads (SetNodeConfig).
+	cfgDir string
+	Rec    *recorder.Recorder
+	Ix     *index.Index
 	// SI is ctscrub's test-only stand-in for Cilium's datapath, fed the
 	// same frames on its own CT maps (SICT), to be compared with Cilium.
 	SI   *standin.Datapath
@@ -182,6 +184,10 @@ func NewNode(t testing.TB, o *Objects, nc NodeConfig) *Node {
 		}
 	}
 	n.Feat = cilium.NewFeatures(n.Globals)
+	// No node_config.h until a case writes one (SetNodeConfig): not the
+	// machine's own agent's file.
+	n.cfgDir = t.TempDir()
+	n.SetNodeConfig(nil)
 	if n.CT, err = ctmap.Open(n.Globals); err != nil {
 		t.Fatal(err)
 	}
@@ -639,10 +645,15 @@ func (n *Node) ToHost(frame []byte) Result {
 // policy), which delivers it to the pod.
 func (n *Node) FromHost(frame []byte) Result {
 	n.t.Helper()
-	r := n.run(n.Host, "cil_from_host", frame)
+	r := n.runMark(n.Host, "cil_from_host", frame, markMagicHost)
 	n.deliver(r)
 	return r
 }
+
+// markMagicHost is MARK_MAGIC_HOST (0x0C00 at 1.16-1.20): the mark
+// Cilium's iptables rule (CILIUM_OUTPUT) puts on the host's own packets,
+// from which cil_from_host takes the source identity host (else world).
+const markMagicHost = 0x0C00
 
 // Result is what one datapath program did with a packet.
 type Result struct {
@@ -652,12 +663,22 @@ type Result struct {
 
 func (n *Node) run(c *Collection, prog string, frame []byte) Result {
 	n.t.Helper()
+	return n.runMark(c, prog, frame, 0)
+}
+
+// runMark runs prog on frame with the skb's mark set to mark (struct
+// __sk_buff's third field; the fields before it must be zero).
+func (n *Node) runMark(c *Collection, prog string, frame []byte, mark uint32) Result {
+	n.t.Helper()
 	p := c.Programs[prog]
 	if p == nil {
 		n.t.Fatalf("program %s not loaded", prog)
 	}
 	out := make([]byte, len(frame)+512)
 	opts := &ebpf.RunOptions{Data: frame, DataOut: out}
+	if mark != 0 {
+		opts.Context = [3]uint32{0, 0, mark}
+	}
 	ret, err := p.Run(opts)
 	if err != nil {
 		n.t.Fatalf("%s: test run: %v", prog, err)
