@@ -710,6 +710,32 @@ var Cases = []Case{
 		}
 		return []*Pod{b}, []string{cilium.ReasonNodePortBackend}
 	}},
+	// DSR: nodeport_dsr_ingress_ipv4/6 makes its OUT entry for whatever
+	// local address a packet's DSR option comes with, without looking at
+	// this node's services or endpoints. A backend unlisted here (the
+	// EndpointSlice update reached this node), then its pod's DEL (scrubd
+	// sweeps the IP its pass had marked, and releases it), while the load
+	// balancer's node still sends it new clients: the entry holds a
+	// released IP. Its next ADD must not be answered from the index: the
+	// IP must have lost its slot (index.ReasonUnknown: the ADD sweeps).
+	{Name: "nodeport-dsr-backend-unlisted-then-deleted", Node: NodeHostFWDSR, NotStandin: notGone, Defines: []string{"ENABLE_NODEPORT", "ENABLE_DSR"}, Marks: index.ReasonUnknown, Run: func(e *Env) ([]*Pod, []string) {
+		b, w1, w2 := e.Pod("backend"), e.World(), e.World()
+		svc := AP(e.VIP(), 30080)
+		id := e.N.AddService(ProtoTCP, svc, AP(e.IP(b), 8080), SvcExternalIP|SvcRoutable)
+		e.Expect("DSR SYN", e.N.FromNetdev(DSRFrame(AP(w1, 50001), AP(e.IP(b), 8080), svc, SYN)))
+		e.Expect("SYN-ACK", e.N.Send(b, TCPFrame(AP(e.IP(b), 8080), AP(w1, 50001), SYN|ACK)))
+		e.N.CoveragePass()
+		e.N.RemoveBackend(e.V6, id)
+		e.Sweep(e.IP(b))
+		e.N.Ix.Release(b.IP4)
+		e.N.Ix.Release(b.IP6)
+		e.N.DeletePod(b)
+		e.N.FromNetdev(DSRFrame(AP(w2, 50002), AP(e.IP(b), 8080), svc, SYN))
+		if e.Entries(e.IP(b), w2) == 0 {
+			e.Fail("Cilium made no DSR entry for the released address: the case tests nothing")
+		}
+		return []*Pod{b}, []string{index.ReasonUnknown}
+	}},
 	// The node and a pod talking through cilium_host without the host
 	// firewall (kubelet's probes, a pod reaching the node): bpf_host's
 	// cil_from_host delivers to the pod's ingress policy, which makes the

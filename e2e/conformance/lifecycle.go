@@ -154,3 +154,55 @@ func (e *Env) Entries(a, b netip.Addr) int {
 	}
 	return c
 }
+
+// Sweep is what scrubd's scrub does with an IP it does not vouch for
+// (cilium's scrubRun: markFeatures, then sweep): the features' reason read
+// now marks the IP, its keys are taken, it is tracked, every entry holding
+// it is deleted from Cilium's maps (the sweep's walk), and the IP is marked
+// again with that reason, if any.
+func (e *Env) Sweep(ip netip.Addr) {
+	n := e.N
+	if _, err := n.Rec.Drain(n.Ix); err != nil {
+		e.Fail("drain: %v", err)
+	}
+	r := n.Feat.Reason(ip)
+	if r != "" {
+		n.Ix.MarkIncomplete(ip, r)
+	}
+	n.Ix.Take(ip)
+	n.Ix.TrackAll([]netip.Addr{ip})
+	if r != "" {
+		n.Ix.MarkIncomplete(ip, r)
+	}
+	for _, kind := range ctmap.Kinds {
+		m := n.CT.Map(kind)
+		it := m.Iterate()
+		var v ctmap.Entry
+		if kind.IPv6() {
+			var k ctmap.CTKey6
+			var del []ctmap.CTKey6
+			for it.Next(&k, &v) {
+				if k.Has(ip) {
+					del = append(del, k)
+				}
+			}
+			for _, k := range del {
+				m.Delete(k)
+			}
+		} else {
+			var k ctmap.CTKey4
+			var del []ctmap.CTKey4
+			for it.Next(&k, &v) {
+				if k.Has(ip) {
+					del = append(del, k)
+				}
+			}
+			for _, k := range del {
+				m.Delete(k)
+			}
+		}
+		if err := it.Err(); err != nil {
+			e.Fail("sweep %s: %v", kind.Name(), err)
+		}
+	}
+}
