@@ -274,6 +274,7 @@ const (
 	notRepick    = "the stand-in always sends a service's flows to its first backend"
 	notNoBackend = "the stand-in has no service without backends (it sees a plain flow to the VIP)"
 	notGone      = "the stand-in has no endpoint deletion (it models the pod's veth only)"
+	notProxy     = "the stand-in takes no source identity from the packet's mark"
 )
 
 // hostFWDefines: the node_config.h of the host-firewall node, as its
@@ -391,6 +392,24 @@ var Cases = []Case{
 		e.N.FromNetdev(ErrorFrame(r, e.IP(a), IPOf(out.Out)))
 		return []*Pod{a}, nil
 	}},
+	// The other half of an L7 load-balancer service: Envoy's upstream
+	// connection from the node to a local backend (source the node, the
+	// mark MARK_MAGIC_PROXY_EGRESS with the ingress identity, 8), through
+	// cil_from_host to the backend's ingress policy, which makes the IN
+	// entry on delivery: the backend complete, its scrub by the index
+	// leaving nothing.
+	{Name: "l7-lb-proxy-upstream-to-backend", Node: NodeL7LB, Defines: []string{"ENABLE_NODEPORT", "ENABLE_L7_LB"}, NotStandin: notProxy, Run: func(e *Env) ([]*Pod, []string) {
+		b, node, vip := e.Pod("backend"), e.NodeIP(), e.VIP()
+		e.N.AddRemote(node, HostID)
+		e.N.AddServiceL7(ProtoTCP, AP(vip, 443), AP(e.IP(b), 8443))
+		e.Expect("Envoy's upstream SYN", e.N.FromProxy(TCPFrame(AP(node, 41000), AP(e.IP(b), 8443), SYN), ingressID))
+		e.Expect("backend's SYN-ACK", e.N.Send(b, TCPFrame(AP(e.IP(b), 8443), AP(node, 41000), SYN|ACK)))
+		e.Expect("Envoy's ACK", e.N.FromProxy(TCPFrame(AP(node, 41000), AP(e.IP(b), 8443), ACK), ingressID))
+		// A second connection, not answered yet when the scrub comes: its
+		// IN entry is the backend's recorder's from the SYN alone.
+		e.Expect("Envoy's second SYN", e.N.FromProxy(TCPFrame(AP(node, 41001), AP(e.IP(b), 8443), SYN), ingressID))
+		return []*Pod{b}, nil
+	}, After: func(e *Env, pods []*Pod) { e.ScrubByIndex(e.IP(pods[0])) }},
 	// A client of an L7 load-balancer service (Cilium Ingress, Gateway
 	// API): bpf_lxc with ENABLE_L7_LB keeps the plain flow to the VIP (OUT
 	// and RELATED entries, no SERVICE entry, no DNAT) and redirects it to
@@ -864,6 +883,10 @@ var Cases = []Case{
 		return []*Pod{a}, []string{cilium.ReasonPerClusterCT}
 	}, After: func(e *Env, _ []*Pod) { e.N.UnpinExtraCT() }},
 }
+
+// ingressID is Cilium's reserved identity of the L7 load balancer's
+// upstream traffic (reserved:ingress).
+const ingressID = 8
 
 // l7ID is the first identity of the L7 case's peers.
 const l7ID = 70000

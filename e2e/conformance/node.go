@@ -650,6 +650,19 @@ func (n *Node) FromHost(frame []byte) Result {
 	return r
 }
 
+// FromProxy: the node's L7 proxy (Envoy) sends frame upstream with
+// identity's mark (MARK_MAGIC_PROXY_EGRESS, the identity in the mark's top
+// half, as the agent's proxy sets SO_MARK), through cilium_host.
+func (n *Node) FromProxy(frame []byte, identity uint32) Result {
+	n.t.Helper()
+	r := n.runMark(n.Host, "cil_from_host", frame, markMagicProxyEgress|identity<<16)
+	n.deliver(r)
+	return r
+}
+
+// markMagicProxyEgress is MARK_MAGIC_PROXY_EGRESS (0x0B00 at 1.16-1.20).
+const markMagicProxyEgress = 0x0B00
+
 // markMagicHost is MARK_MAGIC_HOST (0x0C00 at 1.16-1.20): the mark
 // Cilium's iptables rule (CILIUM_OUTPUT) puts on the host's own packets,
 // from which cil_from_host takes the source identity host (else world).
