@@ -275,6 +275,7 @@ const (
 	notNoBackend = "the stand-in has no service without backends (it sees a plain flow to the VIP)"
 	notGone      = "the stand-in has no endpoint deletion (it models the pod's veth only)"
 	notProxy     = "the stand-in takes no source identity from the packet's mark"
+	notOverlay   = "the stand-in has no tunnel device"
 )
 
 // hostFWDefines: the node_config.h of the host-firewall node, as its
@@ -805,6 +806,32 @@ var Cases = []Case{
 		e.N.FromNetdev(UDPFrame(AP(r, 40004), AP(e.IP(a), 53)))
 		e.N.FromNetdev(UDPFrame(AP(w, 40002), AP(e.IP(a), 5353)))
 		e.N.FromNetdev(e.Echo(w, e.IP(a), true, 12))
+		return []*Pod{a}, nil
+	}},
+	// Tunnel mode: another node's pod reaches a local pod over the overlay
+	// (bpf_overlay's cil_from_overlay, then the pod's ingress policy by
+	// tail call): the pod's entries as from the native device, recorded on
+	// delivery.
+	{Name: "overlay-remote-pod-to-pod", NotStandin: notOverlay, Defines: []string{"ENABLE_NODEPORT"}, Run: func(e *Env) ([]*Pod, []string) {
+		a, r := e.Pod("a"), e.Remote()
+		e.Expect("SYN over the tunnel", e.N.FromOverlay(TCPFrame(AP(r, 40001), AP(e.IP(a), 8080), SYN)))
+		e.Expect("pod's SYN-ACK", e.N.Send(a, TCPFrame(AP(e.IP(a), 8080), AP(r, 40001), SYN|ACK)))
+		e.Expect("UDP over the tunnel", e.N.FromOverlay(UDPFrame(AP(r, 40002), AP(e.IP(a), 5353))))
+		e.Expect("SYN over the tunnel, unanswered", e.N.FromOverlay(TCPFrame(AP(r, 40003), AP(e.IP(a), 8081), SYN)))
+		return []*Pod{a}, nil
+	}, After: func(e *Env, pods []*Pod) { e.ScrubByIndex(e.IP(pods[0])) }},
+	// The remote client keeps sending over the tunnel after the pod's DEL:
+	// bpf_overlay has no ct_create of its own and nodeport_lb4/6 finds no
+	// service: no entry.
+	{Name: "overlay-remote-client-after-pod-deleted", NotStandin: notGone, Defines: []string{"ENABLE_NODEPORT"}, NoEntries: "after the pod's scrub, bpf_overlay makes no entry for packets to an address no endpoint holds (no service)", Run: func(e *Env) ([]*Pod, []string) {
+		a, r := e.Pod("a"), e.Remote()
+		e.Expect("SYN over the tunnel", e.N.FromOverlay(TCPFrame(AP(r, 40001), AP(e.IP(a), 8080), SYN)))
+		e.Expect("pod's SYN-ACK", e.N.Send(a, TCPFrame(AP(e.IP(a), 8080), AP(r, 40001), SYN|ACK)))
+		e.deleteScrubbed(a)
+		e.N.FromOverlay(TCPFrame(AP(r, 40001), AP(e.IP(a), 8080), ACK|PSH))
+		e.N.FromOverlay(TCPFrame(AP(r, 40003), AP(e.IP(a), 8080), SYN))
+		e.N.FromOverlay(UDPFrame(AP(r, 40004), AP(e.IP(a), 53)))
+		e.N.FromOverlay(e.Echo(r, e.IP(a), true, 13))
 		return []*Pod{a}, nil
 	}},
 	// With the host firewall: the node probes a pod whose endpoint is

@@ -47,6 +47,8 @@ type Node struct {
 	Dir  string // Cilium's pins
 	LXC  *Collection
 	Host *Collection
+	// Overlay is bpf_overlay's cil_from_overlay (default node only).
+	Overlay *Collection
 	// Globals holds Cilium's CT and service maps pinned again under their
 	// production names (1.16's test configuration names them test_*):
 	// what ctmap.Open and the recorder's CTRoot expect.
@@ -148,6 +150,11 @@ func NewNode(t testing.TB, o *Objects, nc NodeConfig) *Node {
 	}
 	if n.Host, err = loadObject(host, dir, o.Minor, cfg); err != nil {
 		t.Fatal(err)
+	}
+	if nc == NodeDefault {
+		if n.Overlay, err = loadObject(o.Overlay, dir, o.Minor, cfg); err != nil {
+			t.Fatal(err)
+		}
 	}
 	for i, m := range n.LXC.CT {
 		if m == nil {
@@ -282,7 +289,7 @@ func (n *Node) close() {
 	if n.CT != nil {
 		n.CT.Close()
 	}
-	for _, c := range []*Collection{n.LXC, n.Host} {
+	for _, c := range []*Collection{n.LXC, n.Host, n.Overlay} {
 		if c != nil {
 			c.Close()
 		}
@@ -743,6 +750,20 @@ func (n *Node) Send(p *Pod, frame []byte) Result {
 func (n *Node) FromNetdev(frame []byte) Result {
 	n.t.Helper()
 	r := n.run(n.Host, "cil_from_netdev", frame)
+	n.deliver(r)
+	return r
+}
+
+// FromOverlay: frame arrives over the tunnel from another node (the kernel
+// took the outer header off; the tunnel key, mocked, carries a remote
+// pod's identity). bpf_overlay's cil_from_overlay handles it; what it
+// delivers to a local pod reaches that pod's recorder.
+func (n *Node) FromOverlay(frame []byte) Result {
+	n.t.Helper()
+	if n.Overlay == nil {
+		n.t.Fatalf("no bpf_overlay on this node")
+	}
+	r := n.run(n.Overlay, "cil_from_overlay", frame)
 	n.deliver(r)
 	return r
 }
