@@ -39,7 +39,10 @@ type Objects struct {
 	// bpf_lxc.c with socket LB in host-namespace-only mode, and the
 	// fourth's with ENABLE_L7_LB.
 	LXC, Host, LXCHostFW, HostDSR, LXCHostNS, LXCL7LB string
-	BuildTime                                         time.Duration // zero when every object came from the cache
+	// Overlay: bpf_overlay.c (tunnel mode), the default node's tunnel
+	// device.
+	Overlay   string
+	BuildTime time.Duration // zero when every object came from the cache
 }
 
 // Clang is the compiler used (the one `make generate` pins).
@@ -130,7 +133,7 @@ func Build(version string) (*Objects, error) {
 		dst  *string
 		file string
 	}
-	jobs := []job{{&o.LXC, "lxc.c"}, {&o.Host, "host.c"}, {&o.LXCHostFW, "lxc_hostfw.c"}, {&o.HostDSR, "host_dsr.c"}, {&o.LXCHostNS, "lxc_hostns.c"}, {&o.LXCL7LB, "lxc_l7lb.c"}}
+	jobs := []job{{&o.LXC, "lxc.c"}, {&o.Host, "host.c"}, {&o.LXCHostFW, "lxc_hostfw.c"}, {&o.HostDSR, "host_dsr.c"}, {&o.LXCHostNS, "lxc_hostns.c"}, {&o.LXCL7LB, "lxc_l7lb.c"}, {&o.Overlay, "overlay.c"}}
 	errs := make([]error, len(jobs))
 	fresh := make([]bool, len(jobs))
 	var wg sync.WaitGroup

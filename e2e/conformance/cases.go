@@ -209,6 +209,9 @@ type Case struct {
 	// Marks: the case's pods must end incomplete with this reason (a
 	// feature the daemon detects because the harness cannot run its path).
 	Marks string
+	// Defines: the node_config.h scrubd reads during the case (its
+	// feature detection, cilium.Features.NodeConfig); none: no file.
+	Defines []string
 	// NoEntries says why Cilium creates no CT entry at all in the case:
 	// it must then hold none of the pods' addresses, and the pods must
 	// end complete.
@@ -270,7 +273,24 @@ const (
 	notICMPVIP   = "the stand-in creates an IPv6 RELATED entry for the error with the VIP, Cilium none"
 	notRepick    = "the stand-in always sends a service's flows to its first backend"
 	notNoBackend = "the stand-in has no service without backends (it sees a plain flow to the VIP)"
+	notGone      = "the stand-in has no endpoint deletion (it models the pod's veth only)"
+	notProxy     = "the stand-in takes no source identity from the packet's mark"
+	notOverlay   = "the stand-in has no tunnel device"
 )
+
+// hostFWDefines: the node_config.h of the host-firewall node, as its
+// objects are built.
+var hostFWDefines = []string{"ENABLE_HOST_FIREWALL", "ENABLE_NODEPORT", "ENABLE_DSR"}
+
+// deleteScrubbed is a pod's DEL when scrubd answers complete: the scrub by
+// the index deletes its entries, its IPs are released (index.Release: the
+// complete slots stay for the IPs' next ADD), and its endpoint is deleted.
+func (e *Env) deleteScrubbed(p *Pod) {
+	e.Scrub(e.IP(p))
+	e.N.Ix.Release(p.IP4)
+	e.N.Ix.Release(p.IP6)
+	e.N.DeletePod(p)
+}
 
 // SettleAfterDatapath is the daemon's early resolution once Cilium has
 // surely handled the pods' packets: it waits as the daemon does (the
@@ -384,6 +404,24 @@ var Cases = []Case{
 		e.N.FromNetdev(ErrorFrame(r, e.IP(a), IPOf(out.Out)))
 		return []*Pod{a}, nil
 	}},
+	// The other half of an L7 load-balancer service: Envoy's upstream
+	// connection from the node to a local backend (source the node, the
+	// mark MARK_MAGIC_PROXY_EGRESS with the ingress identity, 8), through
+	// cil_from_host to the backend's ingress policy, which makes the IN
+	// entry on delivery: the backend complete, its scrub by the index
+	// leaving nothing.
+	{Name: "l7-lb-proxy-upstream-to-backend", Node: NodeL7LB, Defines: []string{"ENABLE_NODEPORT", "ENABLE_L7_LB"}, NotStandin: notProxy, Run: func(e *Env) ([]*Pod, []string) {
+		b, node, vip := e.Pod("backend"), e.NodeIP(), e.VIP()
+		e.N.AddRemote(node, HostID)
+		e.N.AddServiceL7(ProtoTCP, AP(vip, 443), AP(e.IP(b), 8443))
+		e.Expect("Envoy's upstream SYN", e.N.FromProxy(TCPFrame(AP(node, 41000), AP(e.IP(b), 8443), SYN), ingressID))
+		e.Expect("backend's SYN-ACK", e.N.Send(b, TCPFrame(AP(e.IP(b), 8443), AP(node, 41000), SYN|ACK)))
+		e.Expect("Envoy's ACK", e.N.FromProxy(TCPFrame(AP(node, 41000), AP(e.IP(b), 8443), ACK), ingressID))
+		// A second connection, not answered yet when the scrub comes: its
+		// IN entry is the backend's recorder's from the SYN alone.
+		e.Expect("Envoy's second SYN", e.N.FromProxy(TCPFrame(AP(node, 41001), AP(e.IP(b), 8443), SYN), ingressID))
+		return []*Pod{b}, nil
+	}, After: func(e *Env, pods []*Pod) { e.ScrubByIndex(e.IP(pods[0])) }},
 	// A client of an L7 load-balancer service (Cilium Ingress, Gateway
 	// API): bpf_lxc with ENABLE_L7_LB keeps the plain flow to the VIP (OUT
 	// and RELATED entries, no SERVICE entry, no DNAT) and redirects it to
@@ -640,6 +678,205 @@ var Cases = []Case{
 		e.Expect("host firewall ingress of the reply", e.N.ToHost(ack.Out))
 		return []*Pod{a}, nil
 	}},
+	// NodePort to a local backend whose pod is deleted between the packets
+	// (the EndpointSlice update lags, so the service still lists it):
+	// bpf_host's nodeport_svc_lb4/6 makes the new flow's OUT entry with
+	// the backend's address before its backend_local check, the endpoint
+	// is gone, the packet takes the remote path and no recorder sees it.
+	// scrubd must mark the backend (nodeport_backends) or no key may stay.
+	{Name: "nodeport-backend-pod-deleted", NotStandin: notGone, Defines: []string{"ENABLE_NODEPORT"}, Marks: cilium.ReasonNodePortBackend, Run: func(e *Env) ([]*Pod, []string) {
+		b, w1, w2 := e.Pod("backend"), e.World(), e.World()
+		front := AP(e.NodeIP(), uint16(31000+e.next()))
+		e.N.AddService(ProtoTCP, front, AP(e.IP(b), 8080), SvcNodePort|SvcRoutable)
+		e.Expect("SYN to NodePort", e.N.FromNetdev(TCPFrame(AP(w1, 50001), front, SYN)))
+		e.Expect("SYN-ACK", e.N.Send(b, TCPFrame(AP(e.IP(b), 8080), AP(w1, 50001), SYN|ACK)))
+		e.N.CoveragePass()
+		e.N.DeletePod(b)
+		e.N.FromNetdev(TCPFrame(AP(w2, 50002), front, SYN))
+		if e.Entries(e.IP(b), w2) == 0 {
+			e.Fail("Cilium made no entry for the deleted backend's new flow: the case tests nothing of it")
+		}
+		return []*Pod{b}, []string{cilium.ReasonNodePortBackend}
+	}},
+	// The same, and the service drops the backend before the scrub (the
+	// EndpointSlice caught up): at the scrub the IP is no routable
+	// backend any more; the daemon's pass while it was one must have
+	// marked it, and the mark must last until a sweep.
+	{Name: "nodeport-backend-pod-deleted-unlisted", NotStandin: notGone, Defines: []string{"ENABLE_NODEPORT"}, Marks: cilium.ReasonNodePortBackend, Run: func(e *Env) ([]*Pod, []string) {
+		b, w1, w2 := e.Pod("backend"), e.World(), e.World()
+		front := AP(e.NodeIP(), uint16(31000+e.next()))
+		id := e.N.AddService(ProtoTCP, front, AP(e.IP(b), 8080), SvcNodePort|SvcRoutable)
+		e.Expect("SYN to NodePort", e.N.FromNetdev(TCPFrame(AP(w1, 50001), front, SYN)))
+		e.Expect("SYN-ACK", e.N.Send(b, TCPFrame(AP(e.IP(b), 8080), AP(w1, 50001), SYN|ACK)))
+		e.N.CoveragePass()
+		e.N.DeletePod(b)
+		e.N.FromNetdev(TCPFrame(AP(w2, 50002), front, SYN))
+		if e.Entries(e.IP(b), w2) == 0 {
+			e.Fail("Cilium made no entry for the deleted backend's new flow: the case tests nothing of it")
+		}
+		e.N.RemoveBackend(e.V6, id)
+		if r := e.N.Feat.Reason(e.IP(b)); r != "" {
+			e.Fail("%s still found a reason (%s) after the backend left the service: the case would not test the mark's persistence", e.IP(b), r)
+		}
+		return []*Pod{b}, []string{cilium.ReasonNodePortBackend}
+	}},
+	// DSR on the backend's node, the backend's pod deleted between the
+	// packets: nodeport_dsr_ingress_ipv4/6 makes the OUT entry before
+	// delivery. The service is in this node's maps too (services are
+	// cluster-wide). The node_config.h given to scrubd says NodePort and
+	// DSR but not the host firewall this node's objects are built with:
+	// the host firewall's mark (every IP) would answer first and hide the
+	// one under test.
+	{Name: "nodeport-dsr-backend-pod-deleted", Node: NodeHostFWDSR, NotStandin: notGone, Defines: []string{"ENABLE_NODEPORT", "ENABLE_DSR"}, Marks: cilium.ReasonNodePortBackend, Run: func(e *Env) ([]*Pod, []string) {
+		b, w1, w2 := e.Pod("backend"), e.World(), e.World()
+		svc := AP(e.VIP(), 30080)
+		e.N.AddService(ProtoTCP, svc, AP(e.IP(b), 8080), SvcExternalIP|SvcRoutable)
+		e.Expect("DSR SYN", e.N.FromNetdev(DSRFrame(AP(w1, 50001), AP(e.IP(b), 8080), svc, SYN)))
+		e.Expect("SYN-ACK", e.N.Send(b, TCPFrame(AP(e.IP(b), 8080), AP(w1, 50001), SYN|ACK)))
+		e.N.CoveragePass()
+		e.N.DeletePod(b)
+		e.N.FromNetdev(DSRFrame(AP(w2, 50002), AP(e.IP(b), 8080), svc, SYN))
+		if e.Entries(e.IP(b), w2) == 0 {
+			e.Fail("Cilium made no entry for the deleted backend's new flow: the case tests nothing of it")
+		}
+		return []*Pod{b}, []string{cilium.ReasonNodePortBackend}
+	}},
+	// DSR: nodeport_dsr_ingress_ipv4/6 makes its OUT entry for whatever
+	// local address a packet's DSR option comes with, without looking at
+	// this node's services or endpoints. A backend unlisted here (the
+	// EndpointSlice update reached this node), then its pod's DEL (scrubd
+	// sweeps the IP its pass had marked, and releases it), while the load
+	// balancer's node still sends it new clients: the entry holds a
+	// released IP. Its next ADD must not be answered from the index: the
+	// IP must have lost its slot (index.ReasonUnknown: the ADD sweeps).
+	{Name: "nodeport-dsr-backend-unlisted-then-deleted", Node: NodeHostFWDSR, NotStandin: notGone, Defines: []string{"ENABLE_NODEPORT", "ENABLE_DSR"}, Marks: index.ReasonUnknown, Run: func(e *Env) ([]*Pod, []string) {
+		b, w1, w2 := e.Pod("backend"), e.World(), e.World()
+		svc := AP(e.VIP(), 30080)
+		id := e.N.AddService(ProtoTCP, svc, AP(e.IP(b), 8080), SvcExternalIP|SvcRoutable)
+		e.Expect("DSR SYN", e.N.FromNetdev(DSRFrame(AP(w1, 50001), AP(e.IP(b), 8080), svc, SYN)))
+		e.Expect("SYN-ACK", e.N.Send(b, TCPFrame(AP(e.IP(b), 8080), AP(w1, 50001), SYN|ACK)))
+		e.N.CoveragePass()
+		e.N.RemoveBackend(e.V6, id)
+		e.Sweep(e.IP(b))
+		e.N.Ix.Release(b.IP4)
+		e.N.Ix.Release(b.IP6)
+		e.N.DeletePod(b)
+		e.N.FromNetdev(DSRFrame(AP(w2, 50002), AP(e.IP(b), 8080), svc, SYN))
+		if e.Entries(e.IP(b), w2) == 0 {
+			e.Fail("Cilium made no DSR entry for the released address: the case tests nothing")
+		}
+		return []*Pod{b}, []string{index.ReasonUnknown}
+	}},
+	// The node and a pod talking through cilium_host without the host
+	// firewall (kubelet's probes, a pod reaching the node): bpf_host's
+	// cil_from_host delivers to the pod's ingress policy, which makes the
+	// IN entry; the pod's recorder sees the packet arrive.
+	{Name: "host-to-pod", Defines: []string{"ENABLE_NODEPORT"}, Run: func(e *Env) ([]*Pod, []string) {
+		a, node := e.Pod("a"), e.NodeIP()
+		e.N.AddRemote(node, HostID)
+		e.Expect("node to pod", e.N.FromHost(TCPFrame(AP(node, 50000), AP(e.IP(a), 8080), SYN)))
+		e.Expect("pod's SYN-ACK", e.N.Send(a, TCPFrame(AP(e.IP(a), 8080), AP(node, 50000), SYN|ACK)))
+		e.Expect("node's UDP to pod", e.N.FromHost(UDPFrame(AP(node, 50001), AP(e.IP(a), 5353))))
+		e.Expect("pod's UDP reply", e.N.Send(a, UDPFrame(AP(e.IP(a), 5353), AP(node, 50001))))
+		syn := e.N.Send(a, TCPFrame(AP(e.IP(a), 40001), AP(node, 10250), SYN))
+		e.Expect("pod to node", syn)
+		e.Expect("to the host", e.N.ToHost(syn.Out))
+		e.Expect("node's SYN-ACK", e.N.FromHost(TCPFrame(AP(node, 10250), AP(e.IP(a), 40001), SYN|ACK)))
+		return []*Pod{a}, nil
+	}, After: func(e *Env, pods []*Pod) { e.ScrubByIndex(e.IP(pods[0])) }},
+	// The node keeps probing a pod after its DEL (scrub by the index, IP
+	// released: its complete slot stays, so the IP's next ADD needs no
+	// sweep) and its endpoint's deletion: without the host firewall no
+	// bpf_host program makes an entry for it.
+	{Name: "host-to-deleted-pod", NotStandin: notGone, Defines: []string{"ENABLE_NODEPORT"}, NoEntries: "after the pod's scrub, cil_from_host without the host firewall makes no entry for an address no endpoint holds", Run: func(e *Env) ([]*Pod, []string) {
+		a, node := e.Pod("a"), e.NodeIP()
+		e.N.AddRemote(node, HostID)
+		e.Expect("node to pod", e.N.FromHost(TCPFrame(AP(node, 50000), AP(e.IP(a), 8080), SYN)))
+		e.Expect("pod's SYN-ACK", e.N.Send(a, TCPFrame(AP(e.IP(a), 8080), AP(node, 50000), SYN|ACK)))
+		e.deleteScrubbed(a)
+		e.N.FromHost(TCPFrame(AP(node, 50000), AP(e.IP(a), 8080), ACK))
+		e.N.FromHost(TCPFrame(AP(node, 50002), AP(e.IP(a), 8080), SYN))
+		e.N.FromHost(UDPFrame(AP(node, 50003), AP(e.IP(a), 5353)))
+		e.N.FromHost(e.Echo(node, e.IP(a), true, 11))
+		return []*Pod{a}, nil
+	}},
+	// A remote client (another node's pod, the world) keeps sending to an
+	// IP after its pod's DEL: its live flow's next segments, new flows,
+	// datagrams, echoes, on the native device. No bpf_host program makes
+	// an entry for them (nodeport_lb4/6 finds no service, the host
+	// firewall is off): the released IP's complete slot stays right.
+	{Name: "remote-client-after-pod-deleted", NotStandin: notGone, Defines: []string{"ENABLE_NODEPORT"}, NoEntries: "after the pod's scrub, bpf_host makes no entry for packets to an address no endpoint holds (no service, no host firewall)", Run: func(e *Env) ([]*Pod, []string) {
+		a, r, w := e.Pod("a"), e.Remote(), e.World()
+		e.Expect("remote SYN", e.N.FromNetdev(TCPFrame(AP(r, 40001), AP(e.IP(a), 8080), SYN)))
+		e.Expect("pod's SYN-ACK", e.N.Send(a, TCPFrame(AP(e.IP(a), 8080), AP(r, 40001), SYN|ACK)))
+		e.Expect("world UDP", e.N.FromNetdev(UDPFrame(AP(w, 40002), AP(e.IP(a), 5353))))
+		e.Expect("pod's reply", e.N.Send(a, UDPFrame(AP(e.IP(a), 5353), AP(w, 40002))))
+		e.deleteScrubbed(a)
+		e.N.FromNetdev(TCPFrame(AP(r, 40001), AP(e.IP(a), 8080), ACK|PSH))
+		e.N.FromNetdev(TCPFrame(AP(r, 40003), AP(e.IP(a), 8080), SYN))
+		e.N.FromNetdev(UDPFrame(AP(r, 40004), AP(e.IP(a), 53)))
+		e.N.FromNetdev(UDPFrame(AP(w, 40002), AP(e.IP(a), 5353)))
+		e.N.FromNetdev(e.Echo(w, e.IP(a), true, 12))
+		return []*Pod{a}, nil
+	}},
+	// Tunnel mode: another node's pod reaches a local pod over the overlay
+	// (bpf_overlay's cil_from_overlay, then the pod's ingress policy by
+	// tail call): the pod's entries as from the native device, recorded on
+	// delivery.
+	{Name: "overlay-remote-pod-to-pod", NotStandin: notOverlay, Defines: []string{"ENABLE_NODEPORT"}, Run: func(e *Env) ([]*Pod, []string) {
+		a, r := e.Pod("a"), e.Remote()
+		e.Expect("SYN over the tunnel", e.N.FromOverlay(TCPFrame(AP(r, 40001), AP(e.IP(a), 8080), SYN)))
+		e.Expect("pod's SYN-ACK", e.N.Send(a, TCPFrame(AP(e.IP(a), 8080), AP(r, 40001), SYN|ACK)))
+		e.Expect("UDP over the tunnel", e.N.FromOverlay(UDPFrame(AP(r, 40002), AP(e.IP(a), 5353))))
+		e.Expect("SYN over the tunnel, unanswered", e.N.FromOverlay(TCPFrame(AP(r, 40003), AP(e.IP(a), 8081), SYN)))
+		return []*Pod{a}, nil
+	}, After: func(e *Env, pods []*Pod) { e.ScrubByIndex(e.IP(pods[0])) }},
+	// The remote client keeps sending over the tunnel after the pod's DEL:
+	// bpf_overlay has no ct_create of its own and nodeport_lb4/6 finds no
+	// service: no entry.
+	{Name: "overlay-remote-client-after-pod-deleted", NotStandin: notGone, Defines: []string{"ENABLE_NODEPORT"}, NoEntries: "after the pod's scrub, bpf_overlay makes no entry for packets to an address no endpoint holds (no service)", Run: func(e *Env) ([]*Pod, []string) {
+		a, r := e.Pod("a"), e.Remote()
+		e.Expect("SYN over the tunnel", e.N.FromOverlay(TCPFrame(AP(r, 40001), AP(e.IP(a), 8080), SYN)))
+		e.Expect("pod's SYN-ACK", e.N.Send(a, TCPFrame(AP(e.IP(a), 8080), AP(r, 40001), SYN|ACK)))
+		e.deleteScrubbed(a)
+		e.N.FromOverlay(TCPFrame(AP(r, 40001), AP(e.IP(a), 8080), ACK|PSH))
+		e.N.FromOverlay(TCPFrame(AP(r, 40003), AP(e.IP(a), 8080), SYN))
+		e.N.FromOverlay(UDPFrame(AP(r, 40004), AP(e.IP(a), 53)))
+		e.N.FromOverlay(e.Echo(r, e.IP(a), true, 13))
+		return []*Pod{a}, nil
+	}},
+	// With the host firewall: the node probes a pod whose endpoint is
+	// gone. The host's egress policy on cilium_host (cil_from_host) makes
+	// the OUT entry before anything is delivered; scrubd must have
+	// marked the IP (host_firewall).
+	{Name: "host-firewall-to-deleted-pod", Node: NodeHostFWDSR, NotStandin: notGone, Defines: hostFWDefines, Marks: cilium.ReasonHostFirewall, Run: func(e *Env) ([]*Pod, []string) {
+		a, node := e.Pod("a"), e.NodeIP()
+		e.N.AddRemote(node, HostID)
+		e.Expect("node to pod", e.N.FromHost(TCPFrame(AP(node, 50000), AP(e.IP(a), 8080), SYN)))
+		e.Expect("pod's SYN-ACK", e.N.Send(a, TCPFrame(AP(e.IP(a), 8080), AP(node, 50000), SYN|ACK)))
+		e.N.CoveragePass()
+		e.N.DeletePod(a)
+		before := e.Entries(e.IP(a), node)
+		e.N.FromHost(TCPFrame(AP(node, 50001), AP(e.IP(a), 8080), SYN))
+		if e.Entries(e.IP(a), node) <= before {
+			e.Fail("the host firewall made no entry for the probe of the deleted pod: the case tests nothing of it")
+		}
+		return []*Pod{a}, []string{cilium.ReasonHostFirewall}
+	}},
+	// With the host firewall: the pod's policy denies the node's packet
+	// (a deny rule for the host identity on one port). The host's egress
+	// policy made the OUT entry first; the pod's ingress policy drops the
+	// packet before bpf_lxc's entry and the pod's recorder.
+	{Name: "host-firewall-policy-drop", Node: NodeHostFWDSR, NotStandin: notHostFW, Defines: hostFWDefines, Marks: cilium.ReasonHostFirewall, Run: func(e *Env) ([]*Pod, []string) {
+		a, node := e.Pod("a"), e.NodeIP()
+		e.N.AddRemote(node, HostID)
+		e.N.DenyIngress(HostID, ProtoTCP, 9)
+		e.Expect("node to pod, denied", e.N.FromHost(TCPFrame(AP(node, 50000), AP(e.IP(a), 9), SYN)), VerdictShot)
+		if e.Entries(e.IP(a), node) == 0 {
+			e.Fail("the host firewall made no entry for the denied packet: the case tests nothing")
+		}
+		return []*Pod{a}, []string{cilium.ReasonHostFirewall}
+	}},
 	// The L7 proxy (Envoy) cannot run here: its own connections to and from
 	// the pod are what the recorder never sees. The case runs Cilium's real
 	// redirect (a policy entry with a proxy port, as the agent writes for
@@ -684,6 +921,10 @@ var Cases = []Case{
 		return []*Pod{a}, []string{cilium.ReasonPerClusterCT}
 	}, After: func(e *Env, _ []*Pod) { e.N.UnpinExtraCT() }},
 }
+
+// ingressID is Cilium's reserved identity of the L7 load balancer's
+// upstream traffic (reserved:ingress).
+const ingressID = 8
 
 // l7ID is the first identity of the L7 case's peers.
 const l7ID = 70000

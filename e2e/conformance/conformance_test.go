@@ -7,6 +7,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/ctscrub/ctscrub/scrubd/cilium"
 )
 
 // versionsToRun: CONFORMANCE_VERSIONS (comma-separated, "all" = Versions),
@@ -36,6 +38,9 @@ func TestConformance(t *testing.T) {
 	if _, err := exec.LookPath(Clang); err != nil {
 		t.Skipf("%s not found (scripts/setup.sh installs it): Cilium's programs cannot be built", Clang)
 	}
+	// A scrub reads the routable services' backends as they are at that
+	// moment (the daemon reuses a reading for up to a second).
+	cilium.RoutableTTL = 0
 	for _, v := range versionsToRun() {
 		t.Run(v, func(t *testing.T) {
 			start := time.Now()
@@ -56,6 +61,8 @@ func TestConformance(t *testing.T) {
 						n := nodes[c.Node]
 						n.t = t
 						e := &Env{N: n, V6: fam == "IPv6", seq: &seq, Fail: t.Errorf}
+						n.SetNodeConfig(c.Defines)
+						defer n.SetNodeConfig(nil)
 						pods, reasons := c.Run(e)
 						misses, wrong, entries := n.Check(pods, reasons...)
 						var ips []string

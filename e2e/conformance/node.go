@@ -47,6 +47,8 @@ type Node struct {
 	Dir  string // Cilium's pins
 	LXC  *Collection
 	Host *Collection
+	// Overlay is bpf_overlay's cil_from_overlay (default node only).
+	Overlay *Collection
 	// Globals holds Cilium's CT and service maps pinned again under their
 	// production names (1.16's test configuration names them test_*):
 	// what ctmap.Open and the recorder's CTRoot expect.
@@ -57,8 +59,10 @@ type Node struct {
 	Feat *cilium.Features
 	// extra: pins of per-endpoint or per-cluster CT maps a case made
 	extra []string
-	Rec   *recorder.Recorder
-	Ix    *index.Index
+	// cfgDir holds the node_config.h Feat reads (SetNodeConfig).
+	cfgDir string
+	Rec    *recorder.Recorder
+	Ix     *index.Index
 	// SI is ctscrub's test-only stand-in for Cilium's datapath, fed the
 	// same frames on its own CT maps (SICT), to be compared with Cilium.
 	SI   *standin.Datapath
@@ -147,6 +151,11 @@ func NewNode(t testing.TB, o *Objects, nc NodeConfig) *Node {
 	if n.Host, err = loadObject(host, dir, o.Minor, cfg); err != nil {
 		t.Fatal(err)
 	}
+	if nc == NodeDefault {
+		if n.Overlay, err = loadObject(o.Overlay, dir, o.Minor, cfg); err != nil {
+			t.Fatal(err)
+		}
+	}
 	for i, m := range n.LXC.CT {
 		if m == nil {
 			t.Fatalf("cilium %s: CT map %s not found in bpf_lxc", o.Version, ctmap.Kinds[i].Name())
@@ -182,6 +191,10 @@ func NewNode(t testing.TB, o *Objects, nc NodeConfig) *Node {
 		}
 	}
 	n.Feat = cilium.NewFeatures(n.Globals)
+	// No node_config.h until a case writes one (SetNodeConfig): not the
+	// machine's own agent's file.
+	n.cfgDir = t.TempDir()
+	n.SetNodeConfig(nil)
 	if n.CT, err = ctmap.Open(n.Globals); err != nil {
 		t.Fatal(err)
 	}
@@ -276,7 +289,7 @@ func (n *Node) close() {
 	if n.CT != nil {
 		n.CT.Close()
 	}
-	for _, c := range []*Collection{n.LXC, n.Host} {
+	for _, c := range []*Collection{n.LXC, n.Host, n.Overlay} {
 		if c != nil {
 			c.Close()
 		}
@@ -639,10 +652,28 @@ func (n *Node) ToHost(frame []byte) Result {
 // policy), which delivers it to the pod.
 func (n *Node) FromHost(frame []byte) Result {
 	n.t.Helper()
-	r := n.run(n.Host, "cil_from_host", frame)
+	r := n.runMark(n.Host, "cil_from_host", frame, markMagicHost)
 	n.deliver(r)
 	return r
 }
+
+// FromProxy: the node's L7 proxy (Envoy) sends frame upstream with
+// identity's mark (MARK_MAGIC_PROXY_EGRESS, the identity in the mark's top
+// half, as the agent's proxy sets SO_MARK), through cilium_host.
+func (n *Node) FromProxy(frame []byte, identity uint32) Result {
+	n.t.Helper()
+	r := n.runMark(n.Host, "cil_from_host", frame, markMagicProxyEgress|identity<<16)
+	n.deliver(r)
+	return r
+}
+
+// markMagicProxyEgress is MARK_MAGIC_PROXY_EGRESS (0x0B00 at 1.16-1.20).
+const markMagicProxyEgress = 0x0B00
+
+// markMagicHost is MARK_MAGIC_HOST (0x0C00 at 1.16-1.20): the mark
+// Cilium's iptables rule (CILIUM_OUTPUT) puts on the host's own packets,
+// from which cil_from_host takes the source identity host (else world).
+const markMagicHost = 0x0C00
 
 // Result is what one datapath program did with a packet.
 type Result struct {
@@ -652,12 +683,22 @@ type Result struct {
 
 func (n *Node) run(c *Collection, prog string, frame []byte) Result {
 	n.t.Helper()
+	return n.runMark(c, prog, frame, 0)
+}
+
+// runMark runs prog on frame with the skb's mark set to mark (struct
+// __sk_buff's third field; the fields before it must be zero).
+func (n *Node) runMark(c *Collection, prog string, frame []byte, mark uint32) Result {
+	n.t.Helper()
 	p := c.Programs[prog]
 	if p == nil {
 		n.t.Fatalf("program %s not loaded", prog)
 	}
 	out := make([]byte, len(frame)+512)
 	opts := &ebpf.RunOptions{Data: frame, DataOut: out}
+	if mark != 0 {
+		opts.Context = [3]uint32{0, 0, mark}
+	}
 	ret, err := p.Run(opts)
 	if err != nil {
 		n.t.Fatalf("%s: test run: %v", prog, err)
@@ -726,6 +767,20 @@ func (n *Node) SendBypassed(p *Pod, frame []byte) Result {
 func (n *Node) FromNetdev(frame []byte) Result {
 	n.t.Helper()
 	r := n.run(n.Host, "cil_from_netdev", frame)
+	n.deliver(r)
+	return r
+}
+
+// FromOverlay: frame arrives over the tunnel from another node (the kernel
+// took the outer header off; the tunnel key, mocked, carries a remote
+// pod's identity). bpf_overlay's cil_from_overlay handles it; what it
+// delivers to a local pod reaches that pod's recorder.
+func (n *Node) FromOverlay(frame []byte) Result {
+	n.t.Helper()
+	if n.Overlay == nil {
+		n.t.Fatalf("no bpf_overlay on this node")
+	}
+	r := n.run(n.Overlay, "cil_from_overlay", frame)
 	n.deliver(r)
 	return r
 }

@@ -43,6 +43,19 @@ const (
 	// the recorder sees the same packet only when it reaches the pod, not
 	// when the pod's policy drops it or the pod is gone or terminating.
 	ReasonNodePortBackend = "backend of a NodePort/LoadBalancer/externalIP/hostPort service with Cilium's NodePort on: bpf_host creates its entry before delivery; entries of packets the pod never received are outside the index"
+	// ReasonDSR: NodePort DSR is on (ENABLE_DSR). nodeport_lb4/6 hands any
+	// packet that carries DSR information (IP option / IPv6 extension
+	// header in bpf_host, Geneve option in bpf_overlay) to
+	// nodeport_dsr_ingress_ipv4/6, which creates the DSR-internal OUT entry
+	// {client, destination} for whatever address the packet is sent to,
+	// without looking at this node's services or endpoints (1.16.5-1.20.2
+	// lib/nodeport.h). A load balancer's node that still sends new clients
+	// to a backend this node already unlisted, and whose pod is gone or
+	// drops the packet, leaves such an entry for an IP that is no routable
+	// backend here: every IP is within reach (conformance
+	// nodeport-dsr-backend-unlisted-then-deleted: the released IP kept a
+	// complete slot with that entry in Cilium's map).
+	ReasonDSR = "Cilium NodePort DSR on (ENABLE_DSR): bpf_host (bpf_overlay with Geneve) creates an entry for any local address a packet's DSR information names, before delivery and whatever this node's services say; entries of packets the pod never received are outside the index"
 )
 
 // NodeConfig is what scrubd reads from Cilium's node_config.h.
@@ -232,8 +245,9 @@ func (f *Features) routable() (map[netip.Addr]bool, error) {
 }
 
 // nodeReasonFor is the reason a node-wide Cilium setting keeps ip's entries
-// out of the index's reach ("" when none): the host firewall, or NodePort
-// with ip a backend of a routable service.
+// out of the index's reach ("" when none): the host firewall, NodePort with
+// ip a backend of a routable service, or DSR (any IP; the routable backends
+// keep the NodePort reason, which names the service path).
 func (f *Features) nodeReasonFor(ip netip.Addr, cfg NodeConfig) string {
 	if cfg.HostFirewall {
 		return ReasonHostFirewall
@@ -243,6 +257,9 @@ func (f *Features) nodeReasonFor(ip netip.Addr, cfg NodeConfig) string {
 		if err != nil || set[ip.Unmap()] {
 			return ReasonNodePortBackend
 		}
+	}
+	if cfg.DSR {
+		return ReasonDSR
 	}
 	return ""
 }
@@ -268,6 +285,7 @@ func (f *Features) UncoveredFeatures() []Uncovered {
 		{"l7_proxy", proxy, ReasonL7Proxy},
 		{"host_firewall", cfg.HostFirewall, ReasonHostFirewall},
 		{"nodeport_backends", cfg.NodePort, ReasonNodePortBackend},
+		{"nodeport_dsr", cfg.DSR, ReasonDSR},
 		{"endpoint_ct_maps", node == ReasonLocalCT, ReasonLocalCT},
 		{"per_cluster_ct_maps", node == ReasonPerClusterCT, ReasonPerClusterCT},
 	}

@@ -211,3 +211,55 @@ func TestL7RuleRemovedBeforeScrub(t *testing.T) {
 	}
 	w.verify(podA) // the proxy's entry among them
 }
+
+// Issue 35: with DSR on, bpf_host's nodeport_dsr_ingress_ipv4/6 makes an
+// entry for whatever local address a packet's DSR option names, whether or
+// not it is a routable backend here (conformance
+// nodeport-dsr-backend-unlisted-then-deleted: a backend unlisted on this
+// node, its pod deleted and released, a load balancer's node still sending
+// it a client: the released IP kept a complete slot with that entry left).
+// Every IP is marked while ENABLE_DSR is on; a routable backend keeps the
+// NodePort reason.
+func TestDSRMarksEveryIP(t *testing.T) {
+	defer func(d time.Duration) { RoutableTTL = d }(RoutableTTL)
+	RoutableTTL = 0
+	w, c := trackedWorld(t, 1<<14)
+	for _, ip := range []netip.Addr{podA, podB} {
+		c.ix.Hold(ip)
+	}
+	s := newSvcMaps(t, w.maps.Root)
+	s.add(t, netip.MustParseAddrPort("192.0.2.100:30080"), svcFlagRoutable|1<<1 /* NODEPORT */, podA)
+	// The DSR-internal OUT entry of a client the recorder never saw, for
+	// podB, which is no routable backend here.
+	dsrKey := ctmap.NewKey4(remote4, podB, 50002, 8080, ctmap.ProtoTCP, ctmap.FlagOut)
+	w.addFlow(flow{key4: &dsrKey}, false)
+
+	writeNodeConfig(t, c, "ENABLE_NODEPORT") // NodePort, SNAT mode
+	if r := c.features.Reason(podB); r != "" {
+		t.Fatalf("SNAT mode: podB reason %q, want none", r)
+	}
+	writeNodeConfig(t, c, "ENABLE_NODEPORT", "ENABLE_DSR")
+	c.features.MarkUncovered(c.ix)
+	if st := c.ix.State(podA); st.Incomplete != ReasonNodePortBackend {
+		t.Fatalf("routable backend: %+v, want incomplete (%s)", st, ReasonNodePortBackend)
+	}
+	for _, ip := range []netip.Addr{podB, podC, podA6} {
+		if st := c.ix.State(ip); st.Incomplete != ReasonDSR {
+			t.Errorf("%s: %+v, want incomplete (%s)", ip, st, ReasonDSR)
+		}
+	}
+	if m, why := scrubOne(t, c, podB, false); m != scrub.MethodSweep || why != ReasonDSR {
+		t.Fatalf("podB's scrub: method %s, incomplete %q; want a sweep and %q", m, why, ReasonDSR)
+	}
+	w.verify(podB) // the DSR entry among them
+	on := map[string]bool{}
+	for _, u := range c.UncoveredFeatures() {
+		on[u.Label] = u.On
+	}
+	if !on["nodeport_dsr"] || !on["nodeport_backends"] || on["host_firewall"] {
+		t.Fatalf("UncoveredFeatures: %v", on)
+	}
+	if n := c.features.Marks("nodeport_dsr"); n == 0 {
+		t.Errorf("no nodeport_dsr mark counted")
+	}
+}

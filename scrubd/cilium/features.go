@@ -99,6 +99,7 @@ var FeatureReasons = [...]struct{ Reason, Label string }{
 	{ReasonPerClusterCT, "per_cluster_ct_maps"},
 	{ReasonHostFirewall, "host_firewall"},
 	{ReasonNodePortBackend, "nodeport_backends"},
+	{ReasonDSR, "nodeport_dsr"},
 }
 
 // Marks returns how many times a scrub marked an IP incomplete for the

@@ -238,7 +238,7 @@ func registerFeatureMarks(reg prometheus.Registerer, f *cilium.Features) error {
 }
 
 // HelpUncoveredFeature is the help of ctscrub_uncovered_feature.
-const HelpUncoveredFeature = "1 while a Cilium feature whose CT entries the index does not cover is on (l7_proxy: an endpoint has a proxy port; host_firewall; nodeport_backends: NodePort on, its routable services' backends are marked; endpoint_ct_maps, per_cluster_ct_maps). The IPs it reaches are marked incomplete (their scrubs sweep) and the delegate answers incomplete for them."
+const HelpUncoveredFeature = "1 while a Cilium feature whose CT entries the index does not cover is on (l7_proxy: an endpoint has a proxy port; host_firewall; nodeport_backends: NodePort on, its routable services' backends are marked; nodeport_dsr: DSR on, every IP is marked; endpoint_ct_maps, per_cluster_ct_maps). The IPs it reaches are marked incomplete (their scrubs sweep) and the delegate answers incomplete for them."
 
 // HelpFeatureMarks is the help of ctscrub_index_feature_marks_total.
 const HelpFeatureMarks = "IPs a scrub marked incomplete because a Cilium feature keeps their CT entries out of the index's reach, per reason (l7_proxy: the endpoint's traffic goes to the L7 proxy; endpoint_ct_maps, per_cluster_ct_maps: CT maps other than the four global ones are in use); they sweep while it lasts."

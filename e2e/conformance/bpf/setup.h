@@ -10,6 +10,7 @@
 #define CONF_IPCACHE 2  /* remote address: ipcache (identity, tunnel endpoint) */
 #define CONF_SERVICE 3  /* service frontend with one backend (or none) */
 #define CONF_L7 4       /* policy entry redirecting to the L7 proxy */
+#define CONF_DENY 5     /* policy entry denying one identity, protocol and port */
 #define CONF_L7_PROXY_PORT 15001 /* an L7 load-balancer frontend's Envoy port */
 #define CONF_SVC_FLAG2_L7LB (1 << 2) /* SVC_FLAG_L7_LOADBALANCER (1.16: SVC_FLAG_L7LOADBALANCER) */
 /* The service maps' names: macros up to 1.17, the pinned names from 1.18. */
@@ -160,6 +161,27 @@ static __always_inline int conf_l7(struct conf_args *a)
 	return map_update_elem(&CONF_POLICY_MAP, &key, &value, BPF_ANY) ? 3 : 0;
 }
 
+/* An L3/L4 deny entry (identity sec_id, ingress, protocol proto, port
+ * vport) as the agent writes it for a deny rule: a full-prefix match, which
+ * every version's lookup takes before the wildcard allow-all entry (and
+ * 1.18+ before any allow). The harness's endpoints share one policy map: the
+ * identity and port keep it to the case that adds it. */
+static __always_inline int conf_deny(struct conf_args *a)
+{
+	struct policy_key key = {
+		.lpm_key.prefixlen = POLICY_FULL_PREFIX,
+		.sec_label = a->sec_id,
+		.protocol = a->proto,
+		.dport = a->vport,
+	};
+	struct policy_entry value = {
+		.deny = 1,
+		.lpm_prefix_length = LPM_FULL_PREFIX_BITS,
+	};
+
+	return map_update_elem(&CONF_POLICY_MAP, &key, &value, BPF_ANY) ? 3 : 0;
+}
+
 __section("tc")
 int conf_setup(struct __ctx_buff *ctx)
 {
@@ -176,6 +198,8 @@ int conf_setup(struct __ctx_buff *ctx)
 		return conf_service(&a);
 	case CONF_L7:
 		return conf_l7(&a);
+	case CONF_DENY:
+		return conf_deny(&a);
 	}
 	return 2;
 }
