@@ -185,13 +185,20 @@ func (d *Daemon) findAtStart() {
 // the recorder could not attach to.
 const reasonFoundNotAttached = "recorder could not attach to a pod found at start"
 
-// coverRanges is the bridges' subnets the pass may cover (bridgeRanges):
-// those in the pod CIDRs, within index.MaxCover addresses in all.
+// coverRanges is the node's own pod ranges the pass may cover: the
+// bridges' subnets (bridgeRanges) and Cilium's node range
+// (ciliumHostRanges), those in the pod CIDRs, within index.MaxCover
+// addresses in all.
 func (d *Daemon) coverRanges(pods []PodInterface) []netip.Prefix {
 	var ranges []netip.Prefix
 	get := func() error {
 		var err error
 		ranges, err = bridgeRanges(pods)
+		if err != nil {
+			return err
+		}
+		cilium, err := ciliumHostRanges()
+		ranges = append(ranges, cilium...)
 		return err
 	}
 	var err error

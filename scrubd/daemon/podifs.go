@@ -300,3 +300,48 @@ func bridgeRanges(pods []PodInterface) ([]netip.Prefix, error) {
 	})
 	return slices.Compact(out), nil
 }
+
+// ciliumHostRanges is the node's own pod range on a Cilium node: the
+// prefixes of the routes Cilium installs on its cilium_host device for
+// the node's allocation CIDRs (`enable-local-node-route`, on by default;
+// e.g. 10.244.1.0/24 via 10.244.1.1 dev cilium_host). A node without
+// cilium_host (no Cilium), or whose IPAM installs no such route (ENI,
+// Azure), has none: the pass then covers no free address there. Host
+// routes (/32, /128: the router's own address) are not ranges.
+func ciliumHostRanges() ([]netip.Prefix, error) {
+	l, err := netlink.LinkByName("cilium_host")
+	if err != nil {
+		var notFound netlink.LinkNotFoundError
+		if errors.As(err, &notFound) {
+			return nil, nil
+		}
+		return nil, fmt.Errorf("cilium_host: %w", err)
+	}
+	routes, err := netlink.RouteList(l, netlink.FAMILY_ALL)
+	if err != nil {
+		return nil, fmt.Errorf("routes of cilium_host: %w", err)
+	}
+	var out []netip.Prefix
+	for _, r := range routes {
+		if r.Dst == nil {
+			continue
+		}
+		ip, ok := netip.AddrFromSlice(r.Dst.IP)
+		if !ok {
+			continue
+		}
+		ip = ip.Unmap()
+		ones, _ := r.Dst.Mask.Size()
+		if ones >= ip.BitLen() || ip.IsLinkLocalUnicast() || ip.IsMulticast() {
+			continue
+		}
+		out = append(out, netip.PrefixFrom(ip, ones).Masked())
+	}
+	slices.SortFunc(out, func(a, b netip.Prefix) int {
+		if c := a.Addr().Compare(b.Addr()); c != 0 {
+			return c
+		}
+		return a.Bits() - b.Bits()
+	})
+	return slices.Compact(out), nil
+}

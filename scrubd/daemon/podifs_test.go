@@ -148,3 +148,37 @@ func TestFindPodInterfaces(t *testing.T) {
 		}
 	}
 }
+
+// Cilium's node range, from the routes it installs on cilium_host (the
+// local node route of cluster-pool IPAM): the pass covers the node's free
+// addresses from it. The router's own /32 is no range; a node without
+// cilium_host has none, and that is not an error.
+func TestCiliumHostRanges(t *testing.T) {
+	requireRoot(t)
+	if _, err := exec.LookPath("ip"); err != nil {
+		t.Skip("needs ip(8)")
+	}
+	tag := fmt.Sprintf("ctsch%d", os.Getpid()%100000)
+	node := addNetns(t, tag+"-node")
+	bare := addNetns(t, tag+"-bare")
+	n := filepath.Base(node)
+	runIP(t, "-n", n, "link", "add", "cilium_host", "type", "veth", "peer", "name", "cilium_net") // as Cilium makes it
+	runIP(t, "-n", n, "link", "set", "cilium_net", "up")
+	runIP(t, "-n", n, "link", "set", "cilium_host", "up")
+	runIP(t, "-n", n, "addr", "add", "10.244.7.1/32", "dev", "cilium_host")
+	runIP(t, "-n", n, "route", "add", "10.244.7.0/24", "dev", "cilium_host", "src", "10.244.7.1")
+	runIP(t, "-n", n, "route", "add", "10.244.7.1/32", "dev", "cilium_host")
+	runIP(t, "-n", n, "-6", "route", "add", "fd00:10:244:7::/64", "dev", "cilium_host")
+
+	var got []netip.Prefix
+	if err := nsexec.Do(node, func() (err error) { got, err = ciliumHostRanges(); return err }); err != nil {
+		t.Fatal(err)
+	}
+	want := []netip.Prefix{netip.MustParsePrefix("10.244.7.0/24"), netip.MustParsePrefix("fd00:10:244:7::/64")}
+	if !slices.Equal(got, want) {
+		t.Errorf("ciliumHostRanges = %v, want %v", got, want)
+	}
+	if err := nsexec.Do(bare, func() (err error) { got, err = ciliumHostRanges(); return err }); err != nil || len(got) != 0 {
+		t.Errorf("a node without cilium_host: %v, %v; want none and no error", got, err)
+	}
+}
