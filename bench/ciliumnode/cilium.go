@@ -58,7 +58,7 @@ func setupFor(cfg config, variant string) ciliumSetup {
 	switch variant {
 	case "cilium_gc60":
 		s.GCInterval = "60s"
-	case "ctscrub_delegate":
+	case "ctscrub_delegate", "ctscrub_delegate_restart", "ctscrub_delegate_upgrade":
 		s.Image, s.Delegate = cfg.delegateImage, true
 	}
 	return s

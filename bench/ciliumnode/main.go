@@ -53,10 +53,19 @@ const (
 
 // The variants, in the order they run: the three on stock Cilium with
 // run.sh's GC interval first, then the two that upgrade Cilium.
-var variantNames = []string{"ctscrub_no_expiry", "ctscrub", "cilium_only", "cilium_gc60", "ctscrub_delegate"}
+var variantNames = []string{"ctscrub_no_expiry", "ctscrub", "cilium_only", "cilium_gc60", "ctscrub_delegate",
+	"ctscrub_delegate_restart", "ctscrub_delegate_upgrade"}
 
 var variantPrefix = map[string]string{"ctscrub_no_expiry": "noexp", "ctscrub": "sweep", "cilium_only": "only",
-	"cilium_gc60": "gc60", "ctscrub_delegate": "deleg"}
+	"cilium_gc60": "gc60", "ctscrub_delegate": "deleg", "ctscrub_delegate_restart": "delrs", "ctscrub_delegate_upgrade": "delup"}
+
+// isDelegate: the variants that run the patched agent with the delegate
+// flag and ctscrub installed as its delegate. Cold (without WARMUP=1)
+// each starts scrubd right before the pods, on the full table: installed
+// (ctscrub_delegate), installed and then killed with SIGKILL
+// (_restart), installed and then rolled (_upgrade); its bootstrap pass
+// runs while the pods start.
+func isDelegate(variant string) bool { return strings.HasPrefix(variant, "ctscrub_delegate") }
 
 type config struct {
 	entries      int
@@ -154,11 +163,11 @@ func loadConfig() (config, error) {
 		}
 	}
 	need := map[string]string{"CTSCRUB_IMAGE": c.ctscrubImage, "CLIENT_IMAGE": c.clientImage}
-	if slices.Contains(c.variants, "cilium_gc60") || slices.Contains(c.variants, "ctscrub_delegate") {
+	if slices.Contains(c.variants, "cilium_gc60") || slices.ContainsFunc(c.variants, isDelegate) {
 		// Variants that upgrade Cilium need what it was installed with.
 		need["CILIUM_CHART"], need["CILIUM_VALUES"], need["CILIUM_IMAGE"] = c.ciliumChart, c.ciliumValues, c.ciliumImage
 	}
-	if slices.Contains(c.variants, "ctscrub_delegate") {
+	if slices.ContainsFunc(c.variants, isDelegate) {
 		need["CILIUM_DELEGATE_IMAGE"] = c.delegateImage
 	}
 	for name, v := range need {
@@ -237,6 +246,19 @@ type variantResult struct {
 	// pod in the warm-up, and the measured pods' addresses not among them.
 	WarmIPs int `json:"warm_ips,omitempty"`
 	ColdIPs int `json:"cold_ips"`
+
+	// The delegate variants, cold (issue 36): scrubd's bootstrap pass on
+	// the full table, started right before the pods (scrubd's
+	// ctscrub_bootstrap_duration_seconds, and scrubd's CPU from its start
+	// to the pass's end); the Cilium batch walk of the same maps, timed
+	// from this host right before scrubd starts, as the floor; the share
+	// of the creates scrubd answered complete; Cilium's walks after asking
+	// (fallback_walks, above).
+	BootstrapS          float64 `json:"bootstrap_s,omitempty"`
+	BootstrapScrubdCPUS float64 `json:"bootstrap_scrubd_cpu_s,omitempty"`
+	BatchWalkS          float64 `json:"batch_walk_s,omitempty"`
+	CompleteShare       float64 `json:"delegated_complete_share,omitempty"`
+	Walks               float64 `json:"walks"`
 }
 
 type result struct {
@@ -390,10 +412,10 @@ func bench(ctx context.Context, cfg config) error {
 
 	res.Load = loadAvg()
 	fmt.Println()
-	fmt.Printf("%-18s %-26s %-9s %-26s %-6s %-10s %-10s %s\n", "variant", "waitingForCTClean", "all Ready", "RunPodSandbox", "failed", "agent CPU", "scrubd CPU", "delegated/fallbacks")
+	fmt.Printf("%-26s %-26s %-9s %-26s %-6s %-10s %-10s %s\n", "variant", "waitingForCTClean", "all Ready", "RunPodSandbox", "failed", "agent CPU", "scrubd CPU", "delegated/fallbacks")
 	for _, name := range cfg.variants {
 		v := res.Variants[name]
-		fmt.Printf("%-18s %-26s %-9s %-26s %-6d %-10s %-10s %.0f/%.0f\n", name,
+		fmt.Printf("%-26s %-26s %-9s %-26s %-6d %-10s %-10s %.0f/%.0f\n", name,
 			pm(v.CTCleanP50, v.CTCleanMax), fmt.Sprintf("%.1fs", v.ReadyAllS), pm(v.SandboxP50, v.SandboxMax), v.FailedPods,
 			fmt.Sprintf("%.1fs", v.AgentCPUS), fmt.Sprintf("%.1fs", v.ScrubdCPUS), v.DelegatedScrubs, v.FallbackWalks)
 	}

@@ -30,23 +30,19 @@ import (
 func runVariant(ctx context.Context, cfg config, k *kube, maps *ctmap.Maps, f *filler, clock expiry.Clock, name string) (*variantResult, int64, error) {
 	log.Printf("== %s", name)
 	v := &variantResult{}
-	if !usesCtscrub(name) {
+	cold := isDelegate(name) && !cfg.warmup
+	if !usesCtscrub(name) || cold {
 		// ctscrub goes before the fill: a scrubd still running (the previous
-		// variant's, expiry on) would sweep the expired share as it is written.
+		// variant's, expiry on) would sweep the expired share as it is
+		// written. Cold delegate variants install it after the fill, right
+		// before the pods, as an operator installs or upgrades it on a busy
+		// node: no dead sandbox removed, no address given a pod first.
 		if err := uninstallCtscrub(k); err != nil {
 			return nil, 0, err
 		}
 	}
 	var warm map[netip.Addr]bool
-	if name == "ctscrub_delegate" && !cfg.warmup {
-		// Cold (the default): ctscrub installed on a node whose pods ran
-		// before it, as an operator installs or upgrades it; no dead
-		// sandbox removed, no address given a pod first.
-		if err := installCtscrub(k, cfg, "off"); err != nil {
-			return nil, 0, err
-		}
-	}
-	if name == "ctscrub_delegate" && cfg.warmup {
+	if isDelegate(name) && cfg.warmup {
 		// WARMUP=1: a node's steady state: scrubd has seen every address of
 		// the node's range given to a pod and taken back once, so its index
 		// vouches for them (docs/cilium-node.md). Done on the real
@@ -106,12 +102,36 @@ func runVariant(ctx context.Context, cfg config, k *kube, maps *ctmap.Maps, f *f
 		if waited, err = waitGCRuns(k, gcBase, presentKinds(maps), 5*time.Minute); err == nil {
 			log.Printf("Cilium's CT GC ran twice over every map (%.1fs after the fill)", waited.Seconds())
 		}
-	case "cilium_only", "ctscrub_delegate":
-		// uninstalled before the fill / installed (and with WARMUP=1
-		// warmed up) before it
+	case "cilium_only":
+		// uninstalled before the fill
+	case "ctscrub_delegate", "ctscrub_delegate_restart", "ctscrub_delegate_upgrade":
+		// With WARMUP=1 installed and warmed up before the fill; cold,
+		// installed now. Then _restart kills scrubd, _upgrade rolls it.
+		if cold {
+			// The floor of the bootstrap pass: one batch walk of the same
+			// maps (BPF_MAP_LOOKUP_BATCH of keys and values, 4,096 a call,
+			// as Cilium's GC reads them), timed here right before.
+			start := time.Now()
+			if _, err = ctfill.CountAll(maps); err != nil {
+				return nil, 0, err
+			}
+			v.BatchWalkS = time.Since(start).Seconds()
+			err = installCtscrub(k, cfg, "off")
+		}
+		switch {
+		case err != nil:
+		case name == "ctscrub_delegate_restart":
+			err = killScrubd(k)
+		case name == "ctscrub_delegate_upgrade":
+			err = rollScrubd(k)
+		}
 	}
 	if err != nil {
 		return nil, 0, err
+	}
+	var boot *bootstrapWatch
+	if cold {
+		boot = watchBootstrap(k)
 	}
 	scrubdBefore := ""
 	if usesCtscrub(name) {
@@ -291,6 +311,25 @@ func runVariant(ctx context.Context, cfg config, k *kube, maps *ctmap.Maps, f *f
 		v.ScrubdScrubs = scrubCounts(scrubdBefore, text)
 		v.DelegateAnswers = delegateAnswers(scrubdBefore, text)
 		v.DelegateWithin = delegateWithin(scrubdBefore, text)
+	}
+	if isDelegate(name) {
+		v.Walks = v.FallbackWalks
+		var creates float64
+		for k, n := range v.DelegateAnswers {
+			if strings.HasPrefix(k, "endpoint-create/") {
+				creates += n
+			}
+		}
+		if creates > 0 {
+			v.CompleteShare = v.DelegateAnswers["endpoint-create/complete"] / creates
+		}
+	}
+	if boot != nil {
+		if v.BootstrapS, v.BootstrapScrubdCPUS, err = boot.result(); err != nil {
+			return nil, 0, err
+		}
+		log.Printf("bootstrap pass %.1fs (batch walk of the same maps %.1fs), scrubd CPU from its start to the pass's end %.1fs; creates answered complete %.0f %%",
+			v.BootstrapS, v.BatchWalkS, v.BootstrapScrubdCPUS, 100*v.CompleteShare)
 	}
 	v.MetricCTClean.Count = metricAfter[0] - metricBefore[0]
 	v.MetricCTClean.SumS = metricAfter[1] - metricBefore[1]
