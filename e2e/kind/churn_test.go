@@ -83,6 +83,17 @@ spec:
 	c.must(5*time.Minute, "kubectl", "-n", ns, "wait", "--for=condition=Ready", "pod/client", "--timeout=5m")
 
 	podFlows := e.nfct() || e.ciliumLB != "kpr"
+	// Issue 35: each churn pod also sends five UDP datagrams with
+	// PACKET_QDISC_BYPASS (the probe's bypass sidecar) to the control
+	// plane's address: they skip the pod's tc egress, so only the
+	// recorder's host-side link sees them before Cilium makes their entry.
+	// They must be in the CT before the DEL and gone after it.
+	bypassDst := ""
+	if e.probeImage != "" {
+		bypassDst = strings.TrimSpace(c.kubectl("get", "node", "-l", "node-role.kubernetes.io/control-plane",
+			"-o", `jsonpath={.items[0].status.addresses[?(@.type=="InternalIP")].address}`))
+	}
+	bypassBefore := 0
 	var (
 		churned, stale, inherited, reused, before int
 		seen                                      = map[string]string{} // IP -> first pod that held it
@@ -185,8 +196,11 @@ spec:
   terminationGracePeriodSeconds: 1
   containers:
     - {name: server, image: %[4]s, imagePullPolicy: IfNotPresent, args: ["netexec", "--http-port=8080", "--udp-port=8081"]}
----
 `, name, ns, node, e.serverImage, w)
+			if bypassDst != "" {
+				fmt.Fprintf(&b, "    - {name: bypass, image: %s, imagePullPolicy: IfNotPresent, args: [\"bypass\", \"%s\", \"9\"]}\n", e.probeImage, bypassDst)
+			}
+			b.WriteString("---\n")
 		}
 		killed := e.delegate && w == waves-1
 		var fallbacksBefore float64
@@ -372,6 +386,19 @@ spec:
 			t.Fatalf("wave %d: the CT (%s) on %s lists no entry of the wave's IPs after traffic to them", w, e.backend(), node)
 		}
 		before += n
+		if bypassDst != "" {
+			var dump string
+			if e.nfct() {
+				dump = c.conntrackL(node)
+			} else {
+				dump = c.ctDump(c.podOn("kube-system", "k8s-app=cilium", node))
+			}
+			k := bypassEntries(dump, ips)
+			if k == 0 {
+				t.Errorf("wave %d: no CT entry (%s) of the bypass sidecars' datagrams (source port %d): the check of what only the host side sees cannot fail", w, e.backend(), bypassSport)
+			}
+			bypassBefore += k
+		}
 		waveNAT := 0
 		if e.delegate {
 			for _, k := range c.natCount(agent, ips) {
@@ -421,6 +448,9 @@ spec:
 	}
 	if reused == 0 {
 		t.Errorf("no pod IP was reused over %d pods: the churn did not test IP reuse (cluster.sh NODE_CIDR_MASK=27 makes node CIDRs small)", churned)
+	}
+	if bypassDst != "" {
+		result(t, "bypass_entries_before_del", bypassBefore)
 	}
 	result(t, "pods_churned", churned)
 	result(t, "stale_entries_left", stale)
@@ -599,5 +629,45 @@ ctscrub_uncovered_features_total 3
 	}
 	if got := uncoveredFeatures("ctscrub_scrubs_total 1\n"); got == nil || len(got) != 0 {
 		t.Fatalf("no feature series: got %#v, want an empty, non-nil list", got)
+	}
+}
+
+// bypassSport is the source port of the probe's bypass datagrams
+// (e2e/kind/probe, runBypass).
+const bypassSport = 40404
+
+// bypassEntries counts the lines of a CT dump (Cilium's `bpf ct list`:
+// "10.244.1.5:40404 -> ..."; conntrack -L: "src=10.244.1.5 ... sport=40404")
+// that hold one of ips and the bypass datagrams' source port.
+func bypassEntries(dump string, ips map[string]string) int {
+	n := 0
+	port := fmt.Sprint(bypassSport)
+	for _, l := range strings.Split(dump, "\n") {
+		if !strings.Contains(l, ":"+port+" ") && !strings.Contains(l, "sport="+port+" ") && !strings.HasSuffix(l, ":"+port) {
+			continue
+		}
+		for ip := range ips {
+			if strings.Contains(l, ip+":"+port) || strings.Contains(l, "src="+ip+" ") {
+				n++
+				break
+			}
+		}
+	}
+	return n
+}
+
+func TestBypassEntries(t *testing.T) {
+	ips := map[string]string{"10.244.1.5": "churn-0-0", "10.244.1.6": "churn-0-1"}
+	cilium := `UDP OUT 10.244.1.5:40404 -> 172.18.0.3:9 expires=17000 Packets=0 Bytes=0
+UDP OUT 10.244.1.6:53000 -> 10.96.0.10:53 expires=17000
+UDP OUT 10.244.1.7:40404 -> 172.18.0.3:9 expires=17000
+TCP IN 172.18.0.3:40404 -> 10.244.1.6:8080 expires=17000`
+	if n := bypassEntries(cilium, ips); n != 1 {
+		t.Errorf("Cilium's dump: %d bypass entries, want 1", n)
+	}
+	nfct := `udp      17 29 src=10.244.1.6 dst=172.18.0.3 sport=40404 dport=9 [UNREPLIED] src=172.18.0.3 dst=10.244.1.6 sport=9 dport=40404 mark=0 use=1
+udp      17 29 src=10.244.1.5 dst=10.96.0.10 sport=41000 dport=53 src=10.96.0.10 dst=10.244.1.5 sport=53 dport=41000 mark=0 use=1`
+	if n := bypassEntries(nfct, ips); n != 1 {
+		t.Errorf("conntrack -L: %d bypass entries, want 1", n)
 	}
 }

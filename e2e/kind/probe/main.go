@@ -9,6 +9,12 @@
 //	                              to SRCPORT (resolvers that keep their port)
 //	probe tcp ADDR PORT           GET /hostname on one kept-alive HTTP
 //	                              connection; a new one only after it failed
+//	probe bypass ADDR PORT        five UDP datagrams from source port 40404,
+//	                              sent through an AF_PACKET socket with
+//	                              PACKET_QDISC_BYPASS (they skip the pod's tc
+//	                              egress, where ctscrub's container-side
+//	                              recorder sits: the churn's bypass sidecar,
+//	                              issue 35), then it waits to be stopped
 //
 // Every 200 ms. A line: {"t":"<RFC 3339>","proto":"udp","ok":true,
 // "reply":"<hostname>"} or {"t":...,"ok":false,"err":"<error>"}: a timeout
@@ -26,12 +32,17 @@ import (
 	"io"
 	"net"
 	"net/http"
+	"net/netip"
 	"os"
+	"os/signal"
 	"strconv"
 	"strings"
+	"syscall"
 	"time"
 
 	"golang.org/x/net/dns/dnsmessage"
+
+	"github.com/ctscrub/ctscrub/internal/testsupport/qdiscbypass"
 )
 
 const (
@@ -99,6 +110,16 @@ func main() {
 			usage()
 		}
 		runTCP(net.JoinHostPort(a[0], a[1]))
+	case "bypass":
+		if len(a) != 2 {
+			usage()
+		}
+		if err = runBypass(a[0], a[1]); err == nil {
+			// The pod's other containers run on; it stops with them.
+			stop := make(chan os.Signal, 1)
+			signal.Notify(stop, syscall.SIGTERM, os.Interrupt)
+			<-stop
+		}
 	default:
 		usage()
 	}
@@ -230,5 +251,106 @@ func runTCP(addr string) {
 			continue
 		}
 		emit("tcp", strings.TrimSpace(string(body)), nil)
+	}
+}
+
+// bypassSport is the bypass datagrams' source port: the churn test finds
+// their CT entries by it.
+const bypassSport = 40404
+
+// runBypass sends five datagrams to dst:port from eth0's IPv4 address with
+// PACKET_QDISC_BYPASS, to the default gateway's MAC (resolved by one plain
+// datagram to the gateway's discard port first).
+func runBypass(dst, port string) error {
+	d, err := netip.ParseAddr(dst)
+	if err != nil || !d.Is4() {
+		return fmt.Errorf("bypass: %q is not an IPv4 address", dst)
+	}
+	p, err := strconv.ParseUint(port, 10, 16)
+	if err != nil {
+		return fmt.Errorf("bypass: port %q: %w", port, err)
+	}
+	ifi, err := net.InterfaceByName("eth0")
+	if err != nil {
+		return err
+	}
+	addrs, err := ifi.Addrs()
+	if err != nil {
+		return err
+	}
+	var src netip.Addr
+	for _, a := range addrs {
+		if n, ok := a.(*net.IPNet); ok {
+			if ip, ok := netip.AddrFromSlice(n.IP); ok && ip.Unmap().Is4() {
+				src = ip.Unmap()
+				break
+			}
+		}
+	}
+	if !src.IsValid() {
+		return errors.New("bypass: eth0 has no IPv4 address")
+	}
+	gw, err := defaultGateway4("/proc/net/route")
+	if err != nil {
+		return err
+	}
+	mac, err := gatewayMAC(gw)
+	if err != nil {
+		return err
+	}
+	for i := range 5 {
+		err := qdiscbypass.SendUDPHere("eth0", mac, src, d, bypassSport, uint16(p), []byte("ctscrub bypass"))
+		emit("bypass", fmt.Sprintf("%s:%d -> %s:%d via %s (%s), %d", src, bypassSport, d, p, gw, mac, i), err)
+		if err != nil {
+			return err
+		}
+		time.Sleep(every)
+	}
+	return nil
+}
+
+// defaultGateway4 reads the IPv4 default route's gateway from
+// /proc/net/route (little-endian hex).
+func defaultGateway4(path string) (netip.Addr, error) {
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return netip.Addr{}, err
+	}
+	for _, l := range strings.Split(string(b), "\n")[1:] {
+		f := strings.Fields(l)
+		if len(f) < 3 || f[1] != "00000000" {
+			continue
+		}
+		v, err := strconv.ParseUint(f[2], 16, 32)
+		if err != nil || v == 0 {
+			continue
+		}
+		return netip.AddrFrom4([4]byte{byte(v), byte(v >> 8), byte(v >> 16), byte(v >> 24)}), nil
+	}
+	return netip.Addr{}, fmt.Errorf("bypass: no IPv4 default gateway in %s", path)
+}
+
+// gatewayMAC makes the kernel resolve gw (one datagram to its discard
+// port, through the normal path) and reads its MAC from /proc/net/arp.
+func gatewayMAC(gw netip.Addr) (net.HardwareAddr, error) {
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		if c, err := net.Dial("udp", net.JoinHostPort(gw.String(), "9")); err == nil {
+			c.Write([]byte{0})
+			c.Close()
+		}
+		b, err := os.ReadFile("/proc/net/arp")
+		if err == nil {
+			for _, l := range strings.Split(string(b), "\n")[1:] {
+				f := strings.Fields(l)
+				if len(f) >= 4 && f[0] == gw.String() && f[3] != "00:00:00:00:00:00" {
+					return net.ParseMAC(f[3])
+				}
+			}
+		}
+		if time.Now().After(deadline) {
+			return nil, fmt.Errorf("bypass: no ARP entry for the gateway %s after 5 s", gw)
+		}
+		time.Sleep(100 * time.Millisecond)
 	}
 }

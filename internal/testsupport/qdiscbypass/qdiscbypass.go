@@ -18,32 +18,43 @@ import (
 // SendUDP sends one UDP datagram src:sport -> dst:dport to dstMAC out of
 // ifname in the network namespace at netnsPath, with PACKET_QDISC_BYPASS.
 func SendUDP(netnsPath, ifname string, dstMAC net.HardwareAddr, src, dst netip.Addr, sport, dport uint16, payload []byte) error {
-	err := nsexec.Do(netnsPath, func() error {
-		ifi, err := net.InterfaceByName(ifname)
-		if err != nil {
-			return err
-		}
-		fd, err := unix.Socket(unix.AF_PACKET, unix.SOCK_RAW|unix.SOCK_CLOEXEC, 0)
-		if err != nil {
-			return fmt.Errorf("packet socket: %w", err)
-		}
-		defer unix.Close(fd)
-		if err := unix.SetsockoptInt(fd, unix.SOL_PACKET, unix.PACKET_QDISC_BYPASS, 1); err != nil {
-			return fmt.Errorf("PACKET_QDISC_BYPASS: %w", err)
-		}
-		frame := UDPFrame(ifi.HardwareAddr, dstMAC, src, dst, sport, dport, payload)
-		proto := uint16(unix.ETH_P_IP)
-		if src.Is6() {
-			proto = unix.ETH_P_IPV6
-		}
-		to := &unix.SockaddrLinklayer{Ifindex: ifi.Index, Protocol: htons(proto), Halen: 6}
-		copy(to.Addr[:], dstMAC)
-		return unix.Sendto(fd, frame, 0, to)
-	})
+	err := nsexec.Do(netnsPath, func() error { return sendUDP(ifname, dstMAC, src, dst, sport, dport, payload) })
 	if err != nil {
 		return fmt.Errorf("qdiscbypass: udp %s:%d -> %s:%d on %s in %s: %w", src, sport, dst, dport, ifname, netnsPath, err)
 	}
 	return nil
+}
+
+// SendUDPHere is SendUDP in the calling thread's own network namespace: a
+// process in a pod (the kind e2e's probe, with CAP_NET_RAW only).
+func SendUDPHere(ifname string, dstMAC net.HardwareAddr, src, dst netip.Addr, sport, dport uint16, payload []byte) error {
+	if err := sendUDP(ifname, dstMAC, src, dst, sport, dport, payload); err != nil {
+		return fmt.Errorf("qdiscbypass: udp %s:%d -> %s:%d on %s: %w", src, sport, dst, dport, ifname, err)
+	}
+	return nil
+}
+
+func sendUDP(ifname string, dstMAC net.HardwareAddr, src, dst netip.Addr, sport, dport uint16, payload []byte) error {
+	ifi, err := net.InterfaceByName(ifname)
+	if err != nil {
+		return err
+	}
+	fd, err := unix.Socket(unix.AF_PACKET, unix.SOCK_RAW|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		return fmt.Errorf("packet socket: %w", err)
+	}
+	defer unix.Close(fd)
+	if err := unix.SetsockoptInt(fd, unix.SOL_PACKET, unix.PACKET_QDISC_BYPASS, 1); err != nil {
+		return fmt.Errorf("PACKET_QDISC_BYPASS: %w", err)
+	}
+	frame := UDPFrame(ifi.HardwareAddr, dstMAC, src, dst, sport, dport, payload)
+	proto := uint16(unix.ETH_P_IP)
+	if src.Is6() {
+		proto = unix.ETH_P_IPV6
+	}
+	to := &unix.SockaddrLinklayer{Ifindex: ifi.Index, Protocol: htons(proto), Halen: 6}
+	copy(to.Addr[:], dstMAC)
+	return unix.Sendto(fd, frame, 0, to)
 }
 
 func htons(v uint16) uint16 { return v<<8 | v>>8 }
