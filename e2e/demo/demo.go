@@ -213,9 +213,9 @@ func Run(ctx context.Context, cfg Config, cleanup *netnsnode.Cleanup, w io.Write
 		return err
 	}
 	p.f("   pid %d  socket %s\n   log %s\n   metrics http://%s/metrics\n", d.Pid(), d.Socket, d.LogPath, d.Metrics)
-	p.f("   scrubd has never seen the filled entries: their IPs are \"not tracked\", so the first scrub of each\n")
-	p.f("   sweeps (one in-kernel pass per map for all IPs of the request). From then on scrubd's recorder\n")
-	p.f("   indexes every new flow of the pods, and their scrubs go by the index.\n")
+	p.f("   at its start scrubd makes one bootstrap pass over the maps and files every entry of the pod\n")
+	p.f("   CIDRs already there, so even the first scrub of a pre-filled IP goes by the index; from then\n")
+	p.f("   on its recorder indexes every new flow of the pods.\n")
 
 	// 3. The node, the outside host and the CNI chain.
 	node, err := netnsnode.AddNode(cleanup, netnsnode.NodeNS)
