@@ -67,7 +67,7 @@ if [[ $CNI == kindnet ]]; then
 	if [[ -z ${E2E_KIND_RUN:-} ]]; then
 		kindtest '^TestKindBlackhole$' || rc=$?
 		# Each test of the run needs ctscrub, which TestKindBlackhole installs.
-		((rc == 0)) && { kindtest '^(TestChart.*|TestKindChurn|TestKindUninstall)$' || rc=$?; }
+		((rc == 0)) && { kindtest '^(TestChart.*|TestKindChurn|TestKindRemoteBackend|TestKindUninstall)$' || rc=$?; }
 	else
 		kindtest "$E2E_KIND_RUN" || rc=$?
 	fi
