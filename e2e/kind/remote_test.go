@@ -82,11 +82,11 @@ func TestKindRemoteBackend(t *testing.T) {
 	c.remoteWatch(false)
 	watchOn = false
 	without := c.remotePhase("without", server, false)
-	t.Logf("without the watch: %+v", without)
+	logJSON(t, "without the watch", without)
 	c.remoteWatch(true)
 	watchOn = true
 	with := c.remotePhase("with", server, true)
-	t.Logf("with the watch: %+v", with)
+	logJSON(t, "with the watch", with)
 
 	result(t, "remote_entries_left_without_ctscrub", without.EntriesLeft)
 	result(t, "remote_entries_left", with.EntriesLeft)
@@ -494,6 +494,13 @@ spec:
 	sw.stop()
 	c.must(4*time.Minute, "kubectl", "delete", "namespace", ns, "--wait=true", "--timeout=3m")
 	return r
+}
+
+// logJSON logs v as its JSON (the phase's figures as the result line has them).
+func logJSON(t *testing.T, what string, v any) {
+	t.Helper()
+	b, _ := json.Marshal(v)
+	t.Logf("%s: %s", what, b)
 }
 
 func round1(f float64) float64 { return math.Round(f*10) / 10 }
