@@ -53,13 +53,15 @@ import (
 // next connect() picks a backend again.
 func TestKindRemoteBackend(t *testing.T) {
 	e := getKindEnv(t)
-	if !e.ctscrubInstalled {
-		t.Fatal("ctscrub is not installed (CNI=kindnet: TestKindBlackhole installs it; run.sh runs it first)")
-	}
 	if e.probeImage == "" {
 		t.Fatal("PROBE_IMAGE is not set (images/build.sh builds it, cluster.sh loads it)")
 	}
 	c := e.newCluster(t, 30*time.Minute)
+	// Not CTSCRUB_INSTALLED: with CNI=kindnet TestKindBlackhole installs
+	// ctscrub after run.sh read the cluster's variables.
+	if _, err := c.run(time.Minute, "kubectl", "-n", "kube-system", "get", "ds", "ctscrub"); err != nil {
+		t.Fatalf("ctscrub is not installed (CNI=kindnet: TestKindBlackhole installs it; run.sh runs it first): %v", err)
+	}
 	server := e.cluster + "-control-plane"
 	found := false
 	for _, n := range e.nodes {
