@@ -22,7 +22,8 @@
 #
 # CNI=kindnet: the cluster comes up without ctscrub; TestKindBlackhole runs
 # first, measures the blackhole, installs ctscrub (cluster.sh
-# install-ctscrub) and measures again; then the churn and the uninstall.
+# install-ctscrub) and measures again; then the churn, the remote backend
+# (TestKindRemoteBackend) and the uninstall.
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 ROOT=$(cd "$HERE/../.." && pwd)
