@@ -203,8 +203,9 @@ EOY
 	# kube-proxy's first: its pods wait for it (ErrImagePull until then).
 	[[ $KUBE_PROXY_MODE == none ]] || imgs+=("$KUBE_PROXY_IMAGE")
 	[[ $CNI == cilium ]] && imgs+=("$CILIUM_IMAGE" "$CILIUM_OPERATOR_IMAGE" "$PROMETHEUS_IMAGE")
-	[[ $CNI == kindnet ]] && imgs+=("$PROBE_IMAGE")
-	imgs+=("$CTSCRUB_IMAGE" "$SERVER_IMAGE" "$CLIENT_IMAGE")
+	# The probe: TestKindBlackhole's client (CNI=kindnet) and
+	# TestKindRemoteBackend's (every CNI).
+	imgs+=("$PROBE_IMAGE" "$CTSCRUB_IMAGE" "$SERVER_IMAGE" "$CLIENT_IMAGE")
 	kind load docker-image --name "$CLUSTER" "${imgs[@]}" >&2
 	if [[ $KUBE_PROXY_MODE != none ]]; then
 		# Out of their image-pull back-off at once.
@@ -313,11 +314,15 @@ install_ctscrub() {
 	# On the bridge + host-local nodes: chained after bridge, Cilium's CNI
 	# ConfigMap not made, the nf_conntrack backend only.
 	[[ $CNI == kindnet ]] && cni=(--set cniChainAfter=bridge --set ciliumCNIConfigMap.create=false --set config.backends=nfct)
+	# The remote-backend watch (docs/remote.md), off in the chart by
+	# default, on in the e2e: every test runs beside it, and
+	# TestKindRemoteBackend turns it off and on again by helm upgrade.
 	# shellcheck disable=SC2086
 	helm install ctscrub "$ROOT/conf/chart" --namespace kube-system \
 		--set image.repository="${CTSCRUB_IMAGE%:*}" --set image.tag="${CTSCRUB_IMAGE##*:}" \
 		--set image.pullPolicy=IfNotPresent \
 		--set "config.pod_cidrs={$POD_SUBNET}" "${cni[@]}" \
+		--set config.remote_backends.enabled=true \
 		${CTSCRUB_HELM_ARGS:-} >&2
 }
 

@@ -22,7 +22,8 @@
 #
 # CNI=kindnet: the cluster comes up without ctscrub; TestKindBlackhole runs
 # first, measures the blackhole, installs ctscrub (cluster.sh
-# install-ctscrub) and measures again; then the churn and the uninstall.
+# install-ctscrub) and measures again; then the churn, the remote backend
+# (TestKindRemoteBackend) and the uninstall.
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 ROOT=$(cd "$HERE/../.." && pwd)
@@ -67,7 +68,7 @@ if [[ $CNI == kindnet ]]; then
 	if [[ -z ${E2E_KIND_RUN:-} ]]; then
 		kindtest '^TestKindBlackhole$' || rc=$?
 		# Each test of the run needs ctscrub, which TestKindBlackhole installs.
-		((rc == 0)) && { kindtest '^(TestChart.*|TestKindChurn|TestKindUninstall)$' || rc=$?; }
+		((rc == 0)) && { kindtest '^(TestChart.*|TestKindChurn|TestKindRemoteBackend|TestKindUninstall)$' || rc=$?; }
 	else
 		kindtest "$E2E_KIND_RUN" || rc=$?
 	fi

@@ -15,6 +15,14 @@
 //	                              egress, where ctscrub's container-side
 //	                              recorder sits: the churn's bypass sidecar,
 //	                              issue 35), then it waits to be stopped
+//	probe udp-redial ADDR PORT SRCPORT   as udp, but after an error other
+//	                              than a timeout the socket is closed and
+//	                              dialled again from SRCPORT on the next
+//	                              tick, as a client that handles an aborted
+//	                              socket does (Cilium's socket LB destroys
+//	                              connected UDP sockets whose backend was
+//	                              deleted: ECONNABORTED, then EDESTADDRREQ
+//	                              on every write of the old socket)
 //
 // Every 200 ms. A line: {"t":"<RFC 3339>","proto":"udp","ok":true,
 // "reply":"<hostname>"} or {"t":...,"ok":false,"err":"<error>"}: a timeout
@@ -105,6 +113,11 @@ func main() {
 			usage()
 		}
 		err = runDNS(a[0], a[1], a[2])
+	case "udp-redial":
+		if len(a) != 3 {
+			usage()
+		}
+		err = runUDPRedial(a[0], a[1], a[2])
 	case "tcp":
 		if len(a) != 2 {
 			usage()
@@ -130,7 +143,7 @@ func main() {
 }
 
 func usage() {
-	fmt.Fprintln(os.Stderr, "usage: probe udp ADDR PORT SRCPORT | probe dns SERVER NAME SRCPORT | probe tcp ADDR PORT")
+	fmt.Fprintln(os.Stderr, "usage: probe udp|udp-redial ADDR PORT SRCPORT | probe dns SERVER NAME SRCPORT | probe tcp ADDR PORT")
 	os.Exit(2)
 }
 
@@ -161,6 +174,39 @@ func runUDP(addr, port, srcPort string) error {
 		c.SetReadDeadline(time.Now().Add(timeout))
 		n, err := c.Read(buf)
 		emit("udp", strings.TrimSpace(string(buf[:n])), err)
+	}
+	return nil
+}
+
+// runUDPRedial is runUDP with a new socket, from the same port, after an
+// error that is not a timeout. Its lines have proto "udp".
+func runUDPRedial(addr, port, srcPort string) error {
+	if _, err := strconv.Atoi(srcPort); err != nil {
+		return fmt.Errorf("source port %q: %v", srcPort, err)
+	}
+	var c *net.UDPConn
+	buf := make([]byte, 1500)
+	for range time.Tick(every) {
+		if c == nil {
+			var err error
+			if c, err = dial(addr, port, srcPort); err != nil {
+				emitErr("udp", "connect: "+errText(err))
+				c = nil
+				continue
+			}
+		}
+		_, err := c.Write([]byte("hostname"))
+		n := 0
+		if err == nil {
+			c.SetReadDeadline(time.Now().Add(timeout))
+			n, err = c.Read(buf)
+		}
+		emit("udp", strings.TrimSpace(string(buf[:n])), err)
+		var ne net.Error
+		if err != nil && !(errors.As(err, &ne) && ne.Timeout()) {
+			c.Close()
+			c = nil
+		}
 	}
 	return nil
 }
