@@ -84,10 +84,11 @@ spec:
 
 	podFlows := e.nfct() || e.ciliumLB != "kpr"
 	// Issue 35: each churn pod also sends five UDP datagrams with
-	// PACKET_QDISC_BYPASS (the probe's bypass sidecar) to the control
-	// plane's address: they skip the pod's tc egress, so only the
-	// recorder's host-side link sees them before Cilium makes their entry.
-	// They must be in the CT before the DEL and gone after it.
+	// PACKET_QDISC_BYPASS (the probe's bypass sidecar, asked by an exec
+	// after the inherited check) to the control plane's address: they skip
+	// the pod's tc egress, so only the recorder's host-side link sees them
+	// before Cilium makes their entry. They must be in the CT before the
+	// DEL and gone after it.
 	bypassDst := ""
 	if e.probeImage != "" {
 		bypassDst = strings.TrimSpace(c.kubectl("get", "node", "-l", "node-role.kubernetes.io/control-plane",
@@ -198,7 +199,7 @@ spec:
     - {name: server, image: %[4]s, imagePullPolicy: IfNotPresent, args: ["netexec", "--http-port=8080", "--udp-port=8081"]}
 `, name, ns, node, e.serverImage, w)
 			if bypassDst != "" {
-				fmt.Fprintf(&b, "    - {name: bypass, image: %s, imagePullPolicy: IfNotPresent, args: [\"bypass\", \"%s\", \"9\"]}\n", e.probeImage, bypassDst)
+				fmt.Fprintf(&b, "    - {name: bypass, image: %s, imagePullPolicy: IfNotPresent, args: [\"idle\"]}\n", e.probeImage)
 			}
 			b.WriteString("---\n")
 		}
@@ -268,6 +269,14 @@ spec:
 			if n > 0 {
 				inherited += n
 				t.Errorf("wave %d: new pod %s (%s) inherits %d CT entries before its first packet", w, ips[ip], ip, n)
+			}
+		}
+
+		// The bypass datagrams, now that the inherited check is done: from
+		// the sidecar of each pod (it idles until asked).
+		if bypassDst != "" {
+			for _, pod := range ips {
+				c.must(time.Minute, "kubectl", "-n", ns, "exec", pod, "-c", "bypass", "--", "/probe", "bypass", bypassDst, "9")
 			}
 		}
 

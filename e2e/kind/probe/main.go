@@ -14,7 +14,9 @@
 //	                              PACKET_QDISC_BYPASS (they skip the pod's tc
 //	                              egress, where ctscrub's container-side
 //	                              recorder sits: the churn's bypass sidecar,
-//	                              issue 35), then it waits to be stopped
+//	                              issue 35), then it exits
+//	probe idle                    waits to be stopped (the bypass sidecar,
+//	                              which the test execs `probe bypass` in)
 //	probe udp-redial ADDR PORT SRCPORT   as udp, but after an error other
 //	                              than a timeout the socket is closed and
 //	                              dialled again from SRCPORT on the next
@@ -127,12 +129,13 @@ func main() {
 		if len(a) != 2 {
 			usage()
 		}
-		if err = runBypass(a[0], a[1]); err == nil {
-			// The pod's other containers run on; it stops with them.
-			stop := make(chan os.Signal, 1)
-			signal.Notify(stop, syscall.SIGTERM, os.Interrupt)
-			<-stop
-		}
+		err = runBypass(a[0], a[1])
+	case "idle":
+		// A sidecar that runs `probe bypass` when the test execs it; it
+		// stops with the pod.
+		stop := make(chan os.Signal, 1)
+		signal.Notify(stop, syscall.SIGTERM, os.Interrupt)
+		<-stop
 	default:
 		usage()
 	}
