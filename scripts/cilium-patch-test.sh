@@ -3,8 +3,8 @@
 # cilium/patches/v<version>/ (CILIUM_PATCH_VERSIONS to pick some, e.g.
 # "1.20.2"), on a copy of the github.com/cilium/cilium module's source:
 # apply the patches (git am), build the agent (./daemon, as cilium.sh builds
-# cilium-agent for the kind images), and run go test of every package the
-# patches touch. One summary line per version; exits 1 if any version failed.
+# cilium-agent for the kind images), run go test of every package the
+# patches touch, and, as root, the privileged tests of the packages they add. One summary line per version; exits 1 if any version failed.
 #
 # Slow cold: about an hour per version on this shared 2-core machine, 90 s for
 # both with the Go cache warm (docs/upstream-delegate.md); it runs at lib.sh's
@@ -59,28 +59,43 @@ test_version() {
 		step resolve "$dir" cilium_module "$dir/mod" "$version" "$dir/src") || { fail="resolving the module"; return 1; }
 	(cd "$dir/mod" && step build "$dir" go_build -tags osusergo -o "$dir/cilium-agent" "$mod/daemon") ||
 		{ fail="go build $mod/daemon"; return 1; }
+	# vet and test build with the agent build's flags (-trimpath, -tags
+	# osusergo), so they reuse the packages it compiled: with other flags a
+	# cold run compiled every dependency twice.
+	local bflags=(-trimpath -tags osusergo)
 	# go test's own vet pass is off: Go 1.26's printf check fails stock
 	# 1.18.8's pkg/endpoint (bpf.go:598, code no patch touches). go vet runs
 	# whole on the packages the patches add, where every line is ours.
 	mapfile -t added < <(git -C "$dir/src" diff --name-only --diff-filter=A base HEAD -- '*.go' | xargs -r -n1 dirname | sort -u |
 		while read -r d; do [[ -z $(git -C "$dir/src" ls-tree base -- "$d") ]] && echo "$mod/$d"; done)
 	if [[ ${#added[@]} -gt 0 ]]; then
-		(cd "$dir/mod" && step vet "$dir" env CGO_ENABLED=0 GOFLAGS=-mod=mod "$GO" vet "${added[@]}") ||
+		(cd "$dir/mod" && step vet "$dir" env CGO_ENABLED=0 GOFLAGS=-mod=mod "$GO" vet "${bflags[@]}" "${added[@]}") ||
 			{ fail="go vet ${added[*]}"; return 1; }
 	fi
-	(cd "$dir/mod" && step test "$dir" env CGO_ENABLED=0 GOFLAGS=-mod=mod "$GO" test -vet=off -count=1 -p 1 -timeout 30m "${pkgs[@]}") ||
+	(cd "$dir/mod" && step test "$dir" env CGO_ENABLED=0 GOFLAGS=-mod=mod "$GO" test "${bflags[@]}" -vet=off -count=1 -p 1 -timeout 30m "${pkgs[@]}") ||
 		{ fail="go test"; return 1; }
 	tested=${#pkgs[@]}
+	# Cilium's privileged tests (TestPrivileged*, PRIVILEGED_TESTS set) of
+	# the packages the patches add, as root: the delegate's trust checks
+	# against a real root socket and a peer of another uid. Only those
+	# packages: the touched packages' own privileged tests create BPF maps.
+	privileged="not run (not root)"
+	if [[ ${#added[@]} -gt 0 && $(id -u) -eq 0 ]]; then
+		(cd "$dir/mod" && step privileged "$dir" env CGO_ENABLED=0 GOFLAGS=-mod=mod PRIVILEGED_TESTS=1 "$GO" test "${bflags[@]}" -vet=off -count=1 -v -run '^TestPrivileged' "${added[@]}") ||
+			{ fail="go test of the privileged tests"; return 1; }
+		privileged="passed ($(grep -c '^--- PASS: TestPrivileged' "$dir/privileged.log") tests)"
+	fi
 }
 
 summary=() failed=0
 for v in "${versions[@]}"; do
 	v=${v#v}
-	start=$(date +%s) fail= npatches=0 tested=0
+	start=$(date +%s) fail= npatches=0 tested=0 privileged=
 	log "Cilium $v: applying $PATCHES/v$v, building the agent, testing the packages the patches touch"
 	if test_version "$v"; then
-		line="cilium-patch-test v$v: PASS ($npatches patches applied, cilium-agent built, go vet of the new packages and go test of $tested packages passed) in $(($(date +%s) - start))s"
+		line="cilium-patch-test v$v: PASS ($npatches patches applied, cilium-agent built, go vet of the new packages and go test of $tested packages passed; privileged tests of the new packages: $privileged) in $(($(date +%s) - start))s"
 		[[ -f $PWORK/v$v/test.log ]] && grep -E '^(ok|FAIL|---)' "$PWORK/v$v/test.log" | sed 's/^/  /' >&2
+		[[ -f $PWORK/v$v/privileged.log ]] && grep -E '^(ok|FAIL|--- )' "$PWORK/v$v/privileged.log" | sed 's/^/  /' >&2
 	else
 		failed=1
 		line="cilium-patch-test v$v: FAIL at: $fail, after $(($(date +%s) - start))s (logs: $PWORK/v$v/*.log)"

@@ -208,9 +208,12 @@ func readAgentCounters(k *kube) (agentCounters, error) {
 func parseAgentCounters(text string) agentCounters {
 	c := agentCounters{fallbacks: map[string]float64{}}
 	c.gcRuns = promSum(text, "cilium_datapath_conntrack_gc_runs_total", nil)
-	c.delegated = promSum(text, "cilium_conntrack_scrub_delegate_delegated_total", nil)
-	for _, s := range promSamples(text, "cilium_conntrack_scrub_delegate_fallbacks_total") {
-		c.fallbacks[s.labels["event"]+"/"+s.labels["cause"]] += s.value
+	// The delegate's names since issue 38 (beside the CT GC's), and before.
+	for _, prefix := range []string{"cilium_datapath_conntrack_scrub_delegate_", "cilium_conntrack_scrub_delegate_"} {
+		c.delegated += promSum(text, prefix+"delegated_total", nil)
+		for _, s := range promSamples(text, prefix+"fallbacks_total") {
+			c.fallbacks[s.labels["event"]+"/"+s.labels["cause"]] += s.value
+		}
 	}
 	return c
 }

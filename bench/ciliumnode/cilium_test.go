@@ -30,17 +30,20 @@ func TestParseAgentCounters(t *testing.T) {
 	gc.WithLabelValues("ipv4", "non-TCP", "completed").Add(3)
 	gcEntries := prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "cilium_datapath_conntrack_gc_runs_total_not_this"}, []string{"x"})
 	gcEntries.WithLabelValues("y").Set(100)
-	del := prometheus.NewCounterVec(prometheus.CounterOpts{Name: "cilium_conntrack_scrub_delegate_delegated_total"}, []string{"event"})
+	del := prometheus.NewCounterVec(prometheus.CounterOpts{Name: "cilium_datapath_conntrack_scrub_delegate_delegated_total"}, []string{"event"})
 	del.WithLabelValues("endpoint-create").Add(19)
 	del.WithLabelValues("endpoint-delete").Add(20)
-	fb := prometheus.NewCounterVec(prometheus.CounterOpts{Name: "cilium_conntrack_scrub_delegate_fallbacks_total"}, []string{"event", "cause"})
+	fb := prometheus.NewCounterVec(prometheus.CounterOpts{Name: "cilium_datapath_conntrack_scrub_delegate_fallbacks_total"}, []string{"event", "cause"})
 	fb.WithLabelValues("endpoint-create", "incomplete").Add(1)
 	fb.WithLabelValues("endpoint-create", `odd "cause"`).Add(2)
-	c := parseAgentCounters(exposition(t, gc, gcEntries, del, fb))
+	// The name the patches used before issue 38.
+	fbOld := prometheus.NewCounterVec(prometheus.CounterOpts{Name: "cilium_conntrack_scrub_delegate_fallbacks_total"}, []string{"event", "cause"})
+	fbOld.WithLabelValues("endpoint-create", "incomplete").Add(3)
+	c := parseAgentCounters(exposition(t, gc, gcEntries, del, fb, fbOld))
 	if c.gcRuns != 6 || c.delegated != 39 {
 		t.Errorf("gc runs %v, delegated %v; want 6 and 39", c.gcRuns, c.delegated)
 	}
-	if len(c.fallbacks) != 2 || c.fallbacks["endpoint-create/incomplete"] != 1 || c.fallbacks[`endpoint-create/odd "cause"`] != 2 {
+	if len(c.fallbacks) != 2 || c.fallbacks["endpoint-create/incomplete"] != 4 || c.fallbacks[`endpoint-create/odd "cause"`] != 2 {
 		t.Errorf("fallbacks %v", c.fallbacks)
 	}
 	// A stock agent has no delegate counters: zeros, not an error.

@@ -237,7 +237,7 @@ spec:
 				t.Errorf("wave %d: found no running scrubd to kill on %s", w, node)
 			}
 			if after.fallbackTotal() <= fallbacksBefore {
-				t.Errorf("wave %d: scrubd killed %d times while pods started, yet Cilium's agent counted no fallback to its walk (cilium_conntrack_scrub_delegate_fallbacks_total %v)", w, kills, after.fallbacks)
+				t.Errorf("wave %d: scrubd killed %d times while pods started, yet Cilium's agent counted no fallback to its walk (cilium_datapath_conntrack_scrub_delegate_fallbacks_total %v)", w, kills, after.fallbacks)
 			}
 		}
 		c.must(8*time.Minute, "kubectl", "-n", ns, "wait", "--for=condition=Ready", "pod", "-l", fmt.Sprintf("wave=%d", w), "--timeout=8m")

@@ -78,10 +78,14 @@ func parseDelegateCounts(text string) (delegateCounts, error) {
 			return d, fmt.Errorf("metrics line %q: %v", l, err)
 		}
 		switch name {
-		case "cilium_conntrack_scrub_delegate_delegated_total":
+		// The names since issue 38 (beside the CT GC's), and before it.
+		case "cilium_datapath_conntrack_scrub_delegate_delegated_total", "cilium_conntrack_scrub_delegate_delegated_total":
 			d.delegated[labels["event"]] += v
-		case "cilium_conntrack_scrub_delegate_fallbacks_total":
-			d.fallbacks[labels["event"]+"/"+labels["cause"]] += v
+		case "cilium_datapath_conntrack_scrub_delegate_fallbacks_total", "cilium_conntrack_scrub_delegate_fallbacks_total":
+			// The patches pre-initialise every event and cause at 0.
+			if v != 0 {
+				d.fallbacks[labels["event"]+"/"+labels["cause"]] += v
+			}
 		case "cilium_endpoint_regeneration_time_stats_seconds_sum":
 			if labels["scope"] == "waitingForCTClean" {
 				d.ctCleanSum += v
@@ -198,14 +202,17 @@ func (c *cluster) killScrubd(node string) error {
 }
 
 // TestParseDelegateCounts runs everywhere (no cluster): the agent's
-// Prometheus text as Cilium 1.18.8 with cilium/patches writes it.
+// Prometheus text as Cilium 1.18.8 with cilium/patches writes it (one
+// sample under the name the patches used before issue 38).
 func TestParseDelegateCounts(t *testing.T) {
-	text := `# HELP cilium_conntrack_scrub_delegate_delegated_total Number of endpoint conntrack scrubs done by the conntrack scrub delegate
-# TYPE cilium_conntrack_scrub_delegate_delegated_total counter
-cilium_conntrack_scrub_delegate_delegated_total{event="endpoint-create"} 12
-cilium_conntrack_scrub_delegate_delegated_total{event="endpoint-delete"} 10
-cilium_conntrack_scrub_delegate_fallbacks_total{cause="connection_refused",event="endpoint-create"} 3
-cilium_conntrack_scrub_delegate_fallbacks_total{cause="socket_absent",event="endpoint-delete"} 1
+	text := `# HELP cilium_datapath_conntrack_scrub_delegate_delegated_total Number of endpoint conntrack scrubs the conntrack scrub delegate did for every IP
+# TYPE cilium_datapath_conntrack_scrub_delegate_delegated_total counter
+cilium_datapath_conntrack_scrub_delegate_delegated_total{event="endpoint-create"} 12
+cilium_datapath_conntrack_scrub_delegate_delegated_total{event="endpoint-delete"} 10
+cilium_datapath_conntrack_scrub_delegate_fallbacks_total{cause="connection_refused",event="endpoint-create"} 2
+cilium_datapath_conntrack_scrub_delegate_fallbacks_total{cause="breaker_open",event="endpoint-create"} 0
+cilium_conntrack_scrub_delegate_fallbacks_total{cause="connection_refused",event="endpoint-create"} 1
+cilium_datapath_conntrack_scrub_delegate_fallbacks_total{cause="socket_absent",event="endpoint-delete"} 1
 cilium_endpoint_regeneration_time_stats_seconds_sum{scope="waitingForCTClean",status="success"} 0.25
 cilium_endpoint_regeneration_time_stats_seconds_count{scope="waitingForCTClean",status="success"} 20
 cilium_endpoint_regeneration_time_stats_seconds_count{scope="waitingForCTClean",status="failure"} 2
@@ -219,7 +226,7 @@ cilium_endpoint_regeneration_time_stats_seconds_bucket{scope="waitingForCTClean"
 	if d.delegated["endpoint-create"] != 12 || d.delegated["endpoint-delete"] != 10 || len(d.delegated) != 2 {
 		t.Errorf("delegated %v", d.delegated)
 	}
-	if d.fallbacks["endpoint-create/connection_refused"] != 3 || d.fallbacks["endpoint-delete/socket_absent"] != 1 || d.fallbackTotal() != 4 {
+	if d.fallbacks["endpoint-create/connection_refused"] != 3 || d.fallbacks["endpoint-delete/socket_absent"] != 1 || d.fallbackTotal() != 4 || len(d.fallbacks) != 2 {
 		t.Errorf("fallbacks %v", d.fallbacks)
 	}
 	if d.ctCleanSum != 0.25 || d.ctCleanCount != 22 {
