@@ -307,7 +307,9 @@ func bridgeRanges(pods []PodInterface) ([]netip.Prefix, error) {
 // e.g. 10.244.1.0/24 via 10.244.1.1 dev cilium_host). A node without
 // cilium_host (no Cilium), or whose IPAM installs no such route (ENI,
 // Azure), has none: the pass then covers no free address there. Host
-// routes (/32, /128: the router's own address) are not ranges.
+// routes (/32, /128: the router's own address) are not ranges, and a
+// range that does not hold the router's address is another node's (tunnel
+// mode routes every node's range through cilium_host).
 func ciliumHostRanges() ([]netip.Prefix, error) {
 	l, err := netlink.LinkByName("cilium_host")
 	if err != nil {
@@ -320,6 +322,19 @@ func ciliumHostRanges() ([]netip.Prefix, error) {
 	routes, err := netlink.RouteList(l, netlink.FAMILY_ALL)
 	if err != nil {
 		return nil, fmt.Errorf("routes of cilium_host: %w", err)
+	}
+	// In tunnel mode the other nodes' ranges are routed through cilium_host
+	// too; the node's own range is the one that holds the router's address
+	// (cilium_host's, allocated from it).
+	addrs, err := netlink.AddrList(l, netlink.FAMILY_ALL)
+	if err != nil {
+		return nil, fmt.Errorf("addresses of cilium_host: %w", err)
+	}
+	var router []netip.Addr
+	for _, a := range addrs {
+		if ip, ok := netip.AddrFromSlice(a.IP); ok {
+			router = append(router, ip.Unmap())
+		}
 	}
 	var out []netip.Prefix
 	for _, r := range routes {
@@ -335,7 +350,11 @@ func ciliumHostRanges() ([]netip.Prefix, error) {
 		if ones >= ip.BitLen() || ip.IsLinkLocalUnicast() || ip.IsMulticast() {
 			continue
 		}
-		out = append(out, netip.PrefixFrom(ip, ones).Masked())
+		pfx := netip.PrefixFrom(ip, ones).Masked()
+		if !slices.ContainsFunc(router, pfx.Contains) {
+			continue // another node's range
+		}
+		out = append(out, pfx)
 	}
 	slices.SortFunc(out, func(a, b netip.Prefix) int {
 		if c := a.Addr().Compare(b.Addr()); c != 0 {

@@ -151,7 +151,8 @@ func TestFindPodInterfaces(t *testing.T) {
 
 // Cilium's node range, from the routes it installs on cilium_host (the
 // local node route of cluster-pool IPAM): the pass covers the node's free
-// addresses from it. The router's own /32 is no range; a node without
+// addresses from it. The router's own /32 is no range, nor is another
+// node's range (it does not hold the router's address); a node without
 // cilium_host has none, and that is not an error.
 func TestCiliumHostRanges(t *testing.T) {
 	requireRoot(t)
@@ -168,7 +169,10 @@ func TestCiliumHostRanges(t *testing.T) {
 	runIP(t, "-n", n, "addr", "add", "10.244.7.1/32", "dev", "cilium_host")
 	runIP(t, "-n", n, "route", "add", "10.244.7.0/24", "dev", "cilium_host", "src", "10.244.7.1")
 	runIP(t, "-n", n, "route", "add", "10.244.7.1/32", "dev", "cilium_host")
+	runIP(t, "-n", n, "addr", "add", "fd00:10:244:7::1/128", "dev", "cilium_host", "nodad")
 	runIP(t, "-n", n, "-6", "route", "add", "fd00:10:244:7::/64", "dev", "cilium_host")
+	// Another node's range, routed through cilium_host in tunnel mode.
+	runIP(t, "-n", n, "route", "add", "10.244.9.0/24", "dev", "cilium_host", "src", "10.244.7.1")
 
 	var got []netip.Prefix
 	if err := nsexec.Do(node, func() (err error) { got, err = ciliumHostRanges(); return err }); err != nil {
