@@ -257,7 +257,7 @@ type variantResult struct {
 	BootstrapS          float64 `json:"bootstrap_s,omitempty"`
 	BootstrapScrubdCPUS float64 `json:"bootstrap_scrubd_cpu_s,omitempty"`
 	BatchWalkS          float64 `json:"batch_walk_s,omitempty"`
-	CompleteShare       float64 `json:"delegated_complete_share,omitempty"`
+	CompleteShare       float64 `json:"delegated_complete_share"`
 	Walks               float64 `json:"walks"`
 }
 
