@@ -3,6 +3,7 @@ package daemon
 import (
 	"errors"
 	"fmt"
+	"net"
 	"net/netip"
 	"os"
 	"path/filepath"
@@ -112,11 +113,30 @@ func scanPodInterfaces(opts podIfOptions) (pods []PodInterface, missed []string,
 			bridges[l.Attrs().Index] = l.Attrs().Name
 		}
 	}
+	// The node's uplink may be a veth too (a kind node's eth0, whose peer is
+	// in the container host's namespace): the device of a default route is
+	// the node's own, not a pod's host end (no CNI gives a pod's host end
+	// the node's default route).
+	uplinks := map[int]bool{}
+	for _, family := range []int{netlink.FAMILY_V4, netlink.FAMILY_V6} {
+		routes, err := h.RouteListFiltered(family, &netlink.Route{Table: unix.RT_TABLE_MAIN}, netlink.RT_FILTER_TABLE)
+		if err != nil {
+			return nil, nil, fmt.Errorf("find pod interfaces: list the node's routes: %w", err)
+		}
+		for _, r := range routes {
+			if r.Dst == nil || r.Dst.IP.IsUnspecified() && isZeroMask(r.Dst.Mask) {
+				uplinks[r.LinkIndex] = true
+			}
+		}
+	}
 	byNsid := map[int][]hostEnd{}
 	for _, l := range links {
 		a := l.Attrs()
 		if (l.Type() != "veth" && l.Type() != "netkit") || a.NetNsID < 0 || a.ParentIndex == 0 {
 			continue // not a pair device, or its peer is in this namespace
+		}
+		if uplinks[a.Index] {
+			continue // the node's uplink
 		}
 		kind := "veth"
 		switch {
@@ -363,4 +383,9 @@ func ciliumHostRanges() ([]netip.Prefix, error) {
 		return a.Bits() - b.Bits()
 	})
 	return slices.Compact(out), nil
+}
+
+func isZeroMask(m net.IPMask) bool {
+	ones, _ := m.Size()
+	return ones == 0
 }

@@ -186,3 +186,58 @@ func TestCiliumHostRanges(t *testing.T) {
 		t.Errorf("a node without cilium_host: %v, %v; want none and no error", got, err)
 	}
 }
+
+// A kind node's uplink is a veth whose peer is in the container host's
+// namespace, which no path here opens: it carries the node's default route
+// and is the node's own, not a pod's host end the find missed. A pod's
+// host end whose namespace cannot be opened is still missed.
+func TestScanPodInterfacesSkipsUplink(t *testing.T) {
+	requireRoot(t)
+	if _, err := exec.LookPath("ip"); err != nil {
+		t.Skip("needs ip(8)")
+	}
+	tag := fmt.Sprintf("ctsup%d", os.Getpid()%100000)
+	node := addNetns(t, tag+"-node")
+	n := filepath.Base(node)
+	// Two namespaces kept alive by a process each, then unnamed: no path
+	// in the (empty) dirs the scan is given reaches them.
+	hidden := func(name string) {
+		addNetns(t, name)
+		p := exec.Command("ip", "netns", "exec", name, "sleep", "300")
+		if err := p.Start(); err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { p.Process.Kill(); p.Wait() })
+		for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(10 * time.Millisecond) {
+			a, _ := os.Readlink(fmt.Sprintf("/proc/%d/ns/net", p.Process.Pid))
+			b, _ := os.Readlink("/proc/self/ns/net")
+			if a != "" && a != b {
+				break
+			}
+			if time.Now().After(deadline) {
+				t.Fatal("the process never entered its namespace")
+			}
+		}
+	}
+	hidden(tag + "-host")
+	hidden(tag + "-pod")
+	runIP(t, "-n", n, "link", "add", "eth0", "type", "veth", "peer", "name", "vethhost", "netns", tag+"-host")
+	runIP(t, "-n", n, "addr", "add", "172.30.0.2/24", "dev", "eth0")
+	runIP(t, "-n", n, "link", "set", "eth0", "up")
+	runIP(t, "-n", n, "route", "add", "default", "via", "172.30.0.1")
+	runIP(t, "-n", n, "link", "add", "lxc9f9f", "type", "veth", "peer", "name", "eth0", "netns", tag+"-pod")
+	runIP(t, "netns", "del", tag+"-host")
+	runIP(t, "netns", "del", tag+"-pod")
+
+	var missed []string
+	err := nsexec.Do(node, func() (err error) {
+		_, missed, err = scanPodInterfaces(podIfOptions{NetnsDirs: []string{t.TempDir()}, Proc: t.TempDir()})
+		return err
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !slices.Equal(missed, []string{"lxc9f9f"}) {
+		t.Errorf("missed %v, want [lxc9f9f]: the uplink (default route) is the node's, the pod's host end is missed", missed)
+	}
+}
