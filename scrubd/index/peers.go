@@ -86,18 +86,7 @@ func (ix *Index) mirror4(e *IPEntry, k *ctmap.CTKey4) {
 	if !pack(rec[:], a[:], k[:], 4) {
 		return
 	}
-	sh := ix.peerShard(p)
-	sh.mu.Lock()
-	ps := sh.m[p]
-	if ps == nil {
-		ps = &peerSet{}
-		sh.m[p] = ps
-	}
-	if ps.keys4.add(rec[:]) {
-		t.n.Add(1)
-	}
-	sh.mu.Unlock()
-	ix.maybeCleanPeers()
+	ix.filePeer(t, p, rec[:])
 }
 
 // mirror6 is mirror4 for IPv6 keys.
@@ -118,6 +107,11 @@ func (ix *Index) mirror6(e *IPEntry, k *ctmap.CTKey6) {
 	if !pack(rec[:], a[:], k[:], 16) {
 		return
 	}
+	ix.filePeer(t, p, rec[:])
+}
+
+// filePeer adds rec, a record relative to peer p, to p's set of its family.
+func (ix *Index) filePeer(t *peerTable, p netip.Addr, rec []byte) {
 	sh := ix.peerShard(p)
 	sh.mu.Lock()
 	ps := sh.m[p]
@@ -125,7 +119,11 @@ func (ix *Index) mirror6(e *IPEntry, k *ctmap.CTKey6) {
 		ps = &peerSet{}
 		sh.m[p] = ps
 	}
-	if ps.keys6.add(rec[:]) {
+	set := &ps.keys4
+	if p.Is6() {
+		set = &ps.keys6
+	}
+	if set.add(rec) {
 		t.n.Add(1)
 	}
 	sh.mu.Unlock()
