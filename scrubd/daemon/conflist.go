@@ -505,6 +505,13 @@ func (w *conflistWatch) sleep(d time.Duration) bool {
 func (w *conflistWatch) run(recheck time.Duration) bool {
 	next := time.Now().Add(recheck)
 	for {
+		// Checked before each wait: check's own drain may be the one that
+		// saw the dir go, and no event follows it to end the wait.
+		if w.gone {
+			w.d.noteConflist(false, w.dir, "")
+			w.d.log.Warn("the CNI config dir was removed or moved: not chained until it is back", "conf_dir", w.dir)
+			return true
+		}
 		timeout := time.Until(next)
 		if w.dirty {
 			timeout = 0
@@ -524,11 +531,8 @@ func (w *conflistWatch) run(recheck time.Duration) bool {
 		if fds[1].Revents != 0 {
 			return false
 		}
-		w.drain()
-		if w.gone {
-			w.d.noteConflist(false, w.dir, "")
-			w.d.log.Warn("the CNI config dir was removed or moved: not chained until it is back", "conf_dir", w.dir)
-			return true
+		if w.drain(); w.gone {
+			continue
 		}
 		switch {
 		case w.dirty && (len(w.writing) == 0 || !time.Now().Before(w.since.Add(conflistWriteWait))):
