@@ -7,7 +7,8 @@
 //
 // The walk reads each global CT map with BPF_MAP_LOOKUP_BATCH, as Cilium
 // 1.18+ walks them (internal/ciliumwalk is that walk as the benchmarks'
-// baseline), on one goroutine, and hands each batch to a second goroutine
+// baseline), the maps on up to GOMAXPROCS goroutines at once (Cilium walks
+// them one after the other), and hands each batch to one goroutine
 // that buffers each key's record under its addresses (index.Filing.Add4/
 // Add6), so the kernel's copy and the filing overlap where a second CPU is
 // free. After the walk each address's table is built from its buffer
@@ -25,6 +26,7 @@ import (
 	"errors"
 	"fmt"
 	"net/netip"
+	"runtime"
 	"sync"
 	"time"
 
@@ -46,6 +48,12 @@ type Options struct {
 	// Batch is the entries per BPF_MAP_LOOKUP_BATCH (0: 8192; doubled
 	// when a hash bucket does not fit).
 	Batch int
+	// Walkers is how many maps are read at once (0: GOMAXPROCS, at most
+	// the maps there are). The kernel's copy is most of the pass; on a
+	// Cilium node the TCP map holds about 40 % of the entries and the any
+	// map 60 %, so two walkers take the copy's wall time to that of the
+	// larger map.
+	Walkers int
 	// Progress, when set, follows the pass (metrics, `scrubd status`).
 	Progress *Progress
 	// Cover is the node's own pod ranges (at most 65,536 addresses), when
@@ -135,20 +143,23 @@ func Run(ctx context.Context, ix *index.Index, maps *ctmap.Maps, opts Options) (
 	if batch <= 0 {
 		batch = 8192
 	}
-	w := newWalker(f, batch, p)
-	w.afterBatch = opts.afterBatch
+	var kinds []ctmap.Kind
 	for _, k := range ctmap.Kinds {
-		m := maps.Map(k)
-		if m == nil {
-			continue
-		}
-		res.Maps = append(res.Maps, k.Name())
-		if err := w.walk(ctx, m, k); err != nil {
-			w.close()
-			return res, fmt.Errorf("bootstrap: walk %s: %w", k.Name(), err)
+		if maps.Map(k) != nil {
+			kinds = append(kinds, k)
+			res.Maps = append(res.Maps, k.Name())
 		}
 	}
-	w.close()
+	walkers := opts.Walkers
+	if walkers <= 0 {
+		walkers = runtime.GOMAXPROCS(0)
+	}
+	walkers = max(1, min(walkers, len(kinds)))
+	w := newWalker(f, batch, p, walkers)
+	w.afterBatch = opts.afterBatch
+	if err := w.walkAll(ctx, maps, kinds, walkers); err != nil {
+		return res, err
+	}
 	res.Visited = p.visited.Load() - p.visitedAt
 	// Each address's records into its set: two workers, the tables built
 	// without a lock.
@@ -188,7 +199,8 @@ type chunk struct {
 	n    int
 }
 
-// walker reads batches on the caller's goroutine and files them on its own.
+// walker reads batches on walking goroutines (one map each) and files them
+// on one goroutine of its own: index.Filing's buffers take one writer.
 type walker struct {
 	f    *index.Filing
 	p    *Progress
@@ -197,12 +209,14 @@ type walker struct {
 	done sync.WaitGroup
 	size int
 
+	hookMu     sync.Mutex // afterBatch runs on one walker at a time
 	afterBatch func(ctmap.Kind, int)
 }
 
-const inFlight = 3 // chunks: one read, one filed, one between
-
-func newWalker(f *index.Filing, size int, p *Progress) *walker {
+// newWalker starts the filing goroutine, with chunks enough for walkers
+// reading at once: one read per walker, one filed, one between.
+func newWalker(f *index.Filing, size int, p *Progress, walkers int) *walker {
+	inFlight := walkers + 2
 	w := &walker{f: f, p: p, size: size, free: make(chan *chunk, inFlight), full: make(chan *chunk, inFlight)}
 	for range inFlight {
 		w.free <- &chunk{}
@@ -220,6 +234,35 @@ func newWalker(f *index.Filing, size int, p *Progress) *walker {
 		}
 	}()
 	return w
+}
+
+// walkAll reads kinds' maps, walkers of them at once, and waits until
+// every chunk read is filed. The first error stops the other walks.
+func (w *walker) walkAll(ctx context.Context, maps *ctmap.Maps, kinds []ctmap.Kind, walkers int) error {
+	defer w.close()
+	ctx, cancel := context.WithCancelCause(ctx)
+	defer cancel(nil)
+	next := make(chan ctmap.Kind, len(kinds))
+	for _, k := range kinds {
+		next <- k
+	}
+	close(next)
+	var wg sync.WaitGroup
+	for range walkers {
+		wg.Go(func() {
+			for k := range next {
+				if err := w.walk(ctx, maps.Map(k), k); err != nil {
+					cancel(fmt.Errorf("bootstrap: walk %s: %w", k.Name(), err))
+					return
+				}
+			}
+		})
+	}
+	wg.Wait()
+	if err := context.Cause(ctx); err != nil {
+		return err
+	}
+	return nil
 }
 
 // close waits until every chunk read is filed.
@@ -260,7 +303,12 @@ func (w *walker) walk(ctx context.Context, m *ebpf.Map, kind ctmap.Kind) error {
 		if err := ctx.Err(); err != nil {
 			return err
 		}
-		c := <-w.free
+		var c *chunk
+		select {
+		case c = <-w.free:
+		case <-ctx.Done():
+			return context.Cause(ctx)
+		}
 		c.fit(kind.IPv6(), size)
 		var n int
 		var err error
@@ -278,7 +326,9 @@ func (w *walker) walk(ctx context.Context, m *ebpf.Map, kind ctmap.Kind) error {
 		w.p.visited.Add(int64(n))
 		w.full <- c
 		if w.afterBatch != nil {
+			w.hookMu.Lock()
 			w.afterBatch(kind, batches)
+			w.hookMu.Unlock()
 		}
 		if errors.Is(err, ebpf.ErrKeyNotExist) {
 			return nil // end of the map
