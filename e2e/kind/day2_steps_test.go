@@ -3,6 +3,7 @@ package kind
 import (
 	"encoding/json"
 	"fmt"
+	"maps"
 	"os"
 	"path/filepath"
 	"strconv"
@@ -83,13 +84,21 @@ func (d *day2) nodeRestart(c *cluster) map[string]any {
 		time.Sleep(5 * time.Second)
 	}
 	t.Logf("node_restart: scrubd's state messages at start: %q; scrubs of old sandboxes %d by method %v", start, oldDels, methods)
-	return map[string]any{
+	// The live pods made again after the restart: their ADDs came after
+	// the bootstrap pass, which vouched for the node's free addresses.
+	log, _ := c.run(time.Minute, "kubectl", "-n", "kube-system", "logs", pod, "-c", "scrubd")
+	pc := countAfterPass(log)
+	pc.check(t, "node_restart")
+	t.Logf("node_restart: after the bootstrap pass %d ADDs (%d swept), %d creates (%d swept)", pc.Adds, pc.AddsSwept, pc.Creates, pc.CreatesSwept)
+	out := map[string]any{
 		"node_down_s":                   int(down.Seconds()),
 		"recovered_s":                   int(to.Sub(from).Seconds()),
 		"scrubd_state_at_start":         start,
 		"old_sandbox_scrubs":            methods,
 		"old_sandbox_scrubs_from_index": fromIndex,
 	}
+	maps.Copy(out, pc.json())
+	return out
 }
 
 // stateMsg: a scrubd log message about what it restored at start (state
@@ -290,12 +299,31 @@ func (d *day2) ctscrubUpgrade(c *cluster) map[string]any {
 	d.fault(from2, to)
 	newStart := startLog()
 	t.Logf("ctscrub_upgrade: the earlier scrubd at start: %q; this tree's at start: %q", prevStart, newStart)
-	return map[string]any{
+	// A wave after the upgrade: its ADDs come after the new scrubd's
+	// bootstrap pass, and must go by the index.
+	eventually(t, c.ctx, 8*time.Minute, "a churn wave after the upgrade", func() (bool, string) {
+		d.mu.Lock()
+		defer d.mu.Unlock()
+		for _, w := range d.waves {
+			if w.start.After(to) && !w.end.IsZero() {
+				return true, ""
+			}
+		}
+		return false, "none yet"
+	})
+	pod := c.podOn("kube-system", "app.kubernetes.io/name=ctscrub", d.node)
+	log, _ := c.run(time.Minute, "kubectl", "-n", "kube-system", "logs", pod, "-c", "scrubd")
+	pc := countAfterPass(log)
+	pc.check(t, "ctscrub_upgrade")
+	t.Logf("ctscrub_upgrade: after the bootstrap pass %d ADDs (%d swept), %d creates (%d swept)", pc.Adds, pc.AddsSwept, pc.Creates, pc.CreatesSwept)
+	out := map[string]any{
 		"from_ref":             prevRef,
 		"from_image":           prevImage,
 		"prev_scrubd_at_start": prevStart,
 		"new_scrubd_at_start":  newStart,
 	}
+	maps.Copy(out, pc.json())
+	return out
 }
 
 // Cilium 1.17.6 (day2.sh: CILIUM_PREV_IMAGE, CILIUM_PREV_OPERATOR_IMAGE,
