@@ -160,8 +160,13 @@ func scanPodInterfaces(opts podIfOptions) (pods []PodInterface, missed []string,
 	seen := map[netnsid.ID]bool{self: true}
 	var out []PodInterface
 	var errs []error
+	denied := 0 // namespace files the kernel's ptrace check refused
 	for _, p := range paths {
 		id, err := netnsid.Of(p)
+		if errors.Is(err, os.ErrPermission) {
+			denied++
+			continue
+		}
 		if err != nil || seen[id] {
 			continue // gone meanwhile, or read already
 		}
@@ -192,9 +197,14 @@ func scanPodInterfaces(opts podIfOptions) (pods []PodInterface, missed []string,
 			break
 		}
 	}
+	why := ""
+	if denied > 0 {
+		// Named with each miss: the fix is the DaemonSet's, not the pod's.
+		why = fmt.Sprintf(" (%d processes' namespace files refused: permission denied; scrubd needs CAP_SYS_PTRACE to open those of processes with capabilities it lacks)", denied)
+	}
 	for _, ends := range byNsid {
 		for _, e := range ends {
-			missed = append(missed, e.link.Attrs().Name)
+			missed = append(missed, e.link.Attrs().Name+why)
 		}
 	}
 	slices.Sort(missed)
