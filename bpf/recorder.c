@@ -93,6 +93,14 @@ static __always_inline void set_head(struct seen_val *v, __u64 head)
  * becomes the initiator of a new entry. */
 volatile const __u32 reopen_idle = 10;
 
+/* How many units a non-TCP flow's front cache entry stands after it was
+ * filled: (reopen_idle - 1) / 2, set by scrubd. Its front hits do not note
+ * the flow's time in rec_flows4, which then lags the last packet by up to
+ * front_idle units: a packet the other way finds the flow idle that much
+ * early, and is recorded again (a key Cilium may not have made: one failed
+ * delete later). Never late: a reopening is never missed. */
+volatile const __u32 front_idle = 4;
+
 /* Records for user space. Size set by scrubd (Options.RingBytes). */
 struct {
 	__uint(type, BPF_MAP_TYPE_RINGBUF);
@@ -152,12 +160,19 @@ struct {
 	__uint(max_entries, 1 << 18);
 } rec_flows6 SEC(".maps");
 
-/* ---- the front cache: established TCP without a hash map ----
+/* ---- the front cache: established flows without a hash map ----
  *
- * A direct-mapped per-CPU array in front of rec_flows4 for IPv4 TCP packets
- * that are not a bare SYN: for those a recorded flow needs nothing more (an
- * LRU hit ends the program whatever the direction), so a front hit may end
- * it too. Per CPU, so no other CPU can tear an entry while it is read or
+ * A direct-mapped per-CPU array in front of rec_flows4 for IPv4 packets
+ * of a recorded flow. TCP packets that are not a bare SYN need nothing
+ * more (an LRU hit ends the program whatever the direction), so a front hit
+ * may end it too. Other protocols (UDP, ICMP) need two things of the LRU
+ * path (reopened()): a packet in the direction opposite to the recorded one
+ * after reopen_idle needs a new record, and the flow's time is noted once a
+ * unit. So their front hit also needs an entry filled at most front_idle
+ * units ago (last), in either direction: the fill noted the flow's time in
+ * rec_flows4 then, so the LRU path would find the flow idle for at most
+ * front_idle < reopen_idle units and record nothing. Past front_idle the
+ * LRU path runs again, notes the time and refills the entry. Per CPU, so no other CPU can tear an entry while it is read or
  * written (tc programs run with bottom halves off). An entry is filled from
  * rec_flows4 (or when the flow is recorded) with that entry's generations,
  * and matches only with the full key and the current generations: a bumped
@@ -169,6 +184,8 @@ struct front4 {
 	__u64 key[2]; /* struct seen_key4 */
 	__u32 gen_local;
 	__u32 gen_remote;
+	__u32 last; /* non-TCP: the unit (now_coarse) the entry was filled in */
+	__u32 pad;
 };
 
 /* Slots per CPU minus one (a power of two minus one; set by scrubd). */
@@ -582,11 +599,12 @@ static __always_inline void record4(struct __sk_buff *skb, const struct flow *f,
 	__u32 slot;
 	int ret;
 
-	if (f->proto == PROTO_TCP && !bare_syn(f)) {
+	if (!bare_syn(f)) {
 		slot = front_slot4(&k);
 		fr = bpf_map_lookup_elem(&rec_front4, &slot);
 		if (fr && fr->key[0] == kw[0] && fr->key[1] == kw[1] &&
-		    fr->gen_local == gl && fr->gen_remote == gr)
+		    fr->gen_local == gl && fr->gen_remote == gr &&
+		    (f->proto == PROTO_TCP || now_coarse() - fr->last <= front_idle))
 			return;
 	}
 	v = bpf_map_lookup_elem(&rec_flows4, &k);
@@ -608,6 +626,7 @@ static __always_inline void record4(struct __sk_buff *skb, const struct flow *f,
 		fr->key[1] = kw[1];
 		fr->gen_local = gl;
 		fr->gen_remote = gr;
+		fr->last = v->last; /* non-TCP: noted this second by the path above */
 	}
 }
 

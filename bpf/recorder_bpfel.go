@@ -55,6 +55,8 @@ type RecorderFront4 struct {
 	Key       [2]uint64
 	GenLocal  uint32
 	GenRemote uint32
+	Last      uint32
+	Pad       uint32
 }
 
 type RecorderLb4Key struct {
@@ -147,6 +149,7 @@ const (
 	RecorderProgRecorderEgress     = "recorder_egress"
 	RecorderProgRecorderHost       = "recorder_host"
 	RecorderProgRecorderIngress    = "recorder_ingress"
+	RecorderVarFrontIdle           = "front_idle"
 	RecorderVarFrontMask           = "front_mask"
 	RecorderVarOwnerNetns          = "owner_netns"
 	RecorderVarReopenIdle          = "reopen_idle"
@@ -225,6 +228,7 @@ type RecorderMapSpecs struct {
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type RecorderVariableSpecs struct {
+	FrontIdle  *ebpf.VariableSpec `ebpf:"front_idle"`
 	FrontMask  *ebpf.VariableSpec `ebpf:"front_mask"`
 	OwnerNetns *ebpf.VariableSpec `ebpf:"owner_netns"`
 	ReopenIdle *ebpf.VariableSpec `ebpf:"reopen_idle"`
@@ -293,6 +297,7 @@ func (m *RecorderMaps) Close() error {
 //
 // It can be passed to LoadRecorderObjects or ebpf.CollectionSpec.LoadAndAssign.
 type RecorderVariables struct {
+	FrontIdle  *ebpf.Variable `ebpf:"front_idle"`
 	FrontMask  *ebpf.Variable `ebpf:"front_mask"`
 	OwnerNetns *ebpf.Variable `ebpf:"owner_netns"`
 	ReopenIdle *ebpf.Variable `ebpf:"reopen_idle"`

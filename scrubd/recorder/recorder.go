@@ -312,6 +312,11 @@ func recorderSpec(opts Options) (*ebpf.CollectionSpec, error) {
 	if err := spec.Variables["reopen_idle"].Set(idle); err != nil {
 		return nil, fmt.Errorf("recorder: set reopen_idle: %w", err)
 	}
+	// A non-TCP flow's front cache entry stands for half the idle time:
+	// the time it does not note makes a reopening early, never late.
+	if err := spec.Variables["front_idle"].Set((max(idle, 1) - 1) / 2); err != nil {
+		return nil, fmt.Errorf("recorder: set front_idle: %w", err)
+	}
 	if err := spec.Variables["front_mask"].Set(uint32(opts.FrontEntries - 1)); err != nil {
 		return nil, fmt.Errorf("recorder: set front_mask: %w", err)
 	}

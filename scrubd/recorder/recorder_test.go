@@ -8,6 +8,7 @@ import (
 	"net/netip"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"syscall"
@@ -854,6 +855,41 @@ func TestUDPReopenedByPeer(t *testing.T) {
 		t.Fatalf("stand-in did not create %s", in)
 	}
 	w.requireIndexed(t, []netip.Addr{a.Addr4}, 2)
+}
+
+// A UDP flow the pod keeps sending on for longer than ReopenIdle, then a
+// reply: the flow was never idle, so the reply is no reopening and makes no
+// record. The pod's packets hit the front cache (rec_front4) after the
+// first; it must still note the flow's time once a second (the LRU path
+// does, for the first packet of each second on a CPU), or the reply is
+// taken for a reopening and records a key Cilium never made.
+func TestUDPActiveFlowReplyIsNoReopening(t *testing.T) {
+	// ReopenIdle 3 s (3 units of ~1.07 s): a reply 100 ms after the pod's
+	// last packet is at most 1 unit later, whatever the unit boundaries.
+	w := newWorldOpts(t, 1, func(o *recorder.Options) { o.ReopenIdle = 3 << 30 })
+	a, remote := w.pods[0], w.node.Remote
+	const podPort, peerPort = 41100, 41101
+	end := time.Now().Add(5500 * time.Millisecond) // > 5 units: more than ReopenIdle since the first packet
+	for time.Now().Before(end) {
+		if err := a.Do(func() error { return sendUDPFrom(podPort, remote.Addr4, peerPort) }); err != nil {
+			t.Fatal(err)
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	w.requireIndexed(t, []netip.Addr{a.Addr4}, 2)
+	if err := remote.Do(func() error { return sendUDPFrom(peerPort, a.Addr4, podPort) }); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(200 * time.Millisecond)
+	if err := w.ix.Sync(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	// What a reopening records: the key with the peer as initiator.
+	in := ctmap.NewKey4(remote.Addr4, a.Addr4, podPort, peerPort, ctmap.ProtoUDP, ctmap.FlagIn)
+	k4, _, _ := w.ix.KeysOf(a.Addr4)
+	if slices.Contains(k4, in) {
+		t.Fatalf("a reply on a flow the pod kept sending on was taken for a reopening: %s indexed (keys %v)", in, k4)
+	}
 }
 
 // A full ring buffer (one page, nobody reading) loses records for real:
