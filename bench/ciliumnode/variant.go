@@ -102,7 +102,7 @@ func runVariant(ctx context.Context, cfg config, k *kube, maps *ctmap.Maps, f *f
 		if waited, err = waitGCRuns(k, gcBase, presentKinds(maps), 5*time.Minute); err == nil {
 			log.Printf("Cilium's CT GC ran twice over every map (%.1fs after the fill)", waited.Seconds())
 		}
-	case "cilium_only":
+	case "cilium_only", "cilium_coalesced":
 		// uninstalled before the fill
 	case "ctscrub_delegate", "ctscrub_delegate_restart", "ctscrub_delegate_upgrade":
 		// With WARMUP=1 installed and warmed up before the fill; cold,
@@ -224,6 +224,14 @@ func runVariant(ctx context.Context, cfg config, k *kube, maps *ctmap.Maps, f *f
 		}
 		time.Sleep(2 * time.Second)
 	}
+	if name == "cilium_coalesced" {
+		// The deletes' walks are the agent's work for these pods too.
+		if _, err := waitScrubsAnswered(k, 10*time.Minute); err != nil {
+			return nil, 0, err
+		}
+		v.ScrubDrainS = time.Since(start).Seconds()
+		log.Printf("the agent had answered every endpoint scrub %.1fs after the deletes began (all pods gone after %.1fs)", v.ScrubDrainS, v.AllGoneS)
+	}
 	var sbT, stopT []time.Duration
 	for _, s := range sbs {
 		v.SandboxFailures += s.Failures
@@ -295,6 +303,8 @@ func runVariant(ctx context.Context, cfg config, k *kube, maps *ctmap.Maps, f *f
 		return nil, 0, err
 	}
 	v.CiliumGCRuns = countersAfter.gcRuns - countersBefore.gcRuns
+	v.ScrubRequests = countersAfter.scrubRequests - countersBefore.scrubRequests
+	v.ScrubWalks = countersAfter.scrubWalks - countersBefore.scrubWalks
 	v.DelegatedScrubs = countersAfter.delegated - countersBefore.delegated
 	v.FallbackCauses = map[string]float64{}
 	for c, n := range countersAfter.fallbacks {
@@ -631,7 +641,7 @@ func waitFirstSweep(k *kube, maps *ctmap.Maps) error {
 
 // usesCtscrub reports whether ctscrub is installed during the variant.
 func usesCtscrub(variant string) bool {
-	return variant != "cilium_only" && variant != "cilium_gc60"
+	return variant != "cilium_only" && variant != "cilium_gc60" && variant != "cilium_coalesced"
 }
 
 func presentKinds(maps *ctmap.Maps) int {
