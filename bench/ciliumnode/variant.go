@@ -305,6 +305,10 @@ func runVariant(ctx context.Context, cfg config, k *kube, maps *ctmap.Maps, f *f
 	v.CiliumGCRuns = countersAfter.gcRuns - countersBefore.gcRuns
 	v.ScrubRequests = countersAfter.scrubRequests - countersBefore.scrubRequests
 	v.ScrubWalks = countersAfter.scrubWalks - countersBefore.scrubWalks
+	if name == "cilium_coalesced" && v.ScrubRequests == 0 {
+		// Figures of another agent under this variant's name would mislead.
+		return nil, 0, fmt.Errorf("the agent answered no endpoint scrub (cilium_datapath_conntrack_scrub_requests_total did not grow): %s is not built with cilium/patches/coalesce-v* (CILIUM_COALESCED=1 e2e/kind/images/cilium.sh), or its metrics are off", cfg.coalescedImage)
+	}
 	v.DelegatedScrubs = countersAfter.delegated - countersBefore.delegated
 	v.FallbackCauses = map[string]float64{}
 	for c, n := range countersAfter.fallbacks {
@@ -354,6 +358,9 @@ func runVariant(ctx context.Context, cfg config, k *kube, maps *ctmap.Maps, f *f
 	v.Measured.Regens, v.Measured.Sandboxes, v.Measured.Stops, v.Measured.CNIAdd, v.Measured.CNIDel = ct.N, sb.N, st.N, ad.N, dl.N
 	log.Printf("waitingForCTClean %s; regeneration %s; RunPodSandbox %s; StopPodSandbox %s; cilium-cni ADD %s, DEL %s; failed pods %d, failed RunPodSandbox calls %d; metric waitingForCTClean: %v observations, %.2fs in all",
 		ct, rg, sb, st, ad, dl, v.FailedPods, v.SandboxFailures, v.MetricCTClean.Count, v.MetricCTClean.SumS)
+	if name == "cilium_coalesced" {
+		log.Printf("coalesced: %.0f endpoint scrubs answered by %.0f walks", v.ScrubRequests, v.ScrubWalks)
+	}
 	log.Printf("CPU over %.0fs: cilium-agent %.2fs, scrubd %.2fs; Cilium GC runs %.0f; delegate: %.0f scrubs delegated, %.0f walks after asking %v; scrubd's scrubs %v, delegate answers %v, within %v",
 		v.CPUWindowS, v.AgentCPUS, v.ScrubdCPUS, v.CiliumGCRuns, v.DelegatedScrubs, v.FallbackWalks, v.FallbackCauses, v.ScrubdScrubs, v.DelegateAnswers, v.DelegateWithin)
 	return v, v.EntriesBefore, nil
