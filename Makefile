@@ -127,7 +127,7 @@ bench-expiry: ## Expiry pass vs Cilium's NextKey and batch GC
 	$(GO) run ./bench/expiry
 
 .PHONY: cilium-patch-test
-cilium-patch-test: ## Apply cilium/patches/v* to Cilium's module source, build the agent, go test what they touch (CILIUM_PATCH_VERSIONS; slow)
+cilium-patch-test: ## Apply each series in cilium/patches (delegate v*, coalesce coalesce-v*) to Cilium's module source, build the agent, go test what they touch (CILIUM_PATCH_SERIES, CILIUM_PATCH_VERSIONS; slow)
 	./scripts/cilium-patch-test.sh
 
 .PHONY: e2e-kind
@@ -139,7 +139,7 @@ e2e-kind-day2: ## Kind cluster with pods churning: node restart, scrubd OOM, cts
 	./e2e/kind/day2.sh
 
 .PHONY: bench-cilium-node
-bench-cilium-node: ## Real Cilium in kind: pods start/stop on a full CT table, stock, GC at 60 s, with ctscrub, ctscrub as the patched agent's delegate (ENTRIES, EXPIRED, PODS, VARIANTS; images from make e2e-kind)
+bench-cilium-node: ## Real Cilium in kind: pods start/stop on a full CT table, stock, GC at 60 s, coalesced scrubs (patched agent), with ctscrub, ctscrub as the patched agent's delegate (ENTRIES, EXPIRED, PODS, VARIANTS; images from make e2e-kind and CILIUM_COALESCED=1 e2e/kind/images/cilium.sh)
 	./bench/ciliumnode/run.sh
 
 .PHONY: clean

@@ -1,17 +1,23 @@
 #!/usr/bin/env bash
-# make cilium-patch-test: for each Cilium version with patches in
-# cilium/patches/v<version>/ (CILIUM_PATCH_VERSIONS to pick some, e.g.
-# "1.20.2"), on a copy of the github.com/cilium/cilium module's source:
-# apply the patches (git am), build the agent (./daemon, as cilium.sh builds
-# cilium-agent for the kind images), run go test of every package the
-# patches touch, and, as root, the privileged tests of the packages they add. One summary line per version; exits 1 if any version failed.
+# make cilium-patch-test: for each series of patches to Cilium and each
+# version it has (CILIUM_PATCH_SERIES to pick series, default "delegate
+# coalesce"; CILIUM_PATCH_VERSIONS to pick versions, e.g. "1.20.2"), on a
+# copy of the github.com/cilium/cilium module's source: apply the series
+# (git am), build the agent (./daemon, as cilium.sh builds cilium-agent for
+# the kind images), run go test of every package the series touches, and, as
+# root, the privileged tests of the packages it adds. The series:
+#   delegate  cilium/patches/v<version>/           (the conntrack scrub delegate)
+#   coalesce  cilium/patches/coalesce-v<version>/  (the in-agent baseline:
+#             coalesced endpoint scrubs, off the endpoint's lock)
+# One summary line per series and version; exits 1 if any failed.
 #
 # Slow cold: about an hour per version on this shared 2-core machine, 90 s for
 # both with the Go cache warm (docs/upstream-delegate.md); it runs at lib.sh's
 # niceness (NICE, default 10). Scratch space:
 # CILIUM_PATCH_WORK (default /var/tmp/ctscrub-cilium-patch), kept for
 # inspection, replaced on the next run; each step's output is in its
-# <version>/<step>.log.
+# <dir>/<step>.log, <dir> the series' directory name (v1.20.2,
+# coalesce-v1.20.2).
 source "$(dirname "$0")/../e2e/kind/images/lib.sh"
 source "$IMAGES_DIR/cilium-module.sh"
 set +e # each version's failure is reported, not fatal to the others
@@ -19,8 +25,29 @@ set +e # each version's failure is reported, not fatal to the others
 PATCHES=$ROOT/cilium/patches
 PWORK=${CILIUM_PATCH_WORK:-/var/tmp/ctscrub-cilium-patch}
 mod=github.com/cilium/cilium
-versions=(${CILIUM_PATCH_VERSIONS:-$(cd "$PATCHES" && ls -d v*/ | tr -d /v | sort -V)})
-[[ ${#versions[@]} -gt 0 ]] || die "no patches in $PATCHES"
+series=(${CILIUM_PATCH_SERIES:-delegate coalesce})
+
+# series_prefix SERIES: the prefix of its directories in cilium/patches,
+# before the version.
+series_prefix() {
+	case $1 in
+	delegate) echo v ;;
+	coalesce) echo coalesce-v ;;
+	*) die "CILIUM_PATCH_SERIES: unknown series $1 (have: delegate, coalesce)" ;;
+	esac
+}
+
+# The series and versions to test, as directory names.
+runs=()
+for s in "${series[@]}"; do
+	prefix=$(series_prefix "$s") || exit 1
+	if [[ -n ${CILIUM_PATCH_VERSIONS:-} ]]; then
+		for v in $CILIUM_PATCH_VERSIONS; do runs+=("$prefix${v#v}"); done
+	else
+		for d in $(cd "$PATCHES" && ls -d "$prefix"[0-9]*/ 2>/dev/null | tr -d / | sort -V); do runs+=("$d"); done
+	fi
+done
+[[ ${#runs[@]} -gt 0 ]] || die "no patches in $PATCHES for the series ${series[*]}"
 
 # step NAME DIR CMD...: run CMD with its output in DIR/NAME.log; on failure
 # show the log's tail.
@@ -33,23 +60,26 @@ step() {
 }
 
 apply() (
-	local src=$1 version=$2
+	local src=$1 version=$2 name=$3
 	cd "$src" && git init -q && git add -A &&
 		git -c user.name=ctscrub -c user.email=ctscrub@localhost commit -qm "github.com/cilium/cilium v$version (module source)" &&
 		git tag base &&
-		git -c user.name=ctscrub -c user.email=ctscrub@localhost am -q "$PATCHES/v$version"/*.patch
+		git -c user.name=ctscrub -c user.email=ctscrub@localhost am -q "$PATCHES/$name"/*.patch
 )
 
-test_version() {
-	local version=$1 dir=$PWORK/v$1 src pkgs=() added=()
+# test_series NAME: NAME is the series' directory (v1.20.2, coalesce-v1.20.2);
+# the version is what follows its last v.
+test_series() {
+	local name=$1 version=${1##*v} dir=$PWORK/$1 src pkgs=()
+	added=() # global: the summary line tells whether there were any
 	rm -rf "$dir"; mkdir -p "$dir"
-	ls "$PATCHES/v$version"/*.patch >/dev/null 2>&1 || { echo "no *.patch in $PATCHES/v$version" >&2; fail=patches; return 1; }
+	ls "$PATCHES/$name"/*.patch >/dev/null 2>&1 || { echo "no *.patch in $PATCHES/$name" >&2; fail=patches; return 1; }
 	src=$("$GO" mod download -json "$mod@v$version" | jq -r .Dir) && [[ -d $src ]] ||
 		{ echo "go mod download $mod@v$version failed" >&2; fail=download; return 1; }
 	# The module cache is read-only: a writable copy, a git repository so
 	# that git am applies the patches whole or not at all.
 	cp -a "$src" "$dir/src" && chmod -R u+w "$dir/src" || { fail=copy; return 1; }
-	step apply "$dir" apply "$dir/src" "$version" || { fail="git am (the patches do not apply)"; return 1; }
+	step apply "$dir" apply "$dir/src" "$version" "$name" || { fail="git am (the patches do not apply)"; return 1; }
 	# The packages the patches touch: every directory holding a changed .go file.
 	mapfile -t pkgs < <(git -C "$dir/src" diff --name-only base HEAD -- '*.go' | xargs -r -n1 dirname | sort -u | sed "s|^|$mod/|")
 	npatches=$(git -C "$dir/src" rev-list --count base..HEAD)
@@ -80,6 +110,7 @@ test_version() {
 	# against a real root socket and a peer of another uid. Only those
 	# packages: the touched packages' own privileged tests create BPF maps.
 	privileged="not run (not root)"
+	[[ ${#added[@]} -eq 0 ]] && privileged="none (the series adds no package)"
 	if [[ ${#added[@]} -gt 0 && $(id -u) -eq 0 ]]; then
 		(cd "$dir/mod" && step privileged "$dir" env CGO_ENABLED=0 GOFLAGS=-mod=mod PRIVILEGED_TESTS=1 "$GO" test "${bflags[@]}" -vet=off -count=1 -v -run '^TestPrivileged' "${added[@]}") ||
 			{ fail="go test of the privileged tests"; return 1; }
@@ -88,17 +119,18 @@ test_version() {
 }
 
 summary=() failed=0
-for v in "${versions[@]}"; do
-	v=${v#v}
-	start=$(date +%s) fail= npatches=0 tested=0 privileged=
-	log "Cilium $v: applying $PATCHES/v$v, building the agent, testing the packages the patches touch"
-	if test_version "$v"; then
-		line="cilium-patch-test v$v: PASS ($npatches patches applied, cilium-agent built, go vet of the new packages and go test of $tested packages passed; privileged tests of the new packages: $privileged) in $(($(date +%s) - start))s"
-		[[ -f $PWORK/v$v/test.log ]] && grep -E '^(ok|FAIL|---)' "$PWORK/v$v/test.log" | sed 's/^/  /' >&2
-		[[ -f $PWORK/v$v/privileged.log ]] && grep -E '^(ok|FAIL|--- )' "$PWORK/v$v/privileged.log" | sed 's/^/  /' >&2
+for name in "${runs[@]}"; do
+	start=$(date +%s) fail= npatches=0 tested=0 privileged= added=()
+	log "Cilium ${name##*v}: applying $PATCHES/$name, building the agent, testing the packages the patches touch"
+	if test_series "$name"; then
+		vetted="go vet of the new packages and go test of $tested packages passed"
+		[[ ${#added[@]} -eq 0 ]] && vetted="go test of $tested packages passed (no new package to vet)"
+		line="cilium-patch-test $name: PASS ($npatches patches applied, cilium-agent built, $vetted; privileged tests of the new packages: $privileged) in $(($(date +%s) - start))s"
+		[[ -f $PWORK/$name/test.log ]] && grep -E '^(ok|FAIL|---)' "$PWORK/$name/test.log" | sed 's/^/  /' >&2
+		[[ -f $PWORK/$name/privileged.log ]] && grep -E '^(ok|FAIL|--- )' "$PWORK/$name/privileged.log" | sed 's/^/  /' >&2
 	else
 		failed=1
-		line="cilium-patch-test v$v: FAIL at: $fail, after $(($(date +%s) - start))s (logs: $PWORK/v$v/*.log)"
+		line="cilium-patch-test $name: FAIL at: $fail, after $(($(date +%s) - start))s (logs: $PWORK/$name/*.log)"
 	fi
 	echo "$line" >&2
 	summary+=("$line")

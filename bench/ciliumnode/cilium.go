@@ -51,13 +51,16 @@ extraHostPathMounts:
 // setupFor is the Cilium a variant runs with: stock Cilium with run.sh's
 // GC interval (CT_GC_INTERVAL, 12h: drifted, as in the incident) for the
 // first three; the one-line fix users apply instead of ctscrub
-// (conntrackGCInterval 60s) for cilium_gc60; the patched agent with the
-// delegate flag for ctscrub_delegate.
+// (conntrackGCInterval 60s) for cilium_gc60; the agent with the coalesce
+// series, otherwise as cilium_only, for cilium_coalesced; the patched agent
+// with the delegate flag for ctscrub_delegate.
 func setupFor(cfg config, variant string) ciliumSetup {
 	s := ciliumSetup{Image: cfg.ciliumImage, GCInterval: cfg.gcInterval}
 	switch variant {
 	case "cilium_gc60":
 		s.GCInterval = "60s"
+	case "cilium_coalesced":
+		s.Image = cfg.coalescedImage
 	case "ctscrub_delegate", "ctscrub_delegate_restart", "ctscrub_delegate_upgrade":
 		s.Image, s.Delegate = cfg.delegateImage, true
 	}
@@ -195,6 +198,9 @@ type agentCounters struct {
 	gcRuns    float64            // cilium_datapath_conntrack_gc_runs_total: walks of a map, periodic or per endpoint
 	delegated float64            // walks the delegate made unnecessary (patched agent)
 	fallbacks map[string]float64 // "event/cause": walks after asking the delegate
+	// The coalesce series' agent: endpoint scrubs answered, the walks that
+	// did them, the scrubs not answered yet.
+	scrubRequests, scrubWalks, scrubPending float64
 }
 
 func readAgentCounters(k *kube) (agentCounters, error) {
@@ -208,6 +214,9 @@ func readAgentCounters(k *kube) (agentCounters, error) {
 func parseAgentCounters(text string) agentCounters {
 	c := agentCounters{fallbacks: map[string]float64{}}
 	c.gcRuns = promSum(text, "cilium_datapath_conntrack_gc_runs_total", nil)
+	c.scrubRequests = promSum(text, "cilium_datapath_conntrack_scrub_requests_total", nil)
+	c.scrubWalks = promSum(text, "cilium_datapath_conntrack_scrub_walks_total", nil)
+	c.scrubPending = promSum(text, "cilium_datapath_conntrack_scrub_pending_requests", nil)
 	// The delegate's names since issue 38 (beside the CT GC's), and before.
 	for _, prefix := range []string{"cilium_datapath_conntrack_scrub_delegate_", "cilium_conntrack_scrub_delegate_"} {
 		c.delegated += promSum(text, prefix+"delegated_total", nil)
@@ -233,6 +242,25 @@ func waitGCRuns(k *kube, before agentCounters, maps int, timeout time.Duration) 
 			return time.Since(start), fmt.Errorf("Cilium's CT GC did not complete two runs within %s (cilium_datapath_conntrack_gc_runs_total +%.0f, want +%d; %v)", timeout, c.gcRuns-before.gcRuns, 2*maps, err)
 		}
 		time.Sleep(2 * time.Second)
+	}
+}
+
+// waitScrubsAnswered waits until the agent (the coalesce series) has
+// answered every endpoint scrub asked (its
+// cilium_datapath_conntrack_scrub_pending_requests is 0): a deleted
+// endpoint's scrub is queued, not waited for, so its walk may still run
+// when the pod is gone. Returns the time waited.
+func waitScrubsAnswered(k *kube, timeout time.Duration) (time.Duration, error) {
+	start := time.Now()
+	for {
+		c, err := readAgentCounters(k)
+		if err == nil && c.scrubPending == 0 {
+			return time.Since(start), nil
+		}
+		if time.Since(start) > timeout {
+			return time.Since(start), fmt.Errorf("the agent still had %.0f endpoint scrubs pending %s after the pods were gone (%v)", c.scrubPending, timeout, err)
+		}
+		time.Sleep(time.Second)
 	}
 }
 

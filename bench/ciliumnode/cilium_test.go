@@ -47,8 +47,48 @@ func TestParseAgentCounters(t *testing.T) {
 		t.Errorf("fallbacks %v", c.fallbacks)
 	}
 	// A stock agent has no delegate counters: zeros, not an error.
-	if c := parseAgentCounters(exposition(t, gc)); c.delegated != 0 || len(c.fallbacks) != 0 || c.gcRuns != 6 {
+	if c := parseAgentCounters(exposition(t, gc)); c.delegated != 0 || len(c.fallbacks) != 0 || c.gcRuns != 6 ||
+		c.scrubRequests != 0 || c.scrubWalks != 0 || c.scrubPending != 0 {
 		t.Errorf("stock agent: %+v", c)
+	}
+
+	// The coalesce series' agent.
+	req := prometheus.NewCounterVec(prometheus.CounterOpts{Name: "cilium_datapath_conntrack_scrub_requests_total"}, []string{"outcome"})
+	req.WithLabelValues("success").Add(38)
+	req.WithLabelValues("fail").Add(2)
+	walks := prometheus.NewCounterVec(prometheus.CounterOpts{Name: "cilium_datapath_conntrack_scrub_walks_total"}, []string{"outcome"})
+	walks.WithLabelValues("success").Add(5)
+	walks.WithLabelValues("fail").Add(1)
+	pending := prometheus.NewGauge(prometheus.GaugeOpts{Name: "cilium_datapath_conntrack_scrub_pending_requests"})
+	pending.Set(3)
+	dur := prometheus.NewHistogramVec(prometheus.HistogramOpts{Name: "cilium_datapath_conntrack_scrub_walk_duration_seconds"}, []string{"outcome"})
+	dur.WithLabelValues("success").Observe(2)
+	c = parseAgentCounters(exposition(t, gc, req, walks, pending, dur))
+	if c.scrubRequests != 40 || c.scrubWalks != 6 || c.scrubPending != 3 || c.gcRuns != 6 {
+		t.Errorf("coalesced agent: requests %v walks %v pending %v gc runs %v; want 40, 6, 3, 6", c.scrubRequests, c.scrubWalks, c.scrubPending, c.gcRuns)
+	}
+}
+
+func TestCoalescedVariantConfig(t *testing.T) {
+	for k, v := range map[string]string{"VARIANTS": "cilium_only,cilium_coalesced", "CTSCRUB_IMAGE": "ctscrub", "CLIENT_IMAGE": "busybox",
+		"CILIUM_CHART": "/chart", "CILIUM_VALUES": "/values.yaml", "CILIUM_IMAGE": "ctscrub-kind/cilium:1.18.8-aaaa"} {
+		t.Setenv(k, v)
+	}
+	t.Setenv("CILIUM_COALESCED_IMAGE", "")
+	if _, err := loadConfig(); err == nil || !strings.Contains(err.Error(), "CILIUM_COALESCED_IMAGE") {
+		t.Fatalf("cilium_coalesced without CILIUM_COALESCED_IMAGE: %v, want an error naming it", err)
+	}
+	t.Setenv("CILIUM_COALESCED_IMAGE", "ctscrub-kind/cilium:1.18.8-coalesced-cccc")
+	cfg, err := loadConfig()
+	if err != nil {
+		t.Fatal(err)
+	}
+	only, coal := setupFor(cfg, "cilium_only"), setupFor(cfg, "cilium_coalesced")
+	if coal.Image != cfg.coalescedImage || coal.GCInterval != only.GCInterval || coal.Delegate {
+		t.Errorf("cilium_coalesced runs %+v, want cilium_only's %+v with the coalesced image", coal, only)
+	}
+	if usesCtscrub("cilium_coalesced") || isDelegate("cilium_coalesced") || variantPrefix["cilium_coalesced"] == "" {
+		t.Error("cilium_coalesced: no ctscrub, no delegate, a pod prefix of its own")
 	}
 }
 
@@ -151,7 +191,8 @@ func TestSetupValuesRender(t *testing.T) {
 	if err := os.WriteFile(base, []byte(doc), 0o644); err != nil {
 		t.Fatal(err)
 	}
-	cfg := config{ciliumImage: "ctscrub-kind/cilium:1.18.8-aaaa", delegateImage: "ctscrub-kind/cilium:1.18.8-delegate-bbbb", gcInterval: "12h"}
+	cfg := config{ciliumImage: "ctscrub-kind/cilium:1.18.8-aaaa", delegateImage: "ctscrub-kind/cilium:1.18.8-delegate-bbbb",
+		coalescedImage: "ctscrub-kind/cilium:1.18.8-coalesced-cccc", gcInterval: "12h"}
 	render := func(variant string) string {
 		t.Helper()
 		over := filepath.Join(t.TempDir(), "over.yaml")
@@ -164,7 +205,7 @@ func TestSetupValuesRender(t *testing.T) {
 		}
 		return string(out)
 	}
-	only, gc60, deleg := render("cilium_only"), render("cilium_gc60"), render("ctscrub_delegate")
+	only, gc60, deleg, coal := render("cilium_only"), render("cilium_gc60"), render("ctscrub_delegate"), render("cilium_coalesced")
 	// The agent reads its ConfigMap only at start: a new GC interval must
 	// change the pods' template (rollOutCiliumPods' checksum), or the
 	// upgrade leaves the agents running with the old one.
@@ -183,6 +224,9 @@ func TestSetupValuesRender(t *testing.T) {
 		{"cilium_gc60", gc60,
 			[]string{`image: "ctscrub-kind/cilium:1.18.8-aaaa"`, `conntrack-gc-interval: "60s"`},
 			[]string{"conntrack-scrub-delegate", `conntrack-gc-interval: "12h"`}},
+		{"cilium_coalesced", coal,
+			[]string{`image: "ctscrub-kind/cilium:1.18.8-coalesced-cccc"`, `conntrack-gc-interval: "12h"`},
+			[]string{"conntrack-scrub-delegate", `1.18.8-aaaa"`, "delegate-bbbb"}},
 		{"ctscrub_delegate", deleg,
 			[]string{`image: "ctscrub-kind/cilium:1.18.8-delegate-bbbb"`, `conntrack-gc-interval: "12h"`,
 				`- --conntrack-scrub-delegate=/run/ctscrub-delegate/delegate.sock`,

@@ -5,8 +5,10 @@
 // created and deleted on that node all at once, once per variant: ctscrub
 // with its expiry pass off, with it on (its first pass done before the pods
 // start), no ctscrub, no ctscrub but Cilium's GC every 60 s (the one-line
-// fix), and Cilium patched to ask ctscrub's delegate instead of walking its
-// maps (issue 22). Every figure comes from Cilium, the runtime or the
+// fix), Cilium patched to coalesce its own concurrent endpoint scrubs into
+// one walk, off the endpoint's lock (cilium/patches/coalesce-v*, no ctscrub:
+// the in-agent baseline of issue 38), and Cilium patched to ask ctscrub's
+// delegate instead of walking its maps (issue 22). Every figure comes from Cilium, the runtime or the
 // kernel: the agent's per-endpoint regeneration statistics
 // (waitingForCTClean, the wait for Cilium's own CT scrub of the new IP),
 // cilium-cni's ADD and DEL, containerd's RunPodSandbox and StopPodSandbox,
@@ -52,12 +54,12 @@ const (
 )
 
 // The variants, in the order they run: the three on stock Cilium with
-// run.sh's GC interval first, then the two that upgrade Cilium.
-var variantNames = []string{"ctscrub_no_expiry", "ctscrub", "cilium_only", "cilium_gc60", "ctscrub_delegate",
+// run.sh's GC interval first, then those that upgrade Cilium.
+var variantNames = []string{"ctscrub_no_expiry", "ctscrub", "cilium_only", "cilium_gc60", "cilium_coalesced", "ctscrub_delegate",
 	"ctscrub_delegate_restart", "ctscrub_delegate_upgrade"}
 
 var variantPrefix = map[string]string{"ctscrub_no_expiry": "noexp", "ctscrub": "sweep", "cilium_only": "only",
-	"cilium_gc60": "gc60", "ctscrub_delegate": "deleg", "ctscrub_delegate_restart": "delrs", "ctscrub_delegate_upgrade": "delup"}
+	"cilium_gc60": "gc60", "cilium_coalesced": "coal", "ctscrub_delegate": "deleg", "ctscrub_delegate_restart": "delrs", "ctscrub_delegate_upgrade": "delup"}
 
 // isDelegate: the variants that run the patched agent with the delegate
 // flag and ctscrub installed as its delegate. Cold (without WARMUP=1)
@@ -81,11 +83,12 @@ type config struct {
 	podTimeout   time.Duration
 	variants     []string
 	// Cilium as run.sh installed it, and what the variants upgrade to.
-	ciliumChart   string
-	ciliumValues  string
-	ciliumImage   string // stock agent
-	delegateImage string // agent with cilium/patches
-	gcInterval    string // run.sh's conntrackGCInterval
+	ciliumChart    string
+	ciliumValues   string
+	ciliumImage    string // stock agent
+	delegateImage  string // agent with cilium/patches/v* (the delegate)
+	coalescedImage string // agent with cilium/patches/coalesce-v*
+	gcInterval     string // run.sh's conntrackGCInterval
 	// warmup (WARMUP=1): before ctscrub_delegate, remove the worker's
 	// dead sandboxes and give every free address of its range a pod once,
 	// so scrubd has seen each come and go. Off by default: an operator
@@ -122,11 +125,12 @@ func loadConfig() (config, error) {
 		serverImage:  os.Getenv("SERVER_IMAGE"),
 		clientImage:  os.Getenv("CLIENT_IMAGE"),
 
-		ciliumChart:   os.Getenv("CILIUM_CHART"),
-		ciliumValues:  os.Getenv("CILIUM_VALUES"),
-		ciliumImage:   os.Getenv("CILIUM_IMAGE"),
-		delegateImage: os.Getenv("CILIUM_DELEGATE_IMAGE"),
-		gcInterval:    envStr("CT_GC_INTERVAL", "12h"),
+		ciliumChart:    os.Getenv("CILIUM_CHART"),
+		ciliumValues:   os.Getenv("CILIUM_VALUES"),
+		ciliumImage:    os.Getenv("CILIUM_IMAGE"),
+		delegateImage:  os.Getenv("CILIUM_DELEGATE_IMAGE"),
+		coalescedImage: os.Getenv("CILIUM_COALESCED_IMAGE"),
+		gcInterval:     envStr("CT_GC_INTERVAL", "12h"),
 	}
 	var err error
 	if c.entries, err = envInt("ENTRIES", 4<<20); err != nil {
@@ -163,12 +167,15 @@ func loadConfig() (config, error) {
 		}
 	}
 	need := map[string]string{"CTSCRUB_IMAGE": c.ctscrubImage, "CLIENT_IMAGE": c.clientImage}
-	if slices.Contains(c.variants, "cilium_gc60") || slices.ContainsFunc(c.variants, isDelegate) {
+	if slices.Contains(c.variants, "cilium_gc60") || slices.Contains(c.variants, "cilium_coalesced") || slices.ContainsFunc(c.variants, isDelegate) {
 		// Variants that upgrade Cilium need what it was installed with.
 		need["CILIUM_CHART"], need["CILIUM_VALUES"], need["CILIUM_IMAGE"] = c.ciliumChart, c.ciliumValues, c.ciliumImage
 	}
 	if slices.ContainsFunc(c.variants, isDelegate) {
 		need["CILIUM_DELEGATE_IMAGE"] = c.delegateImage
+	}
+	if slices.Contains(c.variants, "cilium_coalesced") {
+		need["CILIUM_COALESCED_IMAGE"] = c.coalescedImage
 	}
 	for name, v := range need {
 		if v == "" {
@@ -259,6 +266,18 @@ type variantResult struct {
 	BatchWalkS          float64 `json:"batch_walk_s,omitempty"`
 	CompleteShare       float64 `json:"delegated_complete_share"`
 	Walks               float64 `json:"walks"`
+
+	// cilium_coalesced (the agent's cilium_datapath_conntrack_scrub_*
+	// metrics, absent from other agents): the endpoint scrubs answered and
+	// the walks that did them over the window, and the seconds from the
+	// deletes' start until the agent had answered every scrub (a deleted
+	// endpoint's scrub is queued, not waited for, so it may end after the
+	// pod is gone: all_gone_s; the CPU window ends only then). An upper
+	// bound by up to 3 s: it is checked after the sandboxes stopped, every
+	// second.
+	ScrubRequests float64 `json:"scrub_requests,omitempty"`
+	ScrubWalks    float64 `json:"scrub_walks,omitempty"`
+	ScrubDrainS   float64 `json:"scrub_drain_s,omitempty"`
 }
 
 type result struct {

@@ -13,6 +13,9 @@
 #   CILIUM_DELEGATE_IMAGE Cilium agent with cilium/patches (tag
 #                         <version>-delegate-<hash>: CILIUM_DELEGATE=1
 #                         e2e/kind/images/cilium.sh), for ctscrub_delegate only
+#   CILIUM_COALESCED_IMAGE Cilium agent with cilium/patches/coalesce-v* (tag
+#                         <version>-coalesced-<hash>: CILIUM_COALESCED=1
+#                         e2e/kind/images/cilium.sh), for cilium_coalesced only
 #   CILIUM_OPERATOR_IMAGE Cilium operator (stock, every variant)
 #   CTSCRUB_IMAGE         ctscrub (conf/Containerfile)
 #   CLIENT_IMAGE          busybox, for the traffic pods (SERVER_IMAGE: same unless set)
@@ -27,7 +30,7 @@
 # its metrics on, and cni.exclusive=false so ctscrub's installer may chain
 # itself into Cilium's own conflist (docs/plugin.md, option 2). Those values
 # go to a file (CILIUM_VALUES) that the benchmark layers each variant's own
-# on when it upgrades Cilium (cilium_gc60, ctscrub_delegate). IPAM is
+# on when it upgrades Cilium (cilium_gc60, cilium_coalesced, ctscrub_delegate). IPAM is
 # cluster-pool with small node ranges (NODE_CIDR_MASK, default: the smallest
 # holding PODS + 12 addresses) so that ctscrub_delegate's warm-up can give
 # every free address of the worker a pod once (docs/cilium-node.md).
@@ -78,6 +81,11 @@ if [[ -z $VARIANTS || ,$VARIANTS, == *,ctscrub_delegate,* ]]; then
 	CILIUM_DELEGATE_IMAGE=${CILIUM_DELEGATE_IMAGE:-$(newest 'ctscrub-kind/cilium' "$v_re-delegate-[0-9a-f]+" CILIUM_DELEGATE_IMAGE \
 		"CILIUM_DELEGATE=1 CILIUM_VERSION=$CILIUM_VERSION e2e/kind/images/cilium.sh builds it (or leave ctscrub_delegate out of VARIANTS)")}
 fi
+export CILIUM_COALESCED_IMAGE=${CILIUM_COALESCED_IMAGE:-}
+if [[ -z $VARIANTS || ,$VARIANTS, == *,cilium_coalesced,* ]]; then
+	CILIUM_COALESCED_IMAGE=${CILIUM_COALESCED_IMAGE:-$(newest 'ctscrub-kind/cilium' "$v_re-coalesced-[0-9a-f]+" CILIUM_COALESCED_IMAGE \
+		"CILIUM_COALESCED=1 CILIUM_VERSION=$CILIUM_VERSION e2e/kind/images/cilium.sh builds it (or leave cilium_coalesced out of VARIANTS)")}
+fi
 CILIUM_OPERATOR_IMAGE=${CILIUM_OPERATOR_IMAGE:-$(newest 'ctscrub-kind/cilium-operator-generic' "$v_re-[0-9a-f]+" CILIUM_OPERATOR_IMAGE)}
 if [[ -z ${CTSCRUB_IMAGE:-} ]]; then
 	CTSCRUB_IMAGE=$(CTSCRUB_KIND_WORK=$WORK/images "$ROOT/e2e/kind/images/ctscrub.sh") || die "building ctscrub's image from $ROOT failed"
@@ -90,7 +98,7 @@ if [[ -z ${CILIUM_CHART:-} ]]; then
 	CILIUM_CHART=$dir/install/kubernetes/cilium
 fi
 [[ -f $CILIUM_CHART/Chart.yaml ]] || die "no Helm chart at $CILIUM_CHART (set CILIUM_CHART)"
-log "images: node $NODE_IMAGE, cilium $CILIUM_IMAGE (delegate: ${CILIUM_DELEGATE_IMAGE:-none}), operator $CILIUM_OPERATOR_IMAGE, ctscrub $CTSCRUB_IMAGE, client $CLIENT_IMAGE"
+log "images: node $NODE_IMAGE, cilium $CILIUM_IMAGE (delegate: ${CILIUM_DELEGATE_IMAGE:-none}, coalesced: ${CILIUM_COALESCED_IMAGE:-none}), operator $CILIUM_OPERATOR_IMAGE, ctscrub $CTSCRUB_IMAGE, client $CLIENT_IMAGE"
 
 # kubectl of the cluster's own version, from the node image.
 mkdir -p "$WORK/bin"
@@ -126,7 +134,7 @@ nodes:
 EOF
 log "creating cluster $CLUSTER"
 kind create cluster --name "$CLUSTER" --image "$NODE_IMAGE" --config "$WORK/kind.yaml" --kubeconfig "$KUBECONFIG" --wait 0s >&2
-for img in "$CILIUM_IMAGE" ${CILIUM_DELEGATE_IMAGE:+"$CILIUM_DELEGATE_IMAGE"} "$CILIUM_OPERATOR_IMAGE" "$CTSCRUB_IMAGE" "$CLIENT_IMAGE" "$SERVER_IMAGE"; do
+for img in "$CILIUM_IMAGE" ${CILIUM_DELEGATE_IMAGE:+"$CILIUM_DELEGATE_IMAGE"} ${CILIUM_COALESCED_IMAGE:+"$CILIUM_COALESCED_IMAGE"} "$CILIUM_OPERATOR_IMAGE" "$CTSCRUB_IMAGE" "$CLIENT_IMAGE" "$SERVER_IMAGE"; do
 	kind load docker-image "$img" --name "$CLUSTER" >&2
 done
 

@@ -102,7 +102,7 @@ func runVariant(ctx context.Context, cfg config, k *kube, maps *ctmap.Maps, f *f
 		if waited, err = waitGCRuns(k, gcBase, presentKinds(maps), 5*time.Minute); err == nil {
 			log.Printf("Cilium's CT GC ran twice over every map (%.1fs after the fill)", waited.Seconds())
 		}
-	case "cilium_only":
+	case "cilium_only", "cilium_coalesced":
 		// uninstalled before the fill
 	case "ctscrub_delegate", "ctscrub_delegate_restart", "ctscrub_delegate_upgrade":
 		// With WARMUP=1 installed and warmed up before the fill; cold,
@@ -224,6 +224,14 @@ func runVariant(ctx context.Context, cfg config, k *kube, maps *ctmap.Maps, f *f
 		}
 		time.Sleep(2 * time.Second)
 	}
+	if name == "cilium_coalesced" {
+		// The deletes' walks are the agent's work for these pods too.
+		if _, err := waitScrubsAnswered(k, 10*time.Minute); err != nil {
+			return nil, 0, err
+		}
+		v.ScrubDrainS = time.Since(start).Seconds()
+		log.Printf("the agent had answered every endpoint scrub %.1fs after the deletes began (all pods gone after %.1fs)", v.ScrubDrainS, v.AllGoneS)
+	}
 	var sbT, stopT []time.Duration
 	for _, s := range sbs {
 		v.SandboxFailures += s.Failures
@@ -295,6 +303,12 @@ func runVariant(ctx context.Context, cfg config, k *kube, maps *ctmap.Maps, f *f
 		return nil, 0, err
 	}
 	v.CiliumGCRuns = countersAfter.gcRuns - countersBefore.gcRuns
+	v.ScrubRequests = countersAfter.scrubRequests - countersBefore.scrubRequests
+	v.ScrubWalks = countersAfter.scrubWalks - countersBefore.scrubWalks
+	if name == "cilium_coalesced" && v.ScrubRequests == 0 {
+		// Figures of another agent under this variant's name would mislead.
+		return nil, 0, fmt.Errorf("the agent answered no endpoint scrub (cilium_datapath_conntrack_scrub_requests_total did not grow): %s is not built with cilium/patches/coalesce-v* (CILIUM_COALESCED=1 e2e/kind/images/cilium.sh), or its metrics are off", cfg.coalescedImage)
+	}
 	v.DelegatedScrubs = countersAfter.delegated - countersBefore.delegated
 	v.FallbackCauses = map[string]float64{}
 	for c, n := range countersAfter.fallbacks {
@@ -344,6 +358,9 @@ func runVariant(ctx context.Context, cfg config, k *kube, maps *ctmap.Maps, f *f
 	v.Measured.Regens, v.Measured.Sandboxes, v.Measured.Stops, v.Measured.CNIAdd, v.Measured.CNIDel = ct.N, sb.N, st.N, ad.N, dl.N
 	log.Printf("waitingForCTClean %s; regeneration %s; RunPodSandbox %s; StopPodSandbox %s; cilium-cni ADD %s, DEL %s; failed pods %d, failed RunPodSandbox calls %d; metric waitingForCTClean: %v observations, %.2fs in all",
 		ct, rg, sb, st, ad, dl, v.FailedPods, v.SandboxFailures, v.MetricCTClean.Count, v.MetricCTClean.SumS)
+	if name == "cilium_coalesced" {
+		log.Printf("coalesced: %.0f endpoint scrubs answered by %.0f walks", v.ScrubRequests, v.ScrubWalks)
+	}
 	log.Printf("CPU over %.0fs: cilium-agent %.2fs, scrubd %.2fs; Cilium GC runs %.0f; delegate: %.0f scrubs delegated, %.0f walks after asking %v; scrubd's scrubs %v, delegate answers %v, within %v",
 		v.CPUWindowS, v.AgentCPUS, v.ScrubdCPUS, v.CiliumGCRuns, v.DelegatedScrubs, v.FallbackWalks, v.FallbackCauses, v.ScrubdScrubs, v.DelegateAnswers, v.DelegateWithin)
 	return v, v.EntriesBefore, nil
@@ -631,7 +648,7 @@ func waitFirstSweep(k *kube, maps *ctmap.Maps) error {
 
 // usesCtscrub reports whether ctscrub is installed during the variant.
 func usesCtscrub(variant string) bool {
-	return variant != "cilium_only" && variant != "cilium_gc60"
+	return variant != "cilium_only" && variant != "cilium_gc60" && variant != "cilium_coalesced"
 }
 
 func presentKinds(maps *ctmap.Maps) int {

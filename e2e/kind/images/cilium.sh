@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Cilium's agent and operator images, version $CILIUM_VERSION, built from the
 # github.com/cilium/cilium Go module, with no change to Cilium's source unless
-# CILIUM_PATCH or CILIUM_DELEGATE (below) asks for one.
+# CILIUM_PATCH, CILIUM_DELEGATE or CILIUM_COALESCED (below) asks for one.
 # Prints two lines, the agent image and the operator image
 # (ctscrub-kind/cilium:<version>-<hash>,
 # ctscrub-kind/cilium-operator-generic:<version>-<hash>), built or reused.
@@ -21,24 +21,38 @@
 # (the conntrack scrub delegate, docs/upstream-delegate.md) to the source
 # copy, after CILIUM_PATCH; the image is tagged <version>[-patched]-delegate-<hash>
 # and its hash covers the patch files.
+#
+# CILIUM_COALESCED=1 (optional): apply cilium/patches/coalesce-v$CILIUM_VERSION/*.patch
+# (the in-agent baseline: concurrent endpoint CT scrubs coalesced into one
+# walk, off the endpoint's lock; cilium/patches/README.md) instead; the image
+# is tagged <version>[-patched]-coalesced-<hash>. Not with CILIUM_DELEGATE=1:
+# the two series are alternatives, each against stock Cilium.
 source "$(dirname "$0")/lib.sh"
 source "$IMAGES_DIR/cilium-module.sh"
 CILIUM_VERSION=${CILIUM_VERSION:-1.18.8}
 CILIUM_VERSION=${CILIUM_VERSION#v}
 CILIUM_PATCH=${CILIUM_PATCH:-}
 CILIUM_DELEGATE=${CILIUM_DELEGATE:-0}
+CILIUM_COALESCED=${CILIUM_COALESCED:-0}
 patched=; [[ -n $CILIUM_PATCH ]] && patched=-patched
-delegate_patches=()
+[[ $CILIUM_DELEGATE == [01] ]] || die "CILIUM_DELEGATE=$CILIUM_DELEGATE: must be 0 or 1"
+[[ $CILIUM_COALESCED == [01] ]] || die "CILIUM_COALESCED=$CILIUM_COALESCED: must be 0 or 1"
+[[ $CILIUM_DELEGATE == 1 && $CILIUM_COALESCED == 1 ]] &&
+	die "CILIUM_DELEGATE=1 and CILIUM_COALESCED=1: pick one (each series is written against stock Cilium, and the images are compared with each other)"
+series_patches=() # the series applied: the delegate or the coalesced scrub
 if [[ $CILIUM_DELEGATE == 1 ]]; then
-	delegate_patches=("$ROOT/cilium/patches/v$CILIUM_VERSION"/*.patch)
-	[[ -f ${delegate_patches[0]} ]] ||
+	series_patches=("$ROOT/cilium/patches/v$CILIUM_VERSION"/*.patch)
+	[[ -f ${series_patches[0]} ]] ||
 		die "CILIUM_DELEGATE=1: no patch for Cilium $CILIUM_VERSION in cilium/patches/v$CILIUM_VERSION (see cilium/patches/README.md)"
 	patched+=-delegate
-elif [[ $CILIUM_DELEGATE != 0 ]]; then
-	die "CILIUM_DELEGATE=$CILIUM_DELEGATE: must be 0 or 1"
+elif [[ $CILIUM_COALESCED == 1 ]]; then
+	series_patches=("$ROOT/cilium/patches/coalesce-v$CILIUM_VERSION"/*.patch)
+	[[ -f ${series_patches[0]} ]] ||
+		die "CILIUM_COALESCED=1: no patch for Cilium $CILIUM_VERSION in cilium/patches/coalesce-v$CILIUM_VERSION (see cilium/patches/README.md)"
+	patched+=-coalesced
 fi
 hash=$(inputs_hash "$IMAGES_DIR/lib.sh" "$IMAGES_DIR/cilium.sh" "$IMAGES_DIR/cilium-module.sh" "$CILIUM_VERSION" \
-	${CILIUM_PATCH:+"$CILIUM_PATCH"} "${delegate_patches[@]}")
+	${CILIUM_PATCH:+"$CILIUM_PATCH"} "${series_patches[@]}")
 agent=ctscrub-kind/cilium:$CILIUM_VERSION$patched-$hash
 operator=ctscrub-kind/cilium-operator-generic:$CILIUM_VERSION$patched-$hash
 if have_image "$agent" && have_image "$operator"; then printf '%s\n%s\n' "$agent" "$operator"; exit 0; fi
@@ -48,11 +62,11 @@ dir=$WORK/cilium-$CILIUM_VERSION
 rm -rf "$dir"; mkdir -p "$dir"
 mod=github.com/cilium/cilium
 src=$("$GO" mod download -json "$mod@v$CILIUM_VERSION" | jq -r .Dir)
-if [[ -n $CILIUM_PATCH || ${#delegate_patches[@]} -gt 0 ]]; then
+if [[ -n $CILIUM_PATCH || ${#series_patches[@]} -gt 0 ]]; then
 	# A writable copy of the module, built in place of the proxy's.
 	cp -a "$src" "$dir/src"; chmod -R u+w "$dir/src"; src=$dir/src
 	if [[ -n $CILIUM_PATCH ]]; then (cd "$src" && "$CILIUM_PATCH"); fi
-	for p in "${delegate_patches[@]}"; do
+	for p in "${series_patches[@]}"; do
 		(cd "$src" && git apply --whitespace=nowarn "$p") || die "$p does not apply to Cilium $CILIUM_VERSION's source"
 	done
 fi
