@@ -91,6 +91,7 @@ func TestKindDelegateFaults(t *testing.T) {
 	before := c.ciliumCounts(node)
 	hung := c.startFake(node, "hang", -1)
 	var readyMax time.Duration
+	var readyS []float64          // each hung-phase pod's, in creation order
 	failed := map[string]string{} // pod -> why
 	for i := range hungPods {
 		pod := fmt.Sprintf("hung-%d", i)
@@ -102,6 +103,7 @@ func TestKindDelegateFaults(t *testing.T) {
 		}
 		t.Logf("pod %s Ready %.1f s after its apply (hung delegate)", pod, took.Seconds())
 		readyMax = max(readyMax, took)
+		readyS = append(readyS, math.Round(took.Seconds()*10)/10)
 	}
 	delStart := time.Now()
 	c.must(5*time.Minute, "kubectl", "-n", ns, "delete", "pod", "-l", "app=faults-hung", "--wait=true", "--timeout=4m")
@@ -248,6 +250,7 @@ func TestKindDelegateFaults(t *testing.T) {
 	details["agent_wait_bucket_s"] = jsonBound(agentWait.maxBound())
 	details["ct_clean_wait_bucket_s"] = jsonBound(ctClean.maxBound())
 	details["hung_pod_ready_max_s"] = round3(readyMax.Seconds())
+	details["hung_pod_ready_s"] = readyS
 	details["hung_delete_s"] = round3(hungDelete.Seconds())
 	details["nonroot_pods"] = nonrootPods
 	details["nonroot_fallbacks"] = nonrootFallbacks
