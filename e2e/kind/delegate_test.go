@@ -3,6 +3,7 @@ package kind
 import (
 	"bufio"
 	"fmt"
+	"math"
 	"net"
 	"regexp"
 	"sort"
@@ -39,6 +40,62 @@ type delegateCounts struct {
 	// over every status: every regeneration observes it, the first (which
 	// waits for the create scrub) and the later ones (which do not).
 	ctCleanSum, ctCleanCount float64
+	// The same histogram's buckets (ctClean.count is ctCleanCount).
+	ctClean histogram
+	// The breaker (issue 38's series): ..._breaker_opens_total and the
+	// ..._breaker_open gauge (1 while the agent does not ask).
+	breakerOpens, breakerOpen float64
+	// ..._duration_seconds{event,outcome}, by outcome (complete, partial,
+	// fallback) over both events: how long each scrub the delegate was
+	// asked waited for it.
+	waits map[string]histogram
+}
+
+// histogram is one Prometheus histogram's cumulative buckets (le -> the
+// observations at most le), count and sum, summed over the series read.
+type histogram struct {
+	buckets    map[float64]float64
+	count, sum float64
+}
+
+func (h *histogram) add(le string, v float64) error {
+	b, err := strconv.ParseFloat(le, 64) // "+Inf" too
+	if err != nil {
+		return fmt.Errorf("le %q: %v", le, err)
+	}
+	if h.buckets == nil {
+		h.buckets = map[float64]float64{}
+	}
+	h.buckets[b] += v
+	return nil
+}
+
+// sub is h minus an earlier reading of the same agent.
+func (h histogram) sub(o histogram) histogram {
+	d := histogram{buckets: map[float64]float64{}, count: h.count - o.count, sum: h.sum - o.sum}
+	for le, v := range h.buckets {
+		d.buckets[le] = v - o.buckets[le]
+	}
+	return d
+}
+
+// maxBound is the smallest bucket bound every observation is at most: 0
+// with no observation, +Inf when one is above the largest finite bound.
+func (h histogram) maxBound() float64 {
+	if h.count <= 0 {
+		return 0
+	}
+	les := make([]float64, 0, len(h.buckets))
+	for le := range h.buckets {
+		les = append(les, le)
+	}
+	sort.Float64s(les)
+	for _, le := range les {
+		if h.buckets[le] >= h.count {
+			return le
+		}
+	}
+	return math.Inf(1)
 }
 
 func (d delegateCounts) fallbackTotal() float64 {
@@ -55,7 +112,7 @@ var labelRe = regexp.MustCompile(`([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"`)
 // parseDelegateCounts reads the agent's Prometheus text. The delegate's
 // counters are vectors: before their first scrub they have no series (0).
 func parseDelegateCounts(text string) (delegateCounts, error) {
-	d := delegateCounts{delegated: map[string]float64{}, fallbacks: map[string]float64{}}
+	d := delegateCounts{delegated: map[string]float64{}, fallbacks: map[string]float64{}, waits: map[string]histogram{}}
 	sc := bufio.NewScanner(strings.NewReader(text))
 	sc.Buffer(make([]byte, 1<<20), 1<<20)
 	seen := false
@@ -89,11 +146,38 @@ func parseDelegateCounts(text string) (delegateCounts, error) {
 		case "cilium_endpoint_regeneration_time_stats_seconds_sum":
 			if labels["scope"] == "waitingForCTClean" {
 				d.ctCleanSum += v
+				d.ctClean.sum += v
 			}
 		case "cilium_endpoint_regeneration_time_stats_seconds_count":
 			if labels["scope"] == "waitingForCTClean" {
 				d.ctCleanCount += v
+				d.ctClean.count += v
 			}
+		case "cilium_endpoint_regeneration_time_stats_seconds_bucket":
+			if labels["scope"] == "waitingForCTClean" {
+				if err := d.ctClean.add(labels["le"], v); err != nil {
+					return d, fmt.Errorf("metrics line %q: %v", l, err)
+				}
+			}
+		case "cilium_datapath_conntrack_scrub_delegate_breaker_opens_total":
+			d.breakerOpens += v
+		case "cilium_datapath_conntrack_scrub_delegate_breaker_open":
+			d.breakerOpen += v
+		case "cilium_datapath_conntrack_scrub_delegate_duration_seconds_bucket",
+			"cilium_datapath_conntrack_scrub_delegate_duration_seconds_sum",
+			"cilium_datapath_conntrack_scrub_delegate_duration_seconds_count":
+			h := d.waits[labels["outcome"]]
+			switch strings.TrimPrefix(name, "cilium_datapath_conntrack_scrub_delegate_duration_seconds_") {
+			case "bucket":
+				if err := h.add(labels["le"], v); err != nil {
+					return d, fmt.Errorf("metrics line %q: %v", l, err)
+				}
+			case "sum":
+				h.sum += v
+			case "count":
+				h.count += v
+			}
+			d.waits[labels["outcome"]] = h
 		}
 	}
 	if err := sc.Err(); err != nil {
@@ -237,5 +321,95 @@ cilium_endpoint_regeneration_time_stats_seconds_bucket{scope="waitingForCTClean"
 	}
 	if got := countIPs("a 10.244.1.5:80 -> 1.2.3.4\nb 10.244.1.50:80\nc 10.244.1.5\n", map[string]string{"10.244.1.5": "p", "10.244.1.6": "q"}); got["10.244.1.5"] != 2 || got["10.244.1.6"] != 0 {
 		t.Errorf("countIPs %v, want 10.244.1.5:2 10.244.1.6:0", got)
+	}
+}
+
+// TestParseDelegateBreakerAndWaits runs everywhere (no cluster): the
+// breaker's series and the two histograms TestKindDelegateFaults reads, as
+// Cilium 1.18.8 with cilium/patches writes them, and the difference of two
+// readings.
+func TestParseDelegateBreakerAndWaits(t *testing.T) {
+	before := `cilium_datapath_conntrack_scrub_delegate_breaker_opens_total 0
+cilium_datapath_conntrack_scrub_delegate_breaker_open 0
+cilium_datapath_conntrack_scrub_delegate_duration_seconds_bucket{event="endpoint-create",outcome="complete",le="0.001"} 2
+cilium_datapath_conntrack_scrub_delegate_duration_seconds_bucket{event="endpoint-create",outcome="complete",le="0.0025"} 3
+cilium_datapath_conntrack_scrub_delegate_duration_seconds_bucket{event="endpoint-create",outcome="complete",le="5"} 3
+cilium_datapath_conntrack_scrub_delegate_duration_seconds_bucket{event="endpoint-create",outcome="complete",le="+Inf"} 3
+cilium_datapath_conntrack_scrub_delegate_duration_seconds_sum{event="endpoint-create",outcome="complete"} 0.004
+cilium_datapath_conntrack_scrub_delegate_duration_seconds_count{event="endpoint-create",outcome="complete"} 3
+cilium_datapath_conntrack_scrub_delegate_duration_seconds_bucket{event="endpoint-create",outcome="fallback",le="1"} 1
+cilium_datapath_conntrack_scrub_delegate_duration_seconds_bucket{event="endpoint-create",outcome="fallback",le="2.5"} 1
+cilium_datapath_conntrack_scrub_delegate_duration_seconds_bucket{event="endpoint-create",outcome="fallback",le="5"} 1
+cilium_datapath_conntrack_scrub_delegate_duration_seconds_bucket{event="endpoint-create",outcome="fallback",le="+Inf"} 1
+cilium_datapath_conntrack_scrub_delegate_duration_seconds_sum{event="endpoint-create",outcome="fallback"} 0.001
+cilium_datapath_conntrack_scrub_delegate_duration_seconds_count{event="endpoint-create",outcome="fallback"} 1
+cilium_endpoint_regeneration_time_stats_seconds_bucket{scope="waitingForCTClean",status="success",le="0.005"} 40
+cilium_endpoint_regeneration_time_stats_seconds_bucket{scope="waitingForCTClean",status="success",le="1"} 40
+cilium_endpoint_regeneration_time_stats_seconds_bucket{scope="waitingForCTClean",status="success",le="2.5"} 40
+cilium_endpoint_regeneration_time_stats_seconds_bucket{scope="waitingForCTClean",status="success",le="5"} 40
+cilium_endpoint_regeneration_time_stats_seconds_bucket{scope="waitingForCTClean",status="success",le="+Inf"} 40
+cilium_endpoint_regeneration_time_stats_seconds_sum{scope="waitingForCTClean",status="success"} 0.05
+cilium_endpoint_regeneration_time_stats_seconds_count{scope="waitingForCTClean",status="success"} 40
+cilium_endpoint_regeneration_time_stats_seconds_bucket{scope="total",status="success",le="5"} 1
+`
+	after := `cilium_datapath_conntrack_scrub_delegate_breaker_opens_total 1
+cilium_datapath_conntrack_scrub_delegate_breaker_open 1
+cilium_datapath_conntrack_scrub_delegate_duration_seconds_bucket{event="endpoint-create",outcome="complete",le="0.001"} 2
+cilium_datapath_conntrack_scrub_delegate_duration_seconds_bucket{event="endpoint-create",outcome="complete",le="0.0025"} 3
+cilium_datapath_conntrack_scrub_delegate_duration_seconds_bucket{event="endpoint-create",outcome="complete",le="5"} 3
+cilium_datapath_conntrack_scrub_delegate_duration_seconds_bucket{event="endpoint-create",outcome="complete",le="+Inf"} 3
+cilium_datapath_conntrack_scrub_delegate_duration_seconds_sum{event="endpoint-create",outcome="complete"} 0.004
+cilium_datapath_conntrack_scrub_delegate_duration_seconds_count{event="endpoint-create",outcome="complete"} 3
+cilium_datapath_conntrack_scrub_delegate_duration_seconds_bucket{event="endpoint-create",outcome="fallback",le="1"} 1
+cilium_datapath_conntrack_scrub_delegate_duration_seconds_bucket{event="endpoint-create",outcome="fallback",le="2.5"} 6
+cilium_datapath_conntrack_scrub_delegate_duration_seconds_bucket{event="endpoint-create",outcome="fallback",le="5"} 6
+cilium_datapath_conntrack_scrub_delegate_duration_seconds_bucket{event="endpoint-create",outcome="fallback",le="+Inf"} 6
+cilium_datapath_conntrack_scrub_delegate_duration_seconds_sum{event="endpoint-create",outcome="fallback"} 5.011
+cilium_datapath_conntrack_scrub_delegate_duration_seconds_count{event="endpoint-create",outcome="fallback"} 6
+cilium_datapath_conntrack_scrub_delegate_duration_seconds_bucket{event="endpoint-delete",outcome="fallback",le="1"} 0
+cilium_datapath_conntrack_scrub_delegate_duration_seconds_bucket{event="endpoint-delete",outcome="fallback",le="2.5"} 1
+cilium_datapath_conntrack_scrub_delegate_duration_seconds_bucket{event="endpoint-delete",outcome="fallback",le="5"} 1
+cilium_datapath_conntrack_scrub_delegate_duration_seconds_bucket{event="endpoint-delete",outcome="fallback",le="+Inf"} 1
+cilium_datapath_conntrack_scrub_delegate_duration_seconds_sum{event="endpoint-delete",outcome="fallback"} 1.002
+cilium_datapath_conntrack_scrub_delegate_duration_seconds_count{event="endpoint-delete",outcome="fallback"} 1
+cilium_endpoint_regeneration_time_stats_seconds_bucket{scope="waitingForCTClean",status="success",le="0.005"} 50
+cilium_endpoint_regeneration_time_stats_seconds_bucket{scope="waitingForCTClean",status="success",le="1"} 50
+cilium_endpoint_regeneration_time_stats_seconds_bucket{scope="waitingForCTClean",status="success",le="2.5"} 55
+cilium_endpoint_regeneration_time_stats_seconds_bucket{scope="waitingForCTClean",status="success",le="5"} 55
+cilium_endpoint_regeneration_time_stats_seconds_bucket{scope="waitingForCTClean",status="success",le="+Inf"} 55
+cilium_endpoint_regeneration_time_stats_seconds_sum{scope="waitingForCTClean",status="success"} 5.3
+cilium_endpoint_regeneration_time_stats_seconds_count{scope="waitingForCTClean",status="success"} 55
+cilium_endpoint_regeneration_time_stats_seconds_bucket{scope="waitingForCTClean",status="failure",le="5"} 0
+cilium_endpoint_regeneration_time_stats_seconds_bucket{scope="waitingForCTClean",status="failure",le="+Inf"} 1
+cilium_endpoint_regeneration_time_stats_seconds_count{scope="waitingForCTClean",status="failure"} 1
+cilium_endpoint_regeneration_time_stats_seconds_bucket{scope="total",status="success",le="5"} 9
+`
+	b, err := parseDelegateCounts(before)
+	if err != nil {
+		t.Fatal(err)
+	}
+	a, err := parseDelegateCounts(after)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if a.breakerOpens-b.breakerOpens != 1 || a.breakerOpen != 1 || b.breakerOpen != 0 {
+		t.Errorf("breaker: opens %v -> %v, open %v -> %v", b.breakerOpens, a.breakerOpens, b.breakerOpen, a.breakerOpen)
+	}
+	fb := a.waits["fallback"].sub(b.waits["fallback"])
+	if fb.count != 6 || math.Abs(fb.sum-6.012) > 1e-9 || fb.maxBound() != 2.5 {
+		t.Errorf("fallback waits during the phase: count %v sum %v bound %v, want 6, 6.012, 2.5", fb.count, fb.sum, fb.maxBound())
+	}
+	if cw := a.waits["complete"].sub(b.waits["complete"]); cw.count != 0 || cw.maxBound() != 0 {
+		t.Errorf("complete waits during the phase: count %v bound %v, want 0 and 0", cw.count, cw.maxBound())
+	}
+	if b.waits["complete"].maxBound() != 0.0025 {
+		t.Errorf("complete waits: bound %v, want 0.0025", b.waits["complete"].maxBound())
+	}
+	ct := a.ctClean.sub(b.ctClean)
+	if ct.count != 16 || ct.maxBound() != math.Inf(1) || a.ctCleanCount != 56 {
+		t.Errorf("waitingForCTClean during the phase: count %v bound %v (all: %v), want 16, +Inf (one failure above 5 s), 56", ct.count, ct.maxBound(), a.ctCleanCount)
+	}
+	if ok := b.ctClean.maxBound(); ok != 0.005 {
+		t.Errorf("waitingForCTClean before: bound %v, want 0.005", ok)
 	}
 }

@@ -14,11 +14,16 @@
 # default every kind test of the mode), E2E_KIND_KEEP=1 (keep the cluster:
 # `e2e/kind/cluster.sh down` later).
 #
-# CILIUM_DELEGATE=1: the default pattern also runs TestKindDelegateUnseenWave
-# (issue 34: a wave of pods started while ctscrub is unchained, then deleted
-# and its IPs reused; the delegate's answers about them counted by method),
-# which skips with its reason otherwise. It sorts before TestKindUninstall
-# (delegate_unseen_test.go < uninstall_test.go), which must come last.
+# CILIUM_DELEGATE=1: the default pattern also runs TestKindDelegateFaults
+# (issue 38: a fake delegate that hangs, then one served by uid 65534, in
+# front of the patched agent; the breaker and the refusals counted) and
+# TestKindDelegateUnseenWave (issue 34: a wave of pods started while ctscrub
+# is unchained, then deleted and its IPs reused; the delegate's answers about
+# them counted by method), which skip with their reason otherwise. They sort
+# after TestKindChurn and before TestKindUninstall (churn_test.go <
+# delegate_faults_test.go < delegate_unseen_test.go < uninstall_test.go),
+# which must come last; the fault test gives scrubd its socket back and waits
+# for the agent to delegate again before it ends.
 #
 # CNI=kindnet: the cluster comes up without ctscrub; TestKindBlackhole runs
 # first, measures the blackhole, installs ctscrub (cluster.sh
