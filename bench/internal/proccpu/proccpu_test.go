@@ -1,4 +1,4 @@
-package main
+package proccpu
 
 import (
 	"os"
@@ -11,36 +11,36 @@ import (
 func TestParseStat(t *testing.T) {
 	// A comm with a space and parentheses: the fields start after the last ')'.
 	line := "4242 (a) b (c)) S 1 4242 4242 0 -1 4194560 500 0 0 0 170 30 7 3 20 0 12 0 98765 123456 789 18446744073709551615\n"
-	comm, start, ticks, err := parseStat([]byte(line))
+	comm, start, ticks, err := ParseStat([]byte(line))
 	if err != nil {
 		t.Fatal(err)
 	}
 	if comm != "a) b (c)" || start != 98765 || ticks != 170+30+7+3 {
-		t.Errorf("parseStat = %q, start %d, ticks %d; want \"a) b (c)\", 98765, 210", comm, start, ticks)
+		t.Errorf("ParseStat = %q, start %d, ticks %d; want \"a) b (c)\", 98765, 210", comm, start, ticks)
 	}
 	for _, bad := range []string{"", "1 comm S 1", "1 (x) S 1 2 3"} {
-		if _, _, _, err := parseStat([]byte(bad)); err == nil {
-			t.Errorf("parseStat(%q): no error", bad)
+		if _, _, _, err := ParseStat([]byte(bad)); err == nil {
+			t.Errorf("ParseStat(%q): no error", bad)
 		}
 	}
 }
 
 func TestCPUSeconds(t *testing.T) {
-	before := []procCPU{{PID: 10, Start: 100, Ticks: 500}, {PID: 11, Start: 100, Ticks: 50}}
-	after := []procCPU{
+	before := []Proc{{PID: 10, Start: 100, Ticks: 500}, {PID: 11, Start: 100, Ticks: 50}}
+	after := []Proc{
 		{PID: 10, Start: 100, Ticks: 650}, // the same process: 150 ticks
 		{PID: 11, Start: 900, Ticks: 40},  // PID reused by a new process: all of it
 		{PID: 12, Start: 950, Ticks: 10},  // started in the window (a restart): all of it
 	}
-	if got := cpuSeconds(before, after); got != 2.0 {
-		t.Errorf("cpuSeconds = %v, want 2.0 (150 + 40 + 10 ticks)", got)
+	if got := Seconds(before, after); got != 2.0 {
+		t.Errorf("Seconds = %v, want 2.0 (150 + 40 + 10 ticks)", got)
 	}
-	if got := cpuSeconds(nil, nil); got != 0 {
-		t.Errorf("cpuSeconds of nothing = %v", got)
+	if got := Seconds(nil, nil); got != 0 {
+		t.Errorf("Seconds of nothing = %v", got)
 	}
 }
 
-// processesCPU finds this test process in the real /proc by its comm and
+// Find finds this test process in the real /proc by its comm and
 // cgroup, and sees the CPU it burns.
 func TestProcessesCPUSeesThisProcess(t *testing.T) {
 	comm, err := os.ReadFile("/proc/self/comm")
@@ -55,18 +55,18 @@ func TestProcessesCPUSeesThisProcess(t *testing.T) {
 	lines := strings.Split(strings.TrimSpace(string(cg)), "\n")
 	path := lines[len(lines)-1][strings.LastIndexByte(lines[len(lines)-1], ':')+1:]
 	name := strings.TrimSpace(string(comm))
-	find := func() []procCPU {
+	find := func() []Proc {
 		t.Helper()
-		ps, err := processesCPU("/proc", name, path)
+		ps, err := Find("/proc", name, path)
 		if err != nil {
 			t.Fatal(err)
 		}
 		for _, p := range ps {
 			if p.PID == os.Getpid() {
-				return []procCPU{p}
+				return []Proc{p}
 			}
 		}
-		t.Fatalf("processesCPU(/proc, %q, %q) = %v: this process (%d) is not among them", name, path, ps, os.Getpid())
+		t.Fatalf("Find(/proc, %q, %q) = %v: this process (%d) is not among them", name, path, ps, os.Getpid())
 		return nil
 	}
 	before := find()
@@ -90,10 +90,25 @@ func TestProcessesCPUSeesThisProcess(t *testing.T) {
 	burnt := cpuNow() - start
 	// /proc/<pid>/stat counts in 10 ms ticks: allow that, and a little for
 	// the Go runtime's other threads.
-	if got := cpuSeconds(before, find()); got < burnt-0.05 || got > burnt+0.5 {
+	if got := Seconds(before, find()); got < burnt-0.05 || got > burnt+0.5 {
 		t.Errorf("CPU seen in /proc for a burn of %.2fs (getrusage): %.2fs", burnt, got)
 	}
-	if ps, err := processesCPU("/proc", name, "no-such-cgroup-"+path); err != nil || len(ps) != 0 {
+	if ps, err := Find("/proc", name, "no-such-cgroup-"+path); err != nil || len(ps) != 0 {
 		t.Errorf("another cgroup: %v, %v; want none", ps, err)
+	}
+}
+
+func TestParseRSS(t *testing.T) {
+	st := "Name:\tkube-proxy\nVmPeak:\t  900 kB\nVmRSS:\t   51200 kB\nRssAnon:\t 40000 kB\n"
+	if got, err := parseRSS([]byte(st)); err != nil || got != 51200<<10 {
+		t.Errorf("parseRSS = %d, %v; want %d", got, err, 51200<<10)
+	}
+	for _, bad := range []string{"Name:\tkthreadd\n", "VmRSS:\t12 MB\n", "VmRSS:\tx kB\n"} {
+		if _, err := parseRSS([]byte(bad)); err == nil {
+			t.Errorf("parseRSS(%q): no error", bad)
+		}
+	}
+	if rss, err := RSS("/proc", os.Getpid()); err != nil || rss <= 0 {
+		t.Errorf("RSS of this process: %d, %v", rss, err)
 	}
 }
