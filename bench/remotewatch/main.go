@@ -210,7 +210,7 @@ func (w window) figures() nodeFigures {
 	return nodeFigures{
 		Seconds: w.seconds, Writes: w.writesInside, WritesPerS: div(float64(w.writesInside), w.seconds),
 		KubeProxyCPU: a.cpu(b, "kube-proxy"), KubeProxyRX: rx, KubeProxyTX: tx,
-		APIServerCPU: a.cpu(b, "kube-apiserver"), EtcdCPU: a.cpu(b, "etcd"), ControllerCPU: a.cpu(b, "kube-controller-manager"),
+		APIServerCPU: a.cpu(b, "kube-apiserver"), EtcdCPU: a.cpu(b, "etcd"), ControllerCPU: a.cpu(b, "kube-controller"),
 		LoadStart: w.loadStart, LoadEnd: w.loadEnd,
 		KubeProxyRSS: b.rss("kube-proxy"), APIServerRSS: b.rss("kube-apiserver"), KubeProxySocket: len(b.socks),
 	}
@@ -270,6 +270,7 @@ type result struct {
 	APIPerEvUS float64                   `json:"apiserver_cpu_per_watcher_event_us"`
 	Ratios     map[string]float64        `json:"ratios"`
 	Pods       *podFigures               `json:"pods,omitempty"`
+	PodsError  string                    `json:"pods_error,omitempty"`
 	Scenario   map[string]Scenario       `json:"scenario"`
 	Projection map[string]Projection     `json:"projection"`
 	DurationS  float64                   `json:"duration_s"`
@@ -440,9 +441,14 @@ func run(ctx context.Context, cfg config) error {
 	if cfg.Pods > 0 {
 		pf, err := podPhase(ctx, cs, n, cfg)
 		if err != nil {
-			return err
+			// The slices' figures stand without it.
+			log.Printf("pod phase failed: %v", err)
+			res.PodsError = err.Error()
 		}
 		res.Pods = pf
+	}
+	if res.Pods != nil {
+		pf := res.Pods
 		pods := Scenario{Nodes: cfg.Nodes, ChangesPerS: cfg.ProjRate, EventsPerChange: cfg.PodEvents, ObjectsHeld: cfg.ProjPods}
 		res.Scenario["pods"] = pods
 		// The API server's cost per pod event to one more watcher: not

@@ -37,8 +37,9 @@ func findNode(ctx context.Context, name string) (*node, error) {
 	return &node{name: name, containerID: f[0], pid: pid}, nil
 }
 
-// The node's processes whose CPU the benchmark reads.
-var nodeComms = []string{"kube-proxy", "kube-apiserver", "etcd", "kube-controller-manager"}
+// The node's processes whose CPU the benchmark reads, by comm (at most 15
+// characters: the controller manager's is cut).
+var nodeComms = []string{"kube-proxy", "kube-apiserver", "etcd", "kube-controller"}
 
 // nodeReading is the node's processes' CPU times and kube-proxy's
 // connections to the API server at one moment.
