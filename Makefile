@@ -127,7 +127,7 @@ bench-expiry: ## Expiry pass vs Cilium's NextKey and batch GC
 	$(GO) run ./bench/expiry
 
 .PHONY: bench-remote-watch
-bench-remote-watch: ## scrubd's EndpointSlice watch beside kube-proxy's on a one-node kind cluster: CPU, bytes, heap per event, extrapolated to NODES (5000); root, ~10 min (docs/remote.md, Scale)
+bench-remote-watch: ## scrubd's EndpointSlice watch beside kube-proxy's on a one-node kind cluster: CPU, bytes, heap per event, extrapolated to PROJ_NODES (5000); root, ~10 min (docs/remote.md, Scale)
 	./bench/remotewatch/run.sh
 
 .PHONY: cilium-patch-test

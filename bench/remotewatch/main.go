@@ -3,7 +3,7 @@
 // kube-proxy's own watch of the same slices, on a one-node kind cluster
 // (bench/remotewatch/run.sh makes it) with SERVICES synthetic Services of
 // one slice of ENDPOINTS endpoints each, backed by no pod, and extrapolates
-// to NODES nodes.
+// to PROJ_NODES nodes.
 //
 // Backends are deleted at RATE a second for WINDOW s, twice: first with only
 // the cluster's own watchers (kube-proxy, the controller manager), then with
@@ -21,7 +21,7 @@
 // of pod deletions for direct pod-to-pod flows would cost (PODS=0: not).
 //
 // The last line is JSON. Environment: KUBECONFIG, NODE (the kind node's
-// container), and the variables above; NODES, PROJ_RATE (deletions a
+// container), and the variables above; PROJ_NODES, PROJ_RATE (deletions a
 // second cluster-wide), PROJ_ENDPOINTS, PROJ_PODS, POD_EVENTS for the
 // extrapolation (extrapolate.go).
 package main
@@ -83,7 +83,7 @@ func loadConfig() config {
 		Services: envNum("SERVICES", 1000), Endpoints: envNum("ENDPOINTS", 100),
 		Rate: envNum("RATE", 100.0), Window: envNum("WINDOW", 60.0), Terminating: envNum("TERMINATING_S", 2.0),
 		Fanout: envNum("FANOUT", 10), Pods: envNum("PODS", 2000), PodRate: envNum("POD_RATE", 50.0), PodWindow: envNum("POD_WINDOW", 30.0),
-		Nodes: envNum("NODES", 5000), ProjRate: envNum("PROJ_RATE", 100.0), ProjEPs: envNum("PROJ_ENDPOINTS", 150000),
+		Nodes: envNum("PROJ_NODES", 5000), ProjRate: envNum("PROJ_RATE", 100.0), ProjEPs: envNum("PROJ_ENDPOINTS", 150000),
 		ProjPods: envNum("PROJ_PODS", 150000), PodEvents: envNum("POD_EVENTS", 6.0),
 	}
 }
