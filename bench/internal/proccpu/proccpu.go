@@ -132,3 +132,70 @@ func parseRSS(status []byte) (int64, error) {
 	}
 	return 0, fmt.Errorf("no VmRSS line (a kernel thread, or a zombie)")
 }
+
+// CgroupCPU is the CPU time of every process in pid's cgroup since the
+// cgroup was made, running or gone (cgroup v1 cpuacct.usage, v2 cpu.stat
+// usage_usec, under sysfs, normally /sys/fs/cgroup): a container's whole
+// CPU, its children included while they run (kube-proxy's
+// iptables-restore), which /proc/<pid>/stat counts only once reaped.
+func CgroupCPU(procRoot, sysfs string, pid int) (float64, error) {
+	b, err := os.ReadFile(filepath.Join(procRoot, strconv.Itoa(pid), "cgroup"))
+	if err != nil {
+		return 0, err
+	}
+	files := cgroupCPUFiles(string(b), sysfs)
+	for _, f := range files {
+		v, err := os.ReadFile(f)
+		if err != nil {
+			continue
+		}
+		return parseCgroupCPU(filepath.Base(f), v)
+	}
+	return 0, fmt.Errorf("pid %d: no CPU accounting file of its cgroup (tried %v)", pid, files)
+}
+
+// cgroupCPUFiles lists where a /proc/<pid>/cgroup's CPU accounting may be:
+// v1's cpuacct hierarchy (mounted alone or with cpu), then v2's.
+func cgroupCPUFiles(procCgroup, sysfs string) []string {
+	var v1, v2 []string
+	for _, l := range strings.Split(strings.TrimSpace(procCgroup), "\n") {
+		f := strings.SplitN(l, ":", 3)
+		if len(f) != 3 {
+			continue
+		}
+		if f[0] == "0" && f[1] == "" {
+			v2 = append(v2, filepath.Join(sysfs, f[2], "cpu.stat"))
+			continue
+		}
+		for _, c := range strings.Split(f[1], ",") {
+			if c == "cpuacct" {
+				for _, mnt := range []string{"cpuacct", "cpu,cpuacct", "cpuacct,cpu"} {
+					v1 = append(v1, filepath.Join(sysfs, mnt, f[2], "cpuacct.usage"))
+				}
+			}
+		}
+	}
+	return append(v1, v2...)
+}
+
+// parseCgroupCPU reads seconds from cpuacct.usage (nanoseconds) or
+// cpu.stat (its usage_usec line).
+func parseCgroupCPU(name string, b []byte) (float64, error) {
+	if name == "cpuacct.usage" {
+		ns, err := strconv.ParseUint(strings.TrimSpace(string(b)), 10, 64)
+		if err != nil {
+			return 0, fmt.Errorf("cpuacct.usage %q: %w", b, err)
+		}
+		return float64(ns) / 1e9, nil
+	}
+	for _, l := range strings.Split(string(b), "\n") {
+		if rest, ok := strings.CutPrefix(l, "usage_usec "); ok {
+			us, err := strconv.ParseUint(strings.TrimSpace(rest), 10, 64)
+			if err != nil {
+				return 0, fmt.Errorf("cpu.stat %q: %w", l, err)
+			}
+			return float64(us) / 1e6, nil
+		}
+	}
+	return 0, fmt.Errorf("cpu.stat without usage_usec")
+}

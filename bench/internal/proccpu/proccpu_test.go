@@ -112,3 +112,47 @@ func TestParseRSS(t *testing.T) {
 		t.Errorf("RSS of this process: %d, %v", rss, err)
 	}
 }
+
+func TestCgroupCPUFiles(t *testing.T) {
+	v1 := "12:pids:/docker/abc/x.scope\n2:cpu,cpuacct:/docker/abc/x.scope\n1:name=systemd:/docker/abc/x.scope\n"
+	got := cgroupCPUFiles(v1, "/sys/fs/cgroup")
+	if len(got) != 3 || got[0] != "/sys/fs/cgroup/cpuacct/docker/abc/x.scope/cpuacct.usage" {
+		t.Errorf("v1: %v", got)
+	}
+	got = cgroupCPUFiles("0::/kubepods.slice/p.slice/cri-x.scope\n", "/sys/fs/cgroup")
+	if len(got) != 1 || got[0] != "/sys/fs/cgroup/kubepods.slice/p.slice/cri-x.scope/cpu.stat" {
+		t.Errorf("v2: %v", got)
+	}
+	for _, tc := range []struct {
+		name, body string
+		want       float64
+	}{
+		{"cpuacct.usage", "38842527309\n", 38.842527309},
+		{"cpu.stat", "usage_usec 2500000\nuser_usec 2000000\nsystem_usec 500000\n", 2.5},
+	} {
+		if s, err := parseCgroupCPU(tc.name, []byte(tc.body)); err != nil || s != tc.want {
+			t.Errorf("parseCgroupCPU(%s) = %v, %v; want %v", tc.name, s, err, tc.want)
+		}
+	}
+	if _, err := parseCgroupCPU("cpu.stat", []byte("nr_periods 0\n")); err == nil {
+		t.Error("cpu.stat without usage_usec: no error")
+	}
+}
+
+// This process's own cgroup counts at least the CPU it burnt.
+func TestCgroupCPUOfThisProcess(t *testing.T) {
+	before, err := CgroupCPU("/proc", "/sys/fs/cgroup", os.Getpid())
+	if err != nil {
+		t.Skip("no cgroup CPU accounting here:", err)
+	}
+	deadline := time.Now().Add(200 * time.Millisecond)
+	x := 0
+	for time.Now().Before(deadline) {
+		x++
+	}
+	_ = x
+	after, err := CgroupCPU("/proc", "/sys/fs/cgroup", os.Getpid())
+	if err != nil || after-before < 0.05 {
+		t.Errorf("cgroup CPU %.3f -> %.3f (%v): want at least 0.05 s more after a busy loop", before, after, err)
+	}
+}
