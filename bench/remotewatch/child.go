@@ -37,10 +37,12 @@ import (
 //
 // The kinds:
 //
-//	scrubd-json      scrubd/endpoints' Watch.Run, the daemon's code, on a
-//	                 clientset built as scrubd/daemon/remote.go builds it
-//	                 with client-go's default content type (JSON)
-//	scrubd-protobuf  the same with the protobuf content type
+//	scrubd           scrubd/endpoints' Watch.Run, the daemon's code, on a
+//	                 clientset built as scrubd/daemon/remote.go builds it:
+//	                 no content type set, so client-go's default for
+//	                 built-in types (protobuf since client-go 0.34)
+//	scrubd-json      the same in JSON: what a watch of a JSON-only
+//	                 resource (a CRD: CiliumEndpoints) costs per byte
 //	kubeproxy        an EndpointSlice informer as kube-proxy makes it:
 //	                 protobuf, its label selector, no transform, handlers
 //	                 that only count (the watch without kube-proxy's rules)
@@ -103,9 +105,12 @@ func restConfig(kubeconfig, contentType string, c *counter) (*rest.Config, error
 		return nil, err
 	}
 	cfg.UserAgent = "ctscrub-bench-remotewatch"
-	if contentType != "" {
-		cfg.ContentType = contentType
-		cfg.AcceptContentTypes = contentType + ",application/json"
+	switch contentType {
+	case "":
+	case "application/json":
+		cfg.ContentType, cfg.AcceptContentTypes = contentType, contentType
+	default:
+		cfg.ContentType, cfg.AcceptContentTypes = contentType, contentType+",application/json"
 	}
 	// The benchmark's own writes must not be throttled by client-go.
 	cfg.QPS, cfg.Burst = 1000, 2000
@@ -181,10 +186,10 @@ func informerStatus(inf cache.SharedIndexInformer, h *countHandler) func() (uint
 
 func newWatcher(kind, kubeconfig string, fanout int, c *counter) (*watcher, error) {
 	switch kind {
-	case "scrubd-json", "scrubd-protobuf":
+	case "scrubd", "scrubd-json":
 		ct := ""
-		if kind == "scrubd-protobuf" {
-			ct = protobuf
+		if kind == "scrubd-json" {
+			ct = "application/json"
 		}
 		cfg, err := restConfig(kubeconfig, ct, c)
 		if err != nil {
@@ -224,12 +229,13 @@ func newWatcher(kind, kubeconfig string, fanout int, c *counter) (*watcher, erro
 		f := informers.NewSharedInformerFactoryWithOptions(cs, 0, informers.WithTweakListOptions(func(o *metav1.ListOptions) { o.LabelSelector = sel }))
 		inf := f.Discovery().V1().EndpointSlices().Informer()
 		h := newCountHandler()
-		if _, err := inf.AddEventHandler(h); err != nil {
+		reg, err := inf.AddEventHandler(h)
+		if err != nil {
 			return nil, err
 		}
 		return &watcher{
 			start:  func(ctx context.Context) error { f.Start(ctx.Done()); return nil },
-			synced: inf.HasSynced,
+			synced: reg.HasSynced,
 			status: func() (uint64, uint64, int, int) {
 				var addrs int
 				for _, o := range inf.GetStore().List() {
@@ -250,12 +256,13 @@ func newWatcher(kind, kubeconfig string, fanout int, c *counter) (*watcher, erro
 		f := informers.NewSharedInformerFactoryWithOptions(cs, 0, informers.WithTransform(stripPod))
 		inf := f.Core().V1().Pods().Informer()
 		h := newCountHandler()
-		if _, err := inf.AddEventHandler(h); err != nil {
+		reg, err := inf.AddEventHandler(h)
+		if err != nil {
 			return nil, err
 		}
 		return &watcher{
 			start:  func(ctx context.Context) error { f.Start(ctx.Done()); return nil },
-			synced: inf.HasSynced,
+			synced: reg.HasSynced,
 			status: informerStatus(inf, h),
 		}, nil
 	case "fanout":
@@ -284,7 +291,7 @@ func newWatcher(kind, kubeconfig string, fanout int, c *counter) (*watcher, erro
 			status: func() (uint64, uint64, int, int) { return events.Load(), 0, 0, 0 },
 		}, nil
 	}
-	return nil, fmt.Errorf("watcher kind %q: want scrubd-json, scrubd-protobuf, kubeproxy, pods or fanout", kind)
+	return nil, fmt.Errorf("watcher kind %q: want scrubd, scrubd-json, kubeproxy, pods or fanout", kind)
 }
 
 // rawWatch opens an EndpointSlice watch from the current resource version

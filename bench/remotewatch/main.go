@@ -5,16 +5,17 @@
 // one slice of ENDPOINTS endpoints each, backed by no pod, and extrapolates
 // to PROJ_NODES nodes.
 //
-// Backends are deleted at RATE a second for WINDOW s, twice: first with only
+// Backends are deleted at RATE a second (two writes of the slice each:
+// terminating, then gone and replaced) for WINDOW s, twice: first with only
 // the cluster's own watchers (kube-proxy, the controller manager), then with
 // scrubd's watch beside them, in processes of their own (child.go): the
-// daemon's code (scrubd/endpoints Watch.Run) with JSON, as scrubd/daemon
-// builds its client, and with protobuf, as kube-proxy does; an informer as
-// kube-proxy makes it (the watch alone, without kube-proxy's rules); and
-// FANOUT raw watch streams (FANOUT more nodes for the API server). From
-// the node: kube-proxy's and the API server's CPU (/proc), kube-proxy's
-// bytes (tcp_info of its connection). The API server's CPU per event per
-// watcher is the difference between the two windows.
+// daemon's code (scrubd/endpoints Watch.Run) on a client built as
+// scrubd/daemon builds it, and the same in JSON; an informer as kube-proxy
+// makes it (the watch alone, without kube-proxy's rules); and FANOUT raw
+// watch streams (FANOUT more nodes for the API server). From the node:
+// kube-proxy's container's CPU (its cgroup: rules included) and bytes
+// (tcp_info of its connection), the API server's CPU. The API server's CPU
+// per event per watcher is the difference between the two windows.
 //
 // Then PODS synthetic pods, never scheduled, replaced at POD_RATE a second
 // for POD_WINDOW s, with a cluster-wide Pod watch in a child: what a watch
@@ -34,10 +35,12 @@ import (
 	"fmt"
 	"io"
 	"log"
+	"maps"
 	"os"
 	"os/exec"
 	"os/signal"
 	"runtime"
+	"slices"
 	"strconv"
 	"syscall"
 	"time"
@@ -64,7 +67,12 @@ type config struct {
 	ProjEPs     int     `json:"proj_endpoints"`
 	ProjPods    int     `json:"proj_pods"`
 	PodEvents   float64 `json:"proj_pod_events_per_life"`
+	ProxyMode   string  `json:"kube_proxy_mode"`
 }
+
+// writesPerDeletion: the harness's deletion is two writes of the slice
+// (churn.go), so each watcher gets two events per deleted backend.
+const writesPerDeletion = 2
 
 func envNum[T int | float64](name string, def T) T {
 	s := os.Getenv(name)
@@ -81,10 +89,11 @@ func envNum[T int | float64](name string, def T) T {
 func loadConfig() config {
 	return config{
 		Services: envNum("SERVICES", 1000), Endpoints: envNum("ENDPOINTS", 100),
-		Rate: envNum("RATE", 100.0), Window: envNum("WINDOW", 60.0), Terminating: envNum("TERMINATING_S", 2.0),
+		Rate: envNum("RATE", 50.0), Window: envNum("WINDOW", 60.0), Terminating: envNum("TERMINATING_S", 2.0),
 		Fanout: envNum("FANOUT", 10), Pods: envNum("PODS", 2000), PodRate: envNum("POD_RATE", 50.0), PodWindow: envNum("POD_WINDOW", 30.0),
 		Nodes: envNum("PROJ_NODES", 5000), ProjRate: envNum("PROJ_RATE", 100.0), ProjEPs: envNum("PROJ_ENDPOINTS", 150000),
 		ProjPods: envNum("PROJ_PODS", 150000), PodEvents: envNum("POD_EVENTS", 6.0),
+		ProxyMode: os.Getenv("KUBE_PROXY_MODE"),
 	}
 }
 
@@ -191,7 +200,8 @@ type nodeFigures struct {
 	Seconds         float64 `json:"seconds"`
 	Writes          int64   `json:"writes"`
 	WritesPerS      float64 `json:"writes_per_s"`
-	KubeProxyCPU    float64 `json:"kube_proxy_cpu_s"`
+	KubeProxyCPU    float64 `json:"kube_proxy_cpu_s"` // its container: rules included
+	KubeProxyProc   float64 `json:"kube_proxy_process_cpu_s"`
 	KubeProxyRX     int64   `json:"kube_proxy_rx_bytes"`
 	KubeProxyTX     int64   `json:"kube_proxy_tx_bytes"`
 	APIServerCPU    float64 `json:"apiserver_cpu_s"`
@@ -209,7 +219,7 @@ func (w window) figures() nodeFigures {
 	rx, tx := sockDelta(a.socks, b.socks)
 	return nodeFigures{
 		Seconds: w.seconds, Writes: w.writesInside, WritesPerS: div(float64(w.writesInside), w.seconds),
-		KubeProxyCPU: a.cpu(b, "kube-proxy"), KubeProxyRX: rx, KubeProxyTX: tx,
+		KubeProxyCPU: a.cpu(b, "kube-proxy"), KubeProxyProc: a.procCPU(b, "kube-proxy"), KubeProxyRX: rx, KubeProxyTX: tx,
 		APIServerCPU: a.cpu(b, "kube-apiserver"), EtcdCPU: a.cpu(b, "etcd"), ControllerCPU: a.cpu(b, "kube-controller"),
 		LoadStart: w.loadStart, LoadEnd: w.loadEnd,
 		KubeProxyRSS: b.rss("kube-proxy"), APIServerRSS: b.rss("kube-apiserver"), KubeProxySocket: len(b.socks),
@@ -232,6 +242,9 @@ type watcherFigures struct {
 	SyncCPU        float64 `json:"sync_cpu_s"`
 	SyncRX         int64   `json:"sync_rx_bytes"`
 	Conns          int64   `json:"connections"`
+	// Lag: the window's writes minus the events this watcher got in it
+	// (near 0 when the API server keeps up).
+	Lag int64 `json:"lag_events"`
 }
 
 func (w window) watcher(c *child) watcherFigures {
@@ -241,6 +254,10 @@ func (w window) watcher(c *child) watcherFigures {
 		Held: c.first.Held, Objects: c.first.Objects, SyncS: c.first.SyncS, SyncCPU: c.first.CPU, SyncRX: c.first.RX, Conns: b.Conns,
 	}
 	f.CPUPerEventUS = div(f.CPU, float64(f.Events)) * 1e6
+	f.Lag = w.writesInside - int64(f.Events)
+	if c.kind == "fanout" && f.Conns > 0 {
+		f.Lag = w.writesInside - int64(f.Events)/f.Conns
+	}
 	f.BytesPerEvent = div(float64(f.RX), float64(f.Events))
 	if c.first.Heap > c.first.BaseHeap {
 		f.HeapBytes = c.first.Heap - c.first.BaseHeap
@@ -346,7 +363,7 @@ func run(ctx context.Context, cfg config) error {
 	res.Setup["create"] = time.Since(t).Seconds()
 	log.Printf("%d Services, %d slices of %d endpoints created in %.1fs", cfg.Services, cfg.Services, cfg.Endpoints, res.Setup["create"])
 	t = time.Now()
-	if err := settle(ctx, n, 3*time.Minute); err != nil {
+	if err := settle(ctx, n, 4*time.Minute); err != nil {
 		return err
 	}
 	res.Setup["kube_proxy_settle"] = time.Since(t).Seconds()
@@ -367,7 +384,7 @@ func run(ctx context.Context, cfg config) error {
 		res.Baseline.Writes, res.Baseline.WritesPerS, res.Baseline.KubeProxyCPU, res.Baseline.KubeProxyRX, res.Baseline.APIServerCPU, wa.loadStart, wa.loadEnd)
 
 	// The watchers, each listing every slice while the churn goes on.
-	kinds := []string{"scrubd-json", "scrubd-protobuf", "kubeproxy", "fanout"}
+	kinds := []string{"scrubd", "scrubd-json", "kubeproxy", "fanout"}
 	var kids []*child
 	defer func() {
 		for _, k := range kids {
@@ -405,38 +422,51 @@ func run(ctx context.Context, cfg config) error {
 	for _, c := range kids {
 		res.Watchers[c.kind] = wb.watcher(c)
 	}
-	kp := map[string]float64{
-		"cpu_per_event_us":          div(res.With.KubeProxyCPU, float64(res.With.Writes)) * 1e6,
-		"bytes_per_event":           div(float64(res.With.KubeProxyRX), float64(res.With.Writes)),
-		"cpu_per_event_us_window_a": div(res.Baseline.KubeProxyCPU, float64(res.Baseline.Writes)) * 1e6,
-		"bytes_per_event_window_a":  div(float64(res.Baseline.KubeProxyRX), float64(res.Baseline.Writes)),
+	sd, sj, ki, fo := res.Watchers["scrubd"], res.Watchers["scrubd-json"], res.Watchers["kubeproxy"], res.Watchers["fanout"]
+	// kube-proxy's events: its bytes over the bytes of an event of the
+	// same protobuf stream (the fan-out's, read undecoded).
+	stream := fo.BytesPerEvent
+	kpA, kpB := div(float64(res.Baseline.KubeProxyRX), stream), div(float64(res.With.KubeProxyRX), stream)
+	res.KubeProxy = map[string]float64{
+		"events":                    kpB,
+		"cpu_per_event_us":          div(res.With.KubeProxyCPU, kpB) * 1e6,
+		"process_cpu_per_event_us":  div(res.With.KubeProxyProc, kpB) * 1e6,
+		"bytes_per_event":           div(float64(res.With.KubeProxyRX), kpB),
+		"events_window_a":           kpA,
+		"cpu_per_event_us_window_a": div(res.Baseline.KubeProxyCPU, kpA) * 1e6,
 		"rss_bytes":                 float64(res.With.KubeProxyRSS),
+		"rss_bytes_per_endpoint":    div(float64(res.With.KubeProxyRSS), float64(cfg.Services*cfg.Endpoints)),
 	}
-	res.KubeProxy = kp
+	kp := res.KubeProxy
 	added := len(kids) - 1 + cfg.Fanout
 	api := marginal(res.With.APIServerCPU, float64(res.With.Writes), res.Baseline.APIServerCPU, float64(res.Baseline.Writes), added)
 	res.APIPerEvUS = api * 1e6
-	sj, sp, ki := res.Watchers["scrubd-json"], res.Watchers["scrubd-protobuf"], res.Watchers["kubeproxy"]
 	res.Ratios = map[string]float64{
-		"cpu_scrubd_json_vs_kube_proxy":             div(sj.CPUPerEventUS, kp["cpu_per_event_us"]),
-		"cpu_scrubd_protobuf_vs_kube_proxy":         div(sp.CPUPerEventUS, kp["cpu_per_event_us"]),
-		"cpu_scrubd_json_vs_kubeproxy_informer":     div(sj.CPUPerEventUS, ki.CPUPerEventUS),
-		"cpu_scrubd_protobuf_vs_kubeproxy_informer": div(sp.CPUPerEventUS, ki.CPUPerEventUS),
-		"bytes_scrubd_json_vs_kube_proxy":           div(sj.BytesPerEvent, kp["bytes_per_event"]),
-		"bytes_scrubd_protobuf_vs_kube_proxy":       div(sp.BytesPerEvent, kp["bytes_per_event"]),
-		"heap_scrubd_vs_kubeproxy_informer":         div(sp.BytesPerObject, ki.BytesPerObject),
+		"cpu_scrubd_vs_kube_proxy":          div(sd.CPUPerEventUS, kp["cpu_per_event_us"]),
+		"cpu_scrubd_vs_kube_proxy_process":  div(sd.CPUPerEventUS, kp["process_cpu_per_event_us"]),
+		"cpu_scrubd_vs_kubeproxy_informer":  div(sd.CPUPerEventUS, ki.CPUPerEventUS),
+		"cpu_scrubd_json_vs_scrubd":         div(sj.CPUPerEventUS, sd.CPUPerEventUS),
+		"bytes_scrubd_vs_kube_proxy":        div(sd.BytesPerEvent, kp["bytes_per_event"]),
+		"bytes_scrubd_json_vs_scrubd":       div(sj.BytesPerEvent, sd.BytesPerEvent),
+		"heap_scrubd_vs_kubeproxy_informer": div(sd.BytesPerObject, ki.BytesPerObject),
+		"heap_scrubd_vs_kube_proxy_rss":     div(sd.BytesPerObject, kp["rss_bytes_per_endpoint"]),
 	}
 	for _, c := range kids {
 		c.stop()
 	}
 	kids = nil
 
-	slices := Scenario{Nodes: cfg.Nodes, ChangesPerS: cfg.ProjRate, EventsPerChange: res.WritesPerD, ObjectsHeld: cfg.ProjEPs}
-	res.Scenario["slices"] = slices
-	res.Projection["scrubd_json"] = Project(sj.cost(api), slices)
-	res.Projection["scrubd_protobuf"] = Project(sp.cost(api), slices)
-	res.Projection["kubeproxy_informer"] = Project(ki.cost(api), slices)
-	res.Projection["kube_proxy"] = Project(WatchCost{CPUPerEvent: kp["cpu_per_event_us"] / 1e6, BytesPerEvent: kp["bytes_per_event"], APIServerCPUPerEvent: api}, slices)
+	// The API server's cost per event to one more watcher, per byte sent
+	// (encrypting and writing is most of it once the watch cache has
+	// encoded the event): for a JSON watcher and pods, by their bytes.
+	perByte := div(api, stream)
+	sliceScen := Scenario{Nodes: cfg.Nodes, ChangesPerS: cfg.ProjRate, EventsPerChange: writesPerDeletion, ObjectsHeld: cfg.ProjEPs}
+	res.Scenario["slices"] = sliceScen
+	res.Projection["scrubd"] = Project(sd.cost(api), sliceScen)
+	res.Projection["scrubd_json"] = Project(sj.cost(perByte*sj.BytesPerEvent), sliceScen)
+	res.Projection["kubeproxy_informer"] = Project(ki.cost(api), sliceScen)
+	res.Projection["kube_proxy"] = Project(WatchCost{CPUPerEvent: kp["cpu_per_event_us"] / 1e6, BytesPerEvent: kp["bytes_per_event"],
+		BytesPerObject: kp["rss_bytes_per_endpoint"], APIServerCPUPerEvent: api}, sliceScen)
 
 	if cfg.Pods > 0 {
 		pf, err := podPhase(ctx, cs, n, cfg)
@@ -451,10 +481,6 @@ func run(ctx context.Context, cfg config) error {
 		pf := res.Pods
 		pods := Scenario{Nodes: cfg.Nodes, ChangesPerS: cfg.ProjRate, EventsPerChange: cfg.PodEvents, ObjectsHeld: cfg.ProjPods}
 		res.Scenario["pods"] = pods
-		// The API server's cost per pod event to one more watcher: not
-		// measured apart; the slice watch's per byte, times a pod event's
-		// bytes (sending is most of it).
-		perByte := div(api, res.Watchers["fanout"].BytesPerEvent)
 		res.Projection["pods"] = Project(pf.Watch.cost(perByte*pf.Watch.BytesPerEvent), pods)
 	}
 	res.DurationS = time.Since(start).Seconds()
@@ -502,8 +528,9 @@ func podPhase(ctx context.Context, cs kubernetes.Interface, n *node, cfg config)
 	return &podFigures{Node: w.figures(), Watch: w.watcher(c), Replace: r1 - r0, Fails: pc.fails.Load()}, nil
 }
 
-// settle waits until kube-proxy has programmed the new Services: its CPU
-// below a tenth of a core over 5 s, twice in a row.
+// settle waits until kube-proxy has programmed the new Services: its
+// container's CPU (iptables-restore or nft included) below a tenth of a
+// core over 5 s, twice in a row.
 func settle(ctx context.Context, n *node, limit time.Duration) error {
 	deadline := time.Now().Add(limit)
 	quiet := 0
@@ -546,31 +573,37 @@ func sleep(ctx context.Context, d time.Duration) {
 func report(r result) {
 	p := func(format string, a ...any) { fmt.Printf(format+"\n", a...) }
 	p("")
-	p("EndpointSlice watch, %d slices x %d endpoints, %.0f deletions/s (%.2f writes each), %.0f s windows; %s, %s",
-		r.Config.Services, r.Config.Endpoints, r.Config.Rate, r.WritesPerD, r.Config.Window, r.K8s, r.Commit)
-	p("  window A (no added watcher): %d writes, kube-proxy %.2fs CPU, API server %.2fs, etcd %.2fs; load %s -> %s",
-		r.Baseline.Writes, r.Baseline.KubeProxyCPU, r.Baseline.APIServerCPU, r.Baseline.EtcdCPU, r.Baseline.LoadStart, r.Baseline.LoadEnd)
-	p("  window B (watchers added):   %d writes, kube-proxy %.2fs CPU, API server %.2fs, etcd %.2fs; load %s -> %s",
-		r.With.Writes, r.With.KubeProxyCPU, r.With.APIServerCPU, r.With.EtcdCPU, r.With.LoadStart, r.With.LoadEnd)
-	p("  %-18s %10s %12s %12s %14s %10s %10s", "watcher", "events", "CPU us/ev", "bytes/ev", "heap B/held", "sync s", "sync MB")
-	p("  %-18s %10d %12.1f %12.0f %14s %10s %10s", "kube-proxy (real)", r.With.Writes, r.KubeProxy["cpu_per_event_us"], r.KubeProxy["bytes_per_event"], "-", "-", "-")
-	for _, k := range []string{"scrubd-json", "scrubd-protobuf", "kubeproxy", "fanout"} {
-		w := r.Watchers[k]
-		p("  %-18s %10d %12.1f %12.0f %14.0f %10.1f %10.1f", k, w.Events, w.CPUPerEventUS, w.BytesPerEvent, w.BytesPerObject, w.SyncS, float64(w.SyncRX)/1e6)
+	p("EndpointSlice watch, %d slices x %d endpoints, %.0f deletions/s (%.2f writes each), %.0f s windows; kube-proxy %s; %s, %s",
+		r.Config.Services, r.Config.Endpoints, r.Config.Rate, r.WritesPerD, r.Config.Window, r.Config.ProxyMode, r.K8s, r.Commit)
+	for _, w := range []struct {
+		name string
+		f    nodeFigures
+	}{{"A (no added watcher)", r.Baseline}, {"B (watchers added)  ", r.With}} {
+		p("  window %s: %d writes (%.1f/s), kube-proxy %.2fs CPU (process %.2fs), API server %.2fs, etcd %.2fs, controller manager %.2fs; load %s -> %s",
+			w.name, w.f.Writes, w.f.WritesPerS, w.f.KubeProxyCPU, w.f.KubeProxyProc, w.f.APIServerCPU, w.f.EtcdCPU, w.f.ControllerCPU, w.f.LoadStart, w.f.LoadEnd)
 	}
+	p("  %-18s %10s %8s %12s %12s %14s %10s %10s", "watcher", "events", "lag", "CPU us/ev", "bytes/ev", "heap B/held", "sync s", "sync MB")
+	p("  %-18s %10.0f %8s %12.1f %12.0f %14.0f %10s %10s", "kube-proxy (real)", r.KubeProxy["events"], "-", r.KubeProxy["cpu_per_event_us"], r.KubeProxy["bytes_per_event"], r.KubeProxy["rss_bytes_per_endpoint"], "-", "-")
+	for _, k := range []string{"scrubd", "scrubd-json", "kubeproxy", "fanout"} {
+		w := r.Watchers[k]
+		p("  %-18s %10d %8d %12.1f %12.0f %14.0f %10.1f %10.1f", k, w.Events, w.Lag, w.CPUPerEventUS, w.BytesPerEvent, w.BytesPerObject, w.SyncS, float64(w.SyncRX)/1e6)
+	}
+	p("  (kube-proxy: its container's CPU, rules included; heap column: RSS per endpoint. fanout: %d streams, read undecoded)", r.Config.Fanout)
 	p("  API server CPU per event per added watcher: %.1f us", r.APIPerEvUS)
-	p("  ratios: %v", r.Ratios)
+	for _, k := range slices.Sorted(maps.Keys(r.Ratios)) {
+		p("  %-36s %.2f", k, r.Ratios[k])
+	}
 	if r.Pods != nil {
 		w := r.Pods.Watch
-		p("Pod watch, %d pods, %.0f replacements/s (3 writes each): %d events, %.1f us CPU/event, %.0f bytes/event, %.0f heap bytes/pod; API server %.2fs CPU",
-			r.Config.Pods, r.Config.PodRate, w.Events, w.CPUPerEventUS, w.BytesPerEvent, w.BytesPerObject, r.Pods.Node.APIServerCPU)
+		p("Pod watch, %d pods, %.0f replacements/s: %d writes, %d events (%.2f a replacement), %.1f us CPU/event, %.0f bytes/event, %.0f heap bytes/pod; API server %.2fs CPU",
+			r.Config.Pods, r.Config.PodRate, r.Pods.Node.Writes, w.Events, div(float64(w.Events), float64(r.Pods.Replace)), w.CPUPerEventUS, w.BytesPerEvent, w.BytesPerObject, r.Pods.Node.APIServerCPU)
 	}
-	for _, k := range []string{"kube_proxy", "kubeproxy_informer", "scrubd_json", "scrubd_protobuf", "pods"} {
+	for _, k := range []string{"kube_proxy", "kubeproxy_informer", "scrubd", "scrubd_json", "pods"} {
 		pr, ok := r.Projection[k]
 		if !ok {
 			continue
 		}
-		p("  at %d nodes, %s: per node %.0f events/s, %.3f cores, %.2f MB/s, heap %.0f MB; API server fan-out %.2f GB/s, %.1f cores",
-			r.Config.Nodes, k, pr.EventsPerS, pr.NodeCPUCores, pr.NodeBytesPerS/1e6, pr.NodeHeapBytes/1e6, pr.FanoutBytesPerS/1e9, pr.APIServerCores)
+		p("  at %d nodes, %-18s per node %4.0f events/s, %.3f cores, %5.2f MB/s, heap %4.0f MB; API server fan-out %5.2f GB/s, %5.1f cores",
+			r.Config.Nodes, k+":", pr.EventsPerS, pr.NodeCPUCores, pr.NodeBytesPerS/1e6, pr.NodeHeapBytes/1e6, pr.FanoutBytesPerS/1e9, pr.APIServerCores)
 	}
 }

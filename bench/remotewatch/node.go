@@ -46,18 +46,33 @@ var nodeComms = []string{"kube-proxy", "kube-apiserver", "etcd", "kube-controlle
 type nodeReading struct {
 	at    time.Time
 	procs map[string][]proccpu.Proc
-	socks map[string]sock // kube-proxy's, by local and peer address
-	load  string          // /proc/loadavg's first three fields
+	cg    map[string]cgroupCPU // by comm: its first process's container
+	socks map[string]sock      // kube-proxy's, by local and peer address
+	load  string               // /proc/loadavg's first three fields
+}
+
+// cgroupCPU is a container's CPU seconds, and whose they are (its first
+// process: a restarted container is another cgroup).
+type cgroupCPU struct {
+	proc proccpu.Proc
+	s    float64
 }
 
 func (n *node) read(ctx context.Context) (nodeReading, error) {
-	r := nodeReading{at: time.Now(), procs: map[string][]proccpu.Proc{}}
+	r := nodeReading{at: time.Now(), procs: map[string][]proccpu.Proc{}, cg: map[string]cgroupCPU{}}
 	for _, c := range nodeComms {
 		ps, err := proccpu.Find("/proc", c, n.containerID)
 		if err != nil {
 			return r, err
 		}
 		r.procs[c] = ps
+		if len(ps) > 0 {
+			s, err := proccpu.CgroupCPU("/proc", "/sys/fs/cgroup", ps[0].PID)
+			if err != nil {
+				return r, fmt.Errorf("%s's cgroup: %w", c, err)
+			}
+			r.cg[c] = cgroupCPU{proc: ps[0], s: s}
+		}
 	}
 	out, err := exec.CommandContext(ctx, "nsenter", "-t", strconv.Itoa(n.pid), "-n",
 		"ss", "-tinpH", "state", "established", "( dport = :6443 )").Output()
@@ -73,8 +88,20 @@ func (n *node) read(ctx context.Context) (nodeReading, error) {
 	return r, nil
 }
 
-// cpu is comm's CPU seconds from r to s.
+// cpu is the CPU seconds of comm's container from r to s, its children
+// included (kube-proxy's iptables-restore or nft); all of the container's
+// at s if it is another container than at r (a restart).
 func (r nodeReading) cpu(s nodeReading, comm string) float64 {
+	a, b := r.cg[comm], s.cg[comm]
+	if a.proc != b.proc || a.s > b.s {
+		return b.s
+	}
+	return b.s - a.s
+}
+
+// procCPU is comm's processes' own CPU seconds from r to s (children
+// counted only once reaped).
+func (r nodeReading) procCPU(s nodeReading, comm string) float64 {
 	return proccpu.Seconds(r.procs[comm], s.procs[comm])
 }
 

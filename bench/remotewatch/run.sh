@@ -13,6 +13,7 @@
 #
 # Variables: those of bench/remotewatch/main.go (SERVICES, ENDPOINTS, RATE,
 # WINDOW, FANOUT, PODS, POD_RATE, POD_WINDOW, PROJ_NODES, ...), CLUSTER, KEEP,
+# KUBE_PROXY_MODE (default nftables; iptables),
 # CTSCRUB_KIND_WORK (default /var/tmp/ctscrub-kind-watch).
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
@@ -20,6 +21,10 @@ ROOT=$(cd "$HERE/../.." && pwd)
 GO=${GO:-go}
 export CLUSTER=${CLUSTER:-ctscrub-watch}
 export CTSCRUB_KIND_WORK=${CTSCRUB_KIND_WORK:-/var/tmp/ctscrub-kind-watch}
+# nftables: kube-proxy's rules for 100,000 endpoints in iptables mode (the
+# nft backend of this node image) took minutes of a core to write once,
+# and its CPU would then be that, not its watch (docs/remote.md, Scale).
+KUBE_PROXY_MODE=${KUBE_PROXY_MODE:-nftables}
 export PATH=${CTSCRUB_KIND_PREFIX:-/opt/ctscrub-kind}/bin:$PATH
 log() { printf '%s bench-remote-watch: %s\n' "$(date -u +%H:%M:%S)" "$*" >&2; }
 [[ $(id -u) == 0 ]] || { log "run as root (docker, nsenter into the node)"; exit 1; }
@@ -43,7 +48,7 @@ down() {
 trap 'down; exit 130' INT TERM
 trap 'rc=$?; down || rc=1; exit $rc' EXIT
 start=$(date +%s)
-CNI=kindnet CTSCRUB=0 WORKERS=0 "$ROOT/e2e/kind/cluster.sh" up >"$CTSCRUB_KIND_WORK/run-$CLUSTER.env"
+CNI=kindnet CTSCRUB=0 WORKERS=0 KUBE_PROXY_MODE=$KUBE_PROXY_MODE "$ROOT/e2e/kind/cluster.sh" up >"$CTSCRUB_KIND_WORK/run-$CLUSTER.env"
 set -a
 # shellcheck disable=SC1090
 source "$CTSCRUB_KIND_WORK/run-$CLUSTER.env"
