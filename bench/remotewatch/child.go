@@ -11,6 +11,7 @@ import (
 	"net"
 	"os"
 	"runtime"
+	"sync"
 	"sync/atomic"
 	"syscall"
 	"time"
@@ -148,6 +149,63 @@ type watcher struct {
 	start  func(ctx context.Context) error
 	synced func() bool
 	status func() (events, gone uint64, held, objects int)
+	// toggle closes (on false) or opens again and waits for the streams
+	// (fanout only).
+	toggle func(ctx context.Context, on bool) error
+}
+
+// fanoutStreams is n raw watch streams, each on a connection of its own,
+// that can be closed and opened again (the API server's cost of n more
+// nodes, switched on and off).
+type fanoutStreams struct {
+	kubeconfig string
+	n          int
+	c          *counter
+
+	events atomic.Uint64
+	ready  atomic.Int64
+	mu     sync.Mutex
+	cancel context.CancelFunc
+	wg     sync.WaitGroup
+}
+
+func (f *fanoutStreams) open(ctx context.Context) error {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	ctx, f.cancel = context.WithCancel(ctx)
+	for range f.n {
+		cfg, err := restConfig(f.kubeconfig, protobuf, f.c)
+		if err != nil {
+			return err
+		}
+		cs, err := kubernetes.NewForConfig(cfg)
+		if err != nil {
+			return err
+		}
+		f.wg.Go(func() {
+			up := false
+			err := rawWatch(ctx, cs, &f.events, func() { up = true; f.ready.Add(1) })
+			if up {
+				f.ready.Add(-1)
+			}
+			if err != nil && ctx.Err() == nil {
+				fmt.Fprintln(os.Stderr, "fanout watch:", err)
+			}
+			// Its connection goes with it: the next open makes new ones.
+			cs.DiscoveryV1().RESTClient().(*rest.RESTClient).Client.CloseIdleConnections()
+		})
+	}
+	return nil
+}
+
+func (f *fanoutStreams) close() {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if f.cancel != nil {
+		f.cancel()
+	}
+	f.wg.Wait()
+	f.ready.Store(0)
 }
 
 // kubeProxySelector is kube-proxy's label selector for EndpointSlices and
@@ -266,29 +324,26 @@ func newWatcher(kind, kubeconfig string, fanout int, c *counter) (*watcher, erro
 			status: informerStatus(inf, h),
 		}, nil
 	case "fanout":
-		var events atomic.Uint64
-		var ready atomic.Int64
+		f := &fanoutStreams{kubeconfig: kubeconfig, n: fanout, c: c}
 		return &watcher{
-			start: func(ctx context.Context) error {
-				for range fanout {
-					cfg, err := restConfig(kubeconfig, protobuf, c)
-					if err != nil {
-						return err
+			start:  f.open,
+			synced: func() bool { return f.ready.Load() == int64(fanout) },
+			status: func() (uint64, uint64, int, int) { return f.events.Load(), 0, 0, 0 },
+			toggle: func(ctx context.Context, on bool) error {
+				if !on {
+					f.close()
+					return nil
+				}
+				if err := f.open(ctx); err != nil {
+					return err
+				}
+				for deadline := time.Now().Add(time.Minute); f.ready.Load() != int64(fanout); time.Sleep(10 * time.Millisecond) {
+					if time.Now().After(deadline) {
+						return fmt.Errorf("%d of %d streams open after 1 min", f.ready.Load(), fanout)
 					}
-					cs, err := kubernetes.NewForConfig(cfg)
-					if err != nil {
-						return err
-					}
-					go func() {
-						if err := rawWatch(ctx, cs, &events, &ready); err != nil && ctx.Err() == nil {
-							fmt.Fprintln(os.Stderr, "fanout watch:", err)
-						}
-					}()
 				}
 				return nil
 			},
-			synced: func() bool { return ready.Load() == int64(fanout) },
-			status: func() (uint64, uint64, int, int) { return events.Load(), 0, 0, 0 },
 		}, nil
 	}
 	return nil, fmt.Errorf("watcher kind %q: want scrubd, scrubd-json, kubeproxy, pods or fanout", kind)
@@ -297,7 +352,7 @@ func newWatcher(kind, kubeconfig string, fanout int, c *counter) (*watcher, erro
 // rawWatch opens an EndpointSlice watch from the current resource version
 // (no initial state) and reads its protobuf frames (a 4-byte length, then
 // the event) without decoding them, counting each.
-func rawWatch(ctx context.Context, cs *kubernetes.Clientset, events *atomic.Uint64, ready *atomic.Int64) error {
+func rawWatch(ctx context.Context, cs *kubernetes.Clientset, events *atomic.Uint64, opened func()) error {
 	l, err := cs.DiscoveryV1().EndpointSlices("").List(ctx, metav1.ListOptions{Limit: 1})
 	if err != nil {
 		return err
@@ -310,7 +365,7 @@ func rawWatch(ctx context.Context, cs *kubernetes.Clientset, events *atomic.Uint
 		return err
 	}
 	defer r.Close()
-	ready.Add(1)
+	opened()
 	br := bufio.NewReaderSize(r, 64<<10)
 	var hdr [4]byte
 	for {
@@ -365,6 +420,16 @@ func runChild(kind, kubeconfig string, fanout int) error {
 			err = enc.Encode(snap(false))
 		case "mem":
 			err = enc.Encode(snap(true))
+		case "on", "off":
+			if w.toggle == nil {
+				err = enc.Encode(snapshot{Kind: kind, Err: kind + " cannot be switched"})
+				break
+			}
+			if terr := w.toggle(ctx, in.Text() == "on"); terr != nil {
+				err = enc.Encode(snapshot{Kind: kind, Err: terr.Error()})
+				break
+			}
+			err = enc.Encode(snap(false))
 		case "quit":
 			return nil
 		default:

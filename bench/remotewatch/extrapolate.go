@@ -83,6 +83,56 @@ func div(a, b float64) float64 {
 // write is one event to each watcher). Never below 0: on a shared machine
 // the two windows' noise can exceed a small difference.
 func marginal(cpuWith, writesWith, cpuWithout, writesWithout float64, added int) float64 {
-	m := div(div(cpuWith, writesWith)-div(cpuWithout, writesWithout), float64(added))
-	return max(m, 0)
+	return max(rawMarginal(cpuWith, writesWith, cpuWithout, writesWithout, added), 0)
+}
+
+// rawMarginal is marginal's difference, negative when noise makes it so
+// (a cycle's own figure, shown as it came).
+func rawMarginal(cpuWith, writesWith, cpuWithout, writesWithout float64, added int) float64 {
+	return div(div(cpuWith, writesWith)-div(cpuWithout, writesWithout), float64(added))
+}
+
+// fanToggle is the API server's CPU with Streams more watch streams and
+// without, in turns (Cycles of each), and its cost per event per stream.
+type fanToggle struct {
+	Cycles  int `json:"cycles"`
+	Streams int `json:"streams"`
+	// Per cycle: the API server's CPU seconds and the writes (events) of
+	// each sub-window.
+	OffCPU    []float64 `json:"off_apiserver_cpu_s"`
+	OffWrites []int64   `json:"off_writes"`
+	OnCPU     []float64 `json:"on_apiserver_cpu_s"`
+	OnWrites  []int64   `json:"on_writes"`
+	// PerCycleUS: each cycle's API server CPU per event per stream, in us.
+	PerCycleUS []float64 `json:"per_cycle_us"`
+	// MarginalUS: over all cycles (sums), never below 0.
+	MarginalUS float64 `json:"marginal_us"`
+	// The streams' own side: bytes and the reading process's CPU per event.
+	StreamBytesPerEvent float64 `json:"stream_bytes_per_event"`
+	StreamCPUPerEventUS float64 `json:"stream_cpu_per_event_us"`
+
+	streamEvents uint64
+	streamRX     int64
+	streamCPU    float64
+}
+
+// add records a cycle: the sub-window without the streams and the one with.
+func (t *fanToggle) add(off, on nodeFigures, streams watcherFigures) {
+	t.OffCPU, t.OffWrites = append(t.OffCPU, off.APIServerCPU), append(t.OffWrites, off.Writes)
+	t.OnCPU, t.OnWrites = append(t.OnCPU, on.APIServerCPU), append(t.OnWrites, on.Writes)
+	t.PerCycleUS = append(t.PerCycleUS, 1e6*rawMarginal(on.APIServerCPU, float64(on.Writes), off.APIServerCPU, float64(off.Writes), t.Streams))
+	t.streamEvents += streams.Events
+	t.streamRX += streams.RX
+	t.streamCPU += streams.CPU
+}
+
+// finish computes the totals' figures.
+func (t *fanToggle) finish() {
+	var on, off, onW, offW float64
+	for i := range t.OnCPU {
+		on, off, onW, offW = on+t.OnCPU[i], off+t.OffCPU[i], onW+float64(t.OnWrites[i]), offW+float64(t.OffWrites[i])
+	}
+	t.MarginalUS = 1e6 * marginal(on, onW, off, offW, t.Streams)
+	t.StreamBytesPerEvent = div(float64(t.streamRX), float64(t.streamEvents))
+	t.StreamCPUPerEventUS = 1e6 * div(t.streamCPU, float64(t.streamEvents))
 }

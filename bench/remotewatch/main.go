@@ -6,16 +6,16 @@
 // to PROJ_NODES nodes.
 //
 // Backends are deleted at RATE a second (two writes of the slice each:
-// terminating, then gone and replaced) for WINDOW s, twice: first with only
-// the cluster's own watchers (kube-proxy, the controller manager), then with
-// scrubd's watch beside them, in processes of their own (child.go): the
-// daemon's code (scrubd/endpoints Watch.Run) on a client built as
-// scrubd/daemon builds it, and the same in JSON; an informer as kube-proxy
-// makes it (the watch alone, without kube-proxy's rules); and FANOUT raw
-// watch streams (FANOUT more nodes for the API server). From the node:
-// kube-proxy's container's CPU (its cgroup: rules included) and bytes
-// (tcp_info of its connection), the API server's CPU. The API server's CPU
-// per event per watcher is the difference between the two windows.
+// terminating, then gone and replaced). For WINDOW s, beside kube-proxy,
+// watchers in processes of their own (child.go): the daemon's code
+// (scrubd/endpoints Watch.Run) on a client built as scrubd/daemon builds
+// it, the same in JSON, and an informer as kube-proxy makes it (the watch
+// alone, without kube-proxy's rules). From the node: kube-proxy's
+// container's CPU (its cgroup: rules included) and bytes (tcp_info of its
+// connection), the API server's CPU. Then FANOUT raw watch streams (FANOUT
+// more nodes) are opened and closed in turns, FANOUT_CYCLES times
+// FANOUT_WINDOW s each way: the API server's CPU per event per watcher is
+// the difference.
 //
 // Then PODS synthetic pods, never scheduled, replaced at POD_RATE a second
 // for POD_WINDOW s, with a cluster-wide Pod watch in a child: what a watch
@@ -68,6 +68,8 @@ type config struct {
 	ProjPods    int     `json:"proj_pods"`
 	PodEvents   float64 `json:"proj_pod_events_per_life"`
 	ProxyMode   string  `json:"kube_proxy_mode"`
+	FanCycles   int     `json:"fanout_cycles"`
+	FanWindow   float64 `json:"fanout_window_s"`
 }
 
 // writesPerDeletion: the harness's deletion is two writes of the slice
@@ -90,7 +92,8 @@ func loadConfig() config {
 	return config{
 		Services: envNum("SERVICES", 1000), Endpoints: envNum("ENDPOINTS", 100),
 		Rate: envNum("RATE", 50.0), Window: envNum("WINDOW", 60.0), Terminating: envNum("TERMINATING_S", 2.0),
-		Fanout: envNum("FANOUT", 10), Pods: envNum("PODS", 2000), PodRate: envNum("POD_RATE", 50.0), PodWindow: envNum("POD_WINDOW", 30.0),
+		Fanout: envNum("FANOUT", 30), FanCycles: envNum("FANOUT_CYCLES", 3), FanWindow: envNum("FANOUT_WINDOW", 15.0),
+		Pods: envNum("PODS", 2000), PodRate: envNum("POD_RATE", 50.0), PodWindow: envNum("POD_WINDOW", 30.0),
 		Nodes: envNum("PROJ_NODES", 5000), ProjRate: envNum("PROJ_RATE", 100.0), ProjEPs: envNum("PROJ_ENDPOINTS", 150000),
 		ProjPods: envNum("PROJ_PODS", 150000), PodEvents: envNum("POD_EVENTS", 6.0),
 		ProxyMode: os.Getenv("KUBE_PROXY_MODE"),
@@ -277,8 +280,8 @@ type result struct {
 	CPUs       int                       `json:"cpus"`
 	Config     config                    `json:"config"`
 	Setup      map[string]float64        `json:"setup_s"`
-	Baseline   nodeFigures               `json:"slices_baseline"`
-	With       nodeFigures               `json:"slices_with_watchers"`
+	With       nodeFigures               `json:"slices_window"`
+	Fanout     *fanToggle                `json:"fanout_switched"`
 	Deletions  int64                     `json:"deletions_in_window"`
 	WritesPerD float64                   `json:"writes_per_deletion"`
 	WriteFails int64                     `json:"write_fails"`
@@ -368,22 +371,11 @@ func run(ctx context.Context, cfg config) error {
 	}
 	res.Setup["kube_proxy_settle"] = time.Since(t).Seconds()
 
-	// Window A: the churn with the cluster's own watchers only.
+	// The churn, and the watchers, each listing every slice while it goes
+	// on; the fan-out's streams are closed again once open.
 	churnCtx, stopChurn := context.WithCancel(ctx)
+	defer stopChurn()
 	go sc.run(churnCtx, cfg.Rate)
-	sleep(ctx, 5*time.Second)
-	wd := time.Duration(cfg.Window * float64(time.Second))
-	log.Printf("window A (%.0fs): %.0f deletions/s, kube-proxy and the controller manager watching", cfg.Window, cfg.Rate)
-	wa, err := measure(ctx, n, wd, sc.writes.Load, nil)
-	if err != nil {
-		stopChurn()
-		return err
-	}
-	res.Baseline = wa.figures()
-	log.Printf("A: %d writes (%.1f/s), kube-proxy %.2fs CPU, %d bytes in; API server %.2fs CPU; load %s -> %s",
-		res.Baseline.Writes, res.Baseline.WritesPerS, res.Baseline.KubeProxyCPU, res.Baseline.KubeProxyRX, res.Baseline.APIServerCPU, wa.loadStart, wa.loadEnd)
-
-	// The watchers, each listing every slice while the churn goes on.
 	kinds := []string{"scrubd", "scrubd-json", "kubeproxy", "fanout"}
 	var kids []*child
 	defer func() {
@@ -394,56 +386,92 @@ func run(ctx context.Context, cfg config) error {
 	for _, k := range kinds {
 		c, err := startChild(k, cfg.Fanout)
 		if err != nil {
-			stopChurn()
 			return err
 		}
 		kids = append(kids, c)
 	}
 	for _, c := range kids {
 		if c.first, err = c.read(); err != nil {
-			stopChurn()
 			return err
 		}
 		log.Printf("%s synced in %.1fs: %d bytes, %.2fs CPU, holds %d (heap %d bytes)", c.kind, c.first.SyncS, c.first.RX, c.first.CPU, c.first.Held, c.first.Heap-c.first.BaseHeap)
 	}
+	decoders, fan := kids[:3], kids[3]
+	if _, err := fan.ask("off"); err != nil {
+		return err
+	}
 	sleep(ctx, 5*time.Second)
-	log.Printf("window B (%.0fs): the same churn, scrubd's watches and %d more streams beside", cfg.Window, cfg.Fanout)
+
+	// Window B: scrubd's watch, the same in JSON and kube-proxy's informer
+	// beside kube-proxy itself, on the same events.
+	wd := time.Duration(cfg.Window * float64(time.Second))
+	log.Printf("window B (%.0fs): %.0f deletions/s; kube-proxy, scrubd's watch (and in JSON), kube-proxy's informer", cfg.Window, cfg.Rate)
 	del0 := sc.deletions.Load()
-	wb, err := measure(ctx, n, wd, sc.writes.Load, kids)
-	res.Deletions = sc.deletions.Load() - del0
-	stopChurn()
-	sc.wait()
-	res.WriteFails = sc.fails.Load()
+	wb, err := measure(ctx, n, wd, sc.writes.Load, decoders)
 	if err != nil {
 		return err
 	}
+	res.Deletions = sc.deletions.Load() - del0
 	res.With = wb.figures()
 	res.WritesPerD = div(float64(res.With.Writes), float64(res.Deletions))
-	for _, c := range kids {
+	for _, c := range decoders {
 		res.Watchers[c.kind] = wb.watcher(c)
 	}
-	sd, sj, ki, fo := res.Watchers["scrubd"], res.Watchers["scrubd-json"], res.Watchers["kubeproxy"], res.Watchers["fanout"]
-	// kube-proxy's events: its bytes over the bytes of an event of the
-	// same protobuf stream (the fan-out's, read undecoded).
-	stream := fo.BytesPerEvent
-	kpA, kpB := div(float64(res.Baseline.KubeProxyRX), stream), div(float64(res.With.KubeProxyRX), stream)
+	log.Printf("B: %d writes (%.1f/s), kube-proxy %.2fs CPU, API server %.2fs; load %s -> %s",
+		res.With.Writes, res.With.WritesPerS, res.With.KubeProxyCPU, res.With.APIServerCPU, wb.loadStart, wb.loadEnd)
+
+	// The fan-out switched: FANOUT streams closed, then open, in turns.
+	sub := time.Duration(cfg.FanWindow * float64(time.Second))
+	ft := &fanToggle{Cycles: cfg.FanCycles, Streams: cfg.Fanout}
+	for i := range cfg.FanCycles {
+		off, err := measure(ctx, n, sub, sc.writes.Load, []*child{fan})
+		if err != nil {
+			return err
+		}
+		if _, err := fan.ask("on"); err != nil {
+			return err
+		}
+		sleep(ctx, 2*time.Second)
+		on, err := measure(ctx, n, sub, sc.writes.Load, []*child{fan})
+		if err != nil {
+			return err
+		}
+		if _, err := fan.ask("off"); err != nil {
+			return err
+		}
+		sleep(ctx, 2*time.Second)
+		ft.add(off.figures(), on.figures(), on.watcher(fan))
+		log.Printf("fan-out cycle %d: API server %.2fs CPU for %d writes with %d more streams, %.2fs for %d without",
+			i+1, ft.OnCPU[i], ft.OnWrites[i], cfg.Fanout, ft.OffCPU[i], ft.OffWrites[i])
+	}
+	ft.finish()
+	res.Fanout = ft
+	stopChurn()
+	sc.wait()
+	res.WriteFails = sc.fails.Load()
+	for _, c := range kids {
+		c.stop()
+	}
+	kids = nil
+
+	sd, sj, ki := res.Watchers["scrubd"], res.Watchers["scrubd-json"], res.Watchers["kubeproxy"]
+	// kube-proxy's events: its bytes over the bytes of an event of the same
+	// stream (the informer's that reads as kube-proxy does).
+	stream := ki.BytesPerEvent
+	kpB := div(float64(res.With.KubeProxyRX), stream)
 	res.KubeProxy = map[string]float64{
-		"events":                    kpB,
-		"cpu_per_event_us":          div(res.With.KubeProxyCPU, kpB) * 1e6,
-		"process_cpu_per_event_us":  div(res.With.KubeProxyProc, kpB) * 1e6,
-		"bytes_per_event":           div(float64(res.With.KubeProxyRX), kpB),
-		"events_window_a":           kpA,
-		"cpu_per_event_us_window_a": div(res.Baseline.KubeProxyCPU, kpA) * 1e6,
-		"rss_bytes":                 float64(res.With.KubeProxyRSS),
-		"rss_bytes_per_endpoint":    div(float64(res.With.KubeProxyRSS), float64(cfg.Services*cfg.Endpoints)),
+		"events":                   kpB,
+		"cpu_per_event_us":         div(res.With.KubeProxyCPU, kpB) * 1e6,
+		"process_cpu_per_event_us": div(res.With.KubeProxyProc, kpB) * 1e6,
+		"bytes_per_event":          div(float64(res.With.KubeProxyRX), kpB),
+		"rss_bytes":                float64(res.With.KubeProxyRSS),
+		"rss_bytes_per_endpoint":   div(float64(res.With.KubeProxyRSS), float64(cfg.Services*cfg.Endpoints)),
 	}
 	kp := res.KubeProxy
-	added := len(kids) - 1 + cfg.Fanout
-	api := marginal(res.With.APIServerCPU, float64(res.With.Writes), res.Baseline.APIServerCPU, float64(res.Baseline.Writes), added)
-	res.APIPerEvUS = api * 1e6
+	api := ft.MarginalUS / 1e6
+	res.APIPerEvUS = ft.MarginalUS
 	res.Ratios = map[string]float64{
 		"cpu_scrubd_vs_kube_proxy":          div(sd.CPUPerEventUS, kp["cpu_per_event_us"]),
-		"cpu_scrubd_vs_kube_proxy_process":  div(sd.CPUPerEventUS, kp["process_cpu_per_event_us"]),
 		"cpu_scrubd_vs_kubeproxy_informer":  div(sd.CPUPerEventUS, ki.CPUPerEventUS),
 		"cpu_scrubd_json_vs_scrubd":         div(sj.CPUPerEventUS, sd.CPUPerEventUS),
 		"bytes_scrubd_vs_kube_proxy":        div(sd.BytesPerEvent, kp["bytes_per_event"]),
@@ -451,15 +479,11 @@ func run(ctx context.Context, cfg config) error {
 		"heap_scrubd_vs_kubeproxy_informer": div(sd.BytesPerObject, ki.BytesPerObject),
 		"heap_scrubd_vs_kube_proxy_rss":     div(sd.BytesPerObject, kp["rss_bytes_per_endpoint"]),
 	}
-	for _, c := range kids {
-		c.stop()
-	}
-	kids = nil
 
 	// The API server's cost per event to one more watcher, per byte sent
 	// (encrypting and writing is most of it once the watch cache has
 	// encoded the event): for a JSON watcher and pods, by their bytes.
-	perByte := div(api, stream)
+	perByte := div(api, ft.StreamBytesPerEvent)
 	sliceScen := Scenario{Nodes: cfg.Nodes, ChangesPerS: cfg.ProjRate, EventsPerChange: writesPerDeletion, ObjectsHeld: cfg.ProjEPs}
 	res.Scenario["slices"] = sliceScen
 	res.Projection["scrubd"] = Project(sd.cost(api), sliceScen)
@@ -575,21 +599,20 @@ func report(r result) {
 	p("")
 	p("EndpointSlice watch, %d slices x %d endpoints, %.0f deletions/s (%.2f writes each), %.0f s windows; kube-proxy %s; %s, %s",
 		r.Config.Services, r.Config.Endpoints, r.Config.Rate, r.WritesPerD, r.Config.Window, r.Config.ProxyMode, r.K8s, r.Commit)
-	for _, w := range []struct {
-		name string
-		f    nodeFigures
-	}{{"A (no added watcher)", r.Baseline}, {"B (watchers added)  ", r.With}} {
-		p("  window %s: %d writes (%.1f/s), kube-proxy %.2fs CPU (process %.2fs), API server %.2fs, etcd %.2fs, controller manager %.2fs; load %s -> %s",
-			w.name, w.f.Writes, w.f.WritesPerS, w.f.KubeProxyCPU, w.f.KubeProxyProc, w.f.APIServerCPU, w.f.EtcdCPU, w.f.ControllerCPU, w.f.LoadStart, w.f.LoadEnd)
-	}
+	f := r.With
+	p("  window: %d writes (%.1f/s), kube-proxy %.2fs CPU (process %.2fs), API server %.2fs, etcd %.2fs, controller manager %.2fs; load %s -> %s",
+		f.Writes, f.WritesPerS, f.KubeProxyCPU, f.KubeProxyProc, f.APIServerCPU, f.EtcdCPU, f.ControllerCPU, f.LoadStart, f.LoadEnd)
 	p("  %-18s %10s %8s %12s %12s %14s %10s %10s", "watcher", "events", "lag", "CPU us/ev", "bytes/ev", "heap B/held", "sync s", "sync MB")
 	p("  %-18s %10.0f %8s %12.1f %12.0f %14.0f %10s %10s", "kube-proxy (real)", r.KubeProxy["events"], "-", r.KubeProxy["cpu_per_event_us"], r.KubeProxy["bytes_per_event"], r.KubeProxy["rss_bytes_per_endpoint"], "-", "-")
-	for _, k := range []string{"scrubd", "scrubd-json", "kubeproxy", "fanout"} {
+	for _, k := range []string{"scrubd", "scrubd-json", "kubeproxy"} {
 		w := r.Watchers[k]
 		p("  %-18s %10d %8d %12.1f %12.0f %14.0f %10.1f %10.1f", k, w.Events, w.Lag, w.CPUPerEventUS, w.BytesPerEvent, w.BytesPerObject, w.SyncS, float64(w.SyncRX)/1e6)
 	}
-	p("  (kube-proxy: its container's CPU, rules included; heap column: RSS per endpoint. fanout: %d streams, read undecoded)", r.Config.Fanout)
-	p("  API server CPU per event per added watcher: %.1f us", r.APIPerEvUS)
+	p("  (kube-proxy: its container's CPU, rules included; heap column: its RSS per endpoint)")
+	if ft := r.Fanout; ft != nil {
+		p("  %d raw streams switched on and off, %d x %.0f s each: API server %.1f us CPU per event per stream (cycles %.1f us); a stream reads %.0f bytes, %.1f us CPU an event",
+			ft.Streams, ft.Cycles, r.Config.FanWindow, ft.MarginalUS, ft.PerCycleUS, ft.StreamBytesPerEvent, ft.StreamCPUPerEventUS)
+	}
 	for _, k := range slices.Sorted(maps.Keys(r.Ratios)) {
 		p("  %-36s %.2f", k, r.Ratios[k])
 	}

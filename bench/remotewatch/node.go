@@ -51,11 +51,24 @@ type nodeReading struct {
 	load  string               // /proc/loadavg's first three fields
 }
 
-// cgroupCPU is a container's CPU seconds, and whose they are (its first
-// process: a restarted container is another cgroup).
+// cgroupCPU is a container's CPU seconds, and whose they are: its oldest
+// process of the comm (pid and start time; a restarted container is
+// another cgroup, and a child just forked still bears its parent's comm).
 type cgroupCPU struct {
-	proc proccpu.Proc
-	s    float64
+	pid   int
+	start uint64
+	s     float64
+}
+
+// oldest is the process of ps that started first.
+func oldest(ps []proccpu.Proc) proccpu.Proc {
+	o := ps[0]
+	for _, p := range ps[1:] {
+		if p.Start < o.Start || (p.Start == o.Start && p.PID < o.PID) {
+			o = p
+		}
+	}
+	return o
 }
 
 func (n *node) read(ctx context.Context) (nodeReading, error) {
@@ -67,11 +80,12 @@ func (n *node) read(ctx context.Context) (nodeReading, error) {
 		}
 		r.procs[c] = ps
 		if len(ps) > 0 {
-			s, err := proccpu.CgroupCPU("/proc", "/sys/fs/cgroup", ps[0].PID)
+			o := oldest(ps)
+			s, err := proccpu.CgroupCPU("/proc", "/sys/fs/cgroup", o.PID)
 			if err != nil {
 				return r, fmt.Errorf("%s's cgroup: %w", c, err)
 			}
-			r.cg[c] = cgroupCPU{proc: ps[0], s: s}
+			r.cg[c] = cgroupCPU{pid: o.PID, start: o.Start, s: s}
 		}
 	}
 	out, err := exec.CommandContext(ctx, "nsenter", "-t", strconv.Itoa(n.pid), "-n",
@@ -92,8 +106,11 @@ func (n *node) read(ctx context.Context) (nodeReading, error) {
 // included (kube-proxy's iptables-restore or nft); all of the container's
 // at s if it is another container than at r (a restart).
 func (r nodeReading) cpu(s nodeReading, comm string) float64 {
-	a, b := r.cg[comm], s.cg[comm]
-	if a.proc != b.proc || a.s > b.s {
+	return cgroupDelta(r.cg[comm], s.cg[comm])
+}
+
+func cgroupDelta(a, b cgroupCPU) float64 {
+	if a.pid != b.pid || a.start != b.start || a.s > b.s {
 		return b.s
 	}
 	return b.s - a.s

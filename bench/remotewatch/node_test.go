@@ -1,6 +1,10 @@
 package main
 
-import "testing"
+import (
+	"testing"
+
+	"github.com/ctscrub/ctscrub/bench/internal/proccpu"
+)
 
 // Two sockets of kube-proxy's and one of the controller manager's, as
 // `ss -tinpH state established` prints them (queue sizes first).
@@ -40,5 +44,28 @@ func TestSockDelta(t *testing.T) {
 	}
 	if rx, tx := sockDelta(before, after); rx != 250+40+10 || tx != 5+4+1 {
 		t.Errorf("sockDelta = %d, %d; want 300, 10", rx, tx)
+	}
+}
+
+// The container's CPU between two readings of the same process is the
+// difference, whatever that process's own ticks did; of another process
+// (a restart), all of the new container's.
+func TestCgroupDelta(t *testing.T) {
+	a := cgroupCPU{pid: 10, start: 500, s: 100}
+	for _, tc := range []struct {
+		b    cgroupCPU
+		want float64
+	}{
+		{cgroupCPU{pid: 10, start: 500, s: 130}, 30},
+		{cgroupCPU{pid: 11, start: 900, s: 4}, 4},
+		{cgroupCPU{pid: 10, start: 777, s: 5}, 5},
+	} {
+		if got := cgroupDelta(a, tc.b); got != tc.want {
+			t.Errorf("cgroupDelta(%+v, %+v) = %v, want %v", a, tc.b, got, tc.want)
+		}
+	}
+	ps := []proccpu.Proc{{PID: 300, Start: 90}, {PID: 12, Start: 95}, {PID: 40, Start: 50}, {PID: 41, Start: 50}}
+	if o := oldest(ps); o.PID != 40 {
+		t.Errorf("oldest = %+v, want pid 40", o)
 	}
 }

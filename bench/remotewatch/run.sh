@@ -12,7 +12,7 @@
 #   flock /var/tmp/ctscrub-kind.lock make bench-remote-watch
 #
 # Variables: those of bench/remotewatch/main.go (SERVICES, ENDPOINTS, RATE,
-# WINDOW, FANOUT, PODS, POD_RATE, POD_WINDOW, PROJ_NODES, ...), CLUSTER, KEEP,
+# WINDOW, FANOUT, FANOUT_CYCLES, FANOUT_WINDOW, PODS, POD_RATE, POD_WINDOW, PROJ_NODES, ...), CLUSTER, KEEP,
 # KUBE_PROXY_MODE (default nftables; iptables),
 # CTSCRUB_KIND_WORK (default /var/tmp/ctscrub-kind-watch).
 set -euo pipefail
