@@ -2,17 +2,45 @@ package main
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"log"
 	"sync"
 	"sync/atomic"
 	"time"
 
+	corev1 "k8s.io/api/core/v1"
 	discoveryv1 "k8s.io/api/discovery/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
 )
+
+// transient reports whether err is the API server or etcd being slow or
+// busy (on a shared 2-core machine etcd times out now and then), worth a
+// retry.
+func transient(err error) bool {
+	var st apierrors.APIStatus
+	if errors.As(err, &st) && st.Status().Code >= 500 { // "etcdserver: request timed out" is a 500
+		return true
+	}
+	return apierrors.IsServerTimeout(err) || apierrors.IsTimeout(err) || apierrors.IsTooManyRequests(err) ||
+		apierrors.IsInternalError(err) || apierrors.IsServiceUnavailable(err) || errors.Is(err, context.DeadlineExceeded)
+}
+
+// retry runs f until it succeeds, fails for good, or failed 5 times,
+// waiting 0.5, 1, 2, 4 s between tries.
+func retry(ctx context.Context, f func() error) error {
+	wait := 500 * time.Millisecond
+	for try := 1; ; try++ {
+		err := f()
+		if err == nil || !transient(err) || try == 5 || ctx.Err() != nil {
+			return err
+		}
+		time.Sleep(wait)
+		wait *= 2
+	}
+}
 
 // parallel runs f(0..n-1) on at most width goroutines and returns the
 // first error.
@@ -71,15 +99,27 @@ func newSliceChurn(cs kubernetes.Interface, ns string, services, endpoints int, 
 // create makes the Services and their slices.
 func (c *sliceChurn) create(ctx context.Context) error {
 	return parallel(len(c.cur), 16, func(i int) error {
-		if _, err := c.cs.CoreV1().Services(c.ns).Create(ctx, service(c.ns, i), metav1.CreateOptions{}); err != nil {
+		if err := retry(ctx, func() error {
+			_, err := c.cs.CoreV1().Services(c.ns).Create(ctx, service(c.ns, i), metav1.CreateOptions{})
+			if apierrors.IsAlreadyExists(err) { // an earlier try's
+				return nil
+			}
+			return err
+		}); err != nil {
 			return fmt.Errorf("create service %d: %w", i, err)
 		}
-		s, err := c.cs.DiscoveryV1().EndpointSlices(c.ns).Create(ctx, slice(c.ns, i, uint32(i*c.endpoints), c.endpoints), metav1.CreateOptions{})
-		if err != nil {
-			return fmt.Errorf("create slice %d: %w", i, err)
-		}
-		c.cur[i] = s
-		return nil
+		want := slice(c.ns, i, uint32(i*c.endpoints), c.endpoints)
+		return retry(ctx, func() error {
+			s, err := c.cs.DiscoveryV1().EndpointSlices(c.ns).Create(ctx, want, metav1.CreateOptions{})
+			if apierrors.IsAlreadyExists(err) {
+				s, err = c.cs.DiscoveryV1().EndpointSlices(c.ns).Get(ctx, want.Name, metav1.GetOptions{})
+			}
+			if err != nil {
+				return fmt.Errorf("create slice %d: %w", i, err)
+			}
+			c.cur[i] = s
+			return nil
+		})
 	})
 }
 
@@ -175,13 +215,26 @@ func newPodChurn(cs kubernetes.Interface, ns string) *podChurn {
 func (c *podChurn) start(ctx context.Context, n uint32) error {
 	c.sem <- struct{}{}
 	defer func() { <-c.sem }()
-	p, err := c.cs.CoreV1().Pods(c.ns).Create(ctx, pod(c.ns, n), metav1.CreateOptions{})
-	if err != nil {
+	var p *corev1.Pod
+	if err := retry(ctx, func() error {
+		var err error
+		p, err = c.cs.CoreV1().Pods(c.ns).Create(ctx, pod(c.ns, n), metav1.CreateOptions{})
+		if apierrors.IsAlreadyExists(err) { // an earlier try's
+			p, err = c.cs.CoreV1().Pods(c.ns).Get(ctx, podName(n), metav1.GetOptions{})
+		}
+		return err
+	}); err != nil {
 		return fmt.Errorf("create pod %d: %w", n, err)
 	}
 	c.writes.Add(1)
 	running(p, n)
-	if _, err := c.cs.CoreV1().Pods(c.ns).UpdateStatus(ctx, p, metav1.UpdateOptions{}); err != nil {
+	if err := retry(ctx, func() error {
+		_, err := c.cs.CoreV1().Pods(c.ns).UpdateStatus(ctx, p, metav1.UpdateOptions{})
+		if apierrors.IsConflict(err) { // an earlier try's went through
+			return nil
+		}
+		return err
+	}); err != nil {
 		return fmt.Errorf("pod %d status: %w", n, err)
 	}
 	c.writes.Add(1)

@@ -8,6 +8,7 @@ import (
 
 	corev1 "k8s.io/api/core/v1"
 	discoveryv1 "k8s.io/api/discovery/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/labels"
 	"k8s.io/apimachinery/pkg/watch"
@@ -139,5 +140,27 @@ func TestPodChurn(t *testing.T) {
 		if s.Name != p.Name || s.Status.PodIPs[0] != p.Status.PodIPs[0] || s.Status.Phase != p.Status.Phase || len(s.Spec.Containers) != 0 || s.Labels != nil {
 			t.Errorf("stripPod(%s) = %+v", p.Name, s)
 		}
+	}
+}
+
+// A timeout is tried again, up to five times; an invalid object is not.
+func TestRetry(t *testing.T) {
+	ctx := context.Background()
+	n := 0
+	err := retry(ctx, func() error {
+		if n++; n == 1 {
+			return apierrors.NewTimeoutError("slow", 1)
+		} else if n == 2 {
+			return &apierrors.StatusError{ErrStatus: metav1.Status{Status: metav1.StatusFailure, Code: 500, Message: "etcdserver: request timed out"}}
+		}
+		return nil
+	})
+	if err != nil || n != 3 {
+		t.Errorf("retry of two timeouts: %v after %d tries, want nil after 3", err, n)
+	}
+	n = 0
+	bad := apierrors.NewBadRequest("invalid")
+	if err := retry(ctx, func() error { n++; return bad }); err != bad || n != 1 {
+		t.Errorf("retry of a bad request: %v after %d tries, want it after 1", err, n)
 	}
 }
