@@ -126,6 +126,10 @@ bench-nfct: ## nf_conntrack: conntrack -D, DeleteFilters, filtered flush, index 
 bench-expiry: ## Expiry pass vs Cilium's NextKey and batch GC
 	$(GO) run ./bench/expiry
 
+.PHONY: bench-remote-watch
+bench-remote-watch: ## scrubd's EndpointSlice watch beside kube-proxy's on a one-node kind cluster: CPU, bytes, heap per event, extrapolated to PROJ_NODES (5000); root, ~10 min (docs/remote.md, Scale)
+	./bench/remotewatch/run.sh
+
 .PHONY: cilium-patch-test
 cilium-patch-test: ## Apply each series in cilium/patches (delegate v*, coalesce coalesce-v*) to Cilium's module source, build the agent, go test what they touch (CILIUM_PATCH_SERIES, CILIUM_PATCH_VERSIONS; slow)
 	./scripts/cilium-patch-test.sh

@@ -7,6 +7,8 @@ import (
 	"strings"
 	"syscall"
 	"time"
+
+	"github.com/ctscrub/ctscrub/bench/internal/proccpu"
 )
 
 // The cold delegate variants (issue 36): scrubd started right before the
@@ -17,7 +19,7 @@ import (
 // container is back and serving: a crash, an OOM kill. No snapshot is
 // written, so only the bootstrap pass tells the new process anything.
 func killScrubd(k *kube) error {
-	procs, err := processesCPU("/proc", "scrubd", k.containerID)
+	procs, err := proccpu.Find("/proc", "scrubd", k.containerID)
 	if err != nil {
 		return err
 	}
@@ -35,7 +37,7 @@ func killScrubd(k *kube) error {
 // rollScrubd rolls the DaemonSet (an upgrade: SIGTERM, a clean stop that
 // writes the snapshot, and a new pod) and waits until the new one serves.
 func rollScrubd(k *kube) error {
-	procs, err := processesCPU("/proc", "scrubd", k.containerID)
+	procs, err := proccpu.Find("/proc", "scrubd", k.containerID)
 	if err != nil {
 		return err
 	}
@@ -55,10 +57,10 @@ func rollScrubd(k *kube) error {
 // waitNewScrubd waits for a scrubd process other than old whose metrics
 // answer (its API and delegate socket are up by then: they listen before
 // the metrics).
-func waitNewScrubd(k *kube, old procCPU, timeout time.Duration) error {
+func waitNewScrubd(k *kube, old proccpu.Proc, timeout time.Duration) error {
 	deadline := time.Now().Add(timeout)
 	for ; ; time.Sleep(200 * time.Millisecond) {
-		procs, err := processesCPU("/proc", "scrubd", k.containerID)
+		procs, err := proccpu.Find("/proc", "scrubd", k.containerID)
 		if err != nil {
 			return err
 		}
@@ -93,18 +95,18 @@ func watchBootstrap(k *kube) *bootstrapWatch {
 			text, err := k.scrubdMetrics()
 			if err == nil {
 				if st := parseBootstrap(text); st.done() {
-					procs, err := processesCPU("/proc", "scrubd", k.containerID)
+					procs, err := proccpu.Find("/proc", "scrubd", k.containerID)
 					if err != nil {
 						w.err = err
 						return
 					}
-					var newest procCPU
+					var newest proccpu.Proc
 					for _, p := range procs {
 						if p.Start >= newest.Start {
 							newest = p
 						}
 					}
-					w.pass, w.cpu = st.duration, float64(newest.Ticks)/userHZ
+					w.pass, w.cpu = st.duration, float64(newest.Ticks)/proccpu.UserHZ
 					return
 				}
 			}

@@ -127,7 +127,7 @@ func (w *Watch) Present(a netip.Addr) bool {
 	return w.p.Present(a)
 }
 
-// Synced reports whether the informer has listed every slice once.
+// Synced reports whether the watch has seen every slice of the first list.
 func (w *Watch) Synced() bool { return w.synced.Load() }
 
 // Run watches EndpointSlices through cs (one informer, fields stripped) and
@@ -137,12 +137,15 @@ func (w *Watch) Synced() bool { return w.synced.Load() }
 func (w *Watch) Run(ctx context.Context, cs kubernetes.Interface, act func(context.Context, Gone)) error {
 	f := informers.NewSharedInformerFactoryWithOptions(cs, 0, informers.WithTransform(Strip))
 	inf := f.Discovery().V1().EndpointSlices().Informer()
-	if _, err := inf.AddEventHandler(w); err != nil {
+	reg, err := inf.AddEventHandler(w)
+	if err != nil {
 		return fmt.Errorf("endpointslice informer: %w", err)
 	}
 	f.Start(ctx.Done())
 	defer f.Shutdown()
-	if !cache.WaitForCacheSync(ctx.Done(), inf.HasSynced) {
+	// The handler's sync, not the informer's: the store has the first list
+	// before this handler has been handed all of it.
+	if !cache.WaitForCacheSync(ctx.Done(), reg.HasSynced) {
 		return ctx.Err()
 	}
 	w.synced.Store(true)

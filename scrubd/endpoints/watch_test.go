@@ -2,6 +2,7 @@ package endpoints
 
 import (
 	"context"
+	"fmt"
 	"net/netip"
 	"testing"
 	"time"
@@ -49,5 +50,34 @@ func TestWatchRunActsOnRemovedEndpoint(t *testing.T) {
 	case g := <-acted:
 		t.Fatalf("acted on %+v, still named by its slice", g)
 	case <-time.After(300 * time.Millisecond):
+	}
+}
+
+// Synced means the watch's own handler has seen the whole first list, not
+// only the informer's store: status and the synced metric report the
+// slices and addresses as listed, and a benchmark reads them then.
+func TestWatchSyncedAfterHandlerSawList(t *testing.T) {
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	cs := fake.NewClientset()
+	const n = 1000
+	for i := range n {
+		s := slice("ns", fmt.Sprintf("web-%d", i), "web", live(fmt.Sprintf("10.1.%d.%d", i/250, i%250+1)))
+		if err := cs.Tracker().Add(s); err != nil {
+			t.Fatal(err)
+		}
+	}
+	w := NewWatch(time.Second)
+	// A handler slower than the informer's store (as decoding and
+	// stripping real slices makes it): 1000 x 200 us behind.
+	w.now = func() time.Time { time.Sleep(200 * time.Microsecond); return time.Now() }
+	go w.Run(ctx, cs, func(context.Context, Gone) {})
+	for deadline := time.Now().Add(10 * time.Second); !w.Synced(); time.Sleep(time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("not synced after 10 s")
+		}
+	}
+	if st := w.Status(); st.Slices != n || st.Addrs != n {
+		t.Errorf("synced with %d slices, %d addresses seen; want %d each", st.Slices, st.Addrs, n)
 	}
 }
