@@ -91,14 +91,18 @@ type SoakResult struct {
 }
 
 // passed is the soak's verdict: nothing stale, nothing wrongly deleted, no
-// CNI call failed outside a fault's window, scrubd's RSS and fds flat
-// (within 10 %) from the baseline tenth to the last, no restart of scrubd
+// CNI call failed outside a fault's window, scrubd's RSS no more than 10 %
+// up and its fds flat (within 10 %) from the baseline tenth to the last, no restart of scrubd
 // but the faults', and every fault handled or skipped.
 func (r *SoakResult) passed() bool {
 	flat := func(a, b int64) bool { return a > 0 && float64(b) <= float64(a)*1.1 && float64(b) >= float64(a)*0.9 }
+	// RSS may fall, not rise: since the bootstrap pass (issue 36) scrubd
+	// files the pre-filled table at start (4 M keys, about 250 MB), and the
+	// CT maps' re-creation fault empties the index; a leak shows as a rise.
+	noRise := func(a, b int64) bool { return a > 0 && float64(b) <= float64(a)*1.1 }
 	pass := r.StaleEntriesLeft == 0 && r.WrongDeletions == 0 &&
 		r.FailedAdds == r.FailedAddsInWin && r.FailedDels == r.FailedDelsInWin &&
-		flat(r.RSSStart, r.RSSEnd) && flat(int64(r.FDsStart), int64(r.FDsEnd)) &&
+		noRise(r.RSSStart, r.RSSEnd) && flat(int64(r.FDsStart), int64(r.FDsEnd)) &&
 		r.ScrubdProcesses <= 1+r.PlannedRestarts
 	for _, f := range r.Faults {
 		pass = pass && (f.OK || f.Skipped)
