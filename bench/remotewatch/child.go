@@ -100,6 +100,15 @@ func (c countConn) Write(p []byte) (int, error) {
 // c. A Dial of its own also gives each config its own transport (client-go
 // caches none with a dialer), so each is one more TCP connection, as each
 // node has.
+// clientset is a typed client over restConfig.
+func clientset(kubeconfig, contentType string, c *counter) (*kubernetes.Clientset, error) {
+	cfg, err := restConfig(kubeconfig, contentType, c)
+	if err != nil {
+		return nil, err
+	}
+	return kubernetes.NewForConfig(cfg)
+}
+
 func restConfig(kubeconfig, contentType string, c *counter) (*rest.Config, error) {
 	cfg, err := clientcmd.BuildConfigFromFlags("", kubeconfig)
 	if err != nil {
@@ -275,11 +284,7 @@ func newWatcher(kind, kubeconfig string, fanout int, c *counter) (*watcher, erro
 			},
 		}, nil
 	case "kubeproxy":
-		cfg, err := restConfig(kubeconfig, protobuf, c)
-		if err != nil {
-			return nil, err
-		}
-		cs, err := kubernetes.NewForConfig(cfg)
+		cs, err := clientset(kubeconfig, protobuf, c)
 		if err != nil {
 			return nil, err
 		}
@@ -303,11 +308,7 @@ func newWatcher(kind, kubeconfig string, fanout int, c *counter) (*watcher, erro
 			},
 		}, nil
 	case "pods":
-		cfg, err := restConfig(kubeconfig, protobuf, c)
-		if err != nil {
-			return nil, err
-		}
-		cs, err := kubernetes.NewForConfig(cfg)
+		cs, err := clientset(kubeconfig, protobuf, c)
 		if err != nil {
 			return nil, err
 		}
