@@ -124,7 +124,7 @@ type scrubAnswer struct {
 	// while scrubd was dead included, so an answer by the index is sound.
 	afterPass bool
 	why       []string
-	err         error
+	err       error
 }
 
 // faultRecorderKilled: the recorder runs inside scrubd, so killing it is
