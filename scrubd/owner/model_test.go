@@ -132,11 +132,16 @@ func (s *ruleSystem) Del(a api.Attachment, ip netip.Addr) bool {
 		s.active[a] = fip
 	}
 	_, known := s.active[a]
+	_, running := s.alive[a]
+	// A DEL of an attachment scrubd never indexed is a sign of an unseen
+	// owner, unless its pod was gone before it while the rule saw
+	// (goneBeforeDel).
+	sign := !known && (running || s.r.Blind())
 	defer func() {
 		s.r.Stop(a)
 		delete(s.active, a)
-		if !known {
-			s.r.Unseen() // a DEL of an attachment scrubd never indexed
+		if sign {
+			s.r.Unseen()
 		}
 	}()
 	if !known {
@@ -275,6 +280,30 @@ func (s *ruleSystem) PassEnd() {
 		}
 	}
 	s.boot.Release(tracked, freeNow)
+}
+
+// Refind is the daemon's find after a sign (refind.go): every live pod it
+// can follow that no attachment or earlier find names becomes a found
+// holder, recorded from now on, its IP marked (it ran unseen); the rule
+// sees again when none was hidden.
+func (s *ruleSystem) Refind() {
+	epoch := s.r.Epoch()
+	missed := false
+	for a, ip := range s.alive {
+		_, act := s.active[a]
+		_, fnd := s.found[a]
+		switch {
+		case s.hidden[a]:
+			missed = true
+		case !act && !fnd:
+			s.found[a] = ip
+			s.mark(ip)
+			s.r.Start(foundName(a), []netip.Addr{ip})
+		}
+	}
+	if !missed {
+		s.r.Sight(epoch)
+	}
 }
 
 func (s *ruleSystem) Born(a api.Attachment, ip netip.Addr) { s.alive[a] = ip }

@@ -18,7 +18,12 @@
 // A sign of an unseen owner (the CNI config not chaining ctscrub, a DEL of an
 // attachment scrubd never indexed) cannot name the IP the unseen pod had, so
 // it starts a new epoch: every release, create and holder of an earlier epoch
-// stops counting. docs/design.md, "The completeness contract", states the
+// stops counting. A pod no recorder sees may still be running after the sign
+// (it started while the config did not chain ctscrub), and it may send
+// towards an address no pod holds: an entry no recorder saw, filed under an
+// address the rule would release. So a sign also makes the rule blind: no
+// release or create counts until a find has put the recorder on every pod
+// of the node (Sight). docs/design.md, "The completeness contract", states the
 // rule as the model-based test (model_test.go) checks it.
 //
 // Rule has no I/O and no clock: events in, verdicts out. It is safe for
@@ -93,6 +98,10 @@ type ipState struct {
 	relEpoch uint64
 	created  bool
 	crEpoch  uint64
+	// crSeen: the create completed while the rule saw (not blind); only
+	// such a create lets the next ADD trust the index. A create made while
+	// blind still names its IP's pod unseen if no index start follows.
+	crSeen bool
 }
 
 // Rule is the ownership state of one node's pod IPs. An IP's state is kept
@@ -104,8 +113,12 @@ type Rule struct {
 	seq       uint64 // the last generation given out (ipState.gen)
 	epoch     uint64
 	unchained bool // the CNI config does not chain ctscrub now
-	ips       map[netip.Addr]*ipState
-	holders   map[api.Attachment]holder
+	// blind: a pod no recorder sees may be running (a sign, or a find at
+	// start that could not follow every pod); releases and creates neither
+	// count nor are recorded until Sight.
+	blind   bool
+	ips     map[netip.Addr]*ipState
+	holders map[api.Attachment]holder
 }
 
 // New returns the rule of a daemon that just started: nothing released,
@@ -126,12 +139,12 @@ func (r *Rule) ip(ip netip.Addr) *ipState {
 
 func (r *Rule) releasedLocked(ip netip.Addr) bool {
 	s := r.ips[ip]
-	return s != nil && s.released && s.relEpoch == r.epoch && !r.unchained
+	return s != nil && s.released && s.relEpoch == r.epoch && !r.unchained && !r.blind
 }
 
 func (r *Rule) createdLocked(ip netip.Addr) bool {
 	s := r.ips[ip]
-	return s != nil && s.created && s.crEpoch == r.epoch && !r.unchained
+	return s != nil && s.created && s.crSeen && s.crEpoch == r.epoch && !r.unchained && !r.blind
 }
 
 // heldNowLocked reports whether an active attachment indexed in this epoch
@@ -294,7 +307,7 @@ func (t *Ticket) EndEach(completed func(netip.Addr) bool) (released, distrust []
 		still := s.gen == t.gens[ip] && r.epoch == t.epoch && !r.unchained
 		switch t.ev {
 		case Del:
-			if completed(ip) && t.release && still && v == Trust {
+			if completed(ip) && t.release && still && !r.blind && v == Trust {
 				s.released, s.relEpoch = true, r.epoch
 				released = append(released, ip)
 			}
@@ -304,7 +317,7 @@ func (t *Ticket) EndEach(completed func(netip.Addr) bool) (released, distrust []
 			}
 		case Create:
 			if completed(ip) && still {
-				s.created, s.crEpoch = true, r.epoch
+				s.created, s.crEpoch, s.crSeen = true, r.epoch, !r.blind
 			}
 		}
 	}
@@ -330,7 +343,8 @@ func (r *Rule) Stop(a api.Attachment) {
 }
 
 // Unseen records a sign of an unseen owner: a new epoch, in which no earlier
-// release, create or holder counts. It returns how many releases ended.
+// release, create or holder counts, and the rule blind until Sight. It
+// returns how many releases ended.
 func (r *Rule) Unseen() int {
 	r.mu.Lock()
 	defer r.mu.Unlock()
@@ -341,7 +355,35 @@ func (r *Rule) Unseen() int {
 		}
 	}
 	r.epoch++
+	r.blind = true
 	return n
+}
+
+// Blind reports whether a pod no recorder sees may be running: releases
+// and creates count again only after Sight.
+func (r *Rule) Blind() bool {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.blind
+}
+
+// Sight ends the blindness of a sign: a find that began in epoch (Epoch,
+// read before it looked) followed every pod interface of the node and put
+// the recorder on each, so every running pod is recorded from then on, its
+// addresses held by an attachment or a found pod (Start). An entry such a
+// pod made before towards an address no pod held is older than any release
+// that counts from now: an address is released only by a scrub that began
+// after it, trusting nothing (no release counted while blind), and so
+// swept. It reports whether the rule sees again: not when a sign came
+// since the find began, or while the config does not chain ctscrub.
+func (r *Rule) Sight(epoch uint64) bool {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.epoch != epoch || r.unchained {
+		return false
+	}
+	r.blind = false
+	return true
 }
 
 // SetChained records the conflist watch's reading. While the CNI config
@@ -479,6 +521,10 @@ func (r *Rule) BeginBoot(kept *State, found []Found, missed bool) *Boot {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	b := &Boot{r: r, free: !missed, held: map[netip.Addr]int{}, holder: map[netip.Addr]api.Attachment{}}
+	// The find at start followed every pod (or not): a pod it missed runs
+	// unrecorded. A blindness from before the restart ends here only if
+	// nothing was missed (the find is a Sight of its own).
+	r.blind = missed
 	for a, h := range r.holders {
 		for _, ip := range h.ips {
 			b.held[ip]++
@@ -499,7 +545,7 @@ func (r *Rule) BeginBoot(kept *State, found []Found, missed bool) *Boot {
 			}
 			for _, ip := range kept.Created {
 				s := r.ip(ip)
-				s.created, s.crEpoch = true, r.epoch
+				s.created, s.crEpoch, s.crSeen = true, r.epoch, true
 			}
 			b.Restored = true
 		}
@@ -541,7 +587,7 @@ func (b *Boot) trustLocked(ip netip.Addr, freeNow bool) bool {
 	}
 	switch b.held[ip] {
 	case 0:
-		if !b.free || !freeNow {
+		if !b.free || !freeNow || r.blind {
 			return false
 		}
 		for _, h := range r.holders {

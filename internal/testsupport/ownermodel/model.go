@@ -37,6 +37,9 @@ type Entry struct {
 	Peer    netip.Addr // the other end when it is a local pod (else a remote address)
 	PeerPod int        // that pod (-1: a remote address)
 	Indexed bool       // the recorder saw it (the sender's or receiver's interface is attached)
+	// Free: a pod's flow towards an address no pod held (Peer, PeerPod are
+	// the sender; IP the free address). No pod's live flow: a GC may take it.
+	Free bool
 }
 
 // System is what the walk drives. Each method that scrubs returns whether
@@ -63,6 +66,12 @@ type System interface {
 	Restart(kill bool, gone, hidden []api.Attachment, missed bool)
 	// PassEnd lets the bootstrap pass end and waits for it.
 	PassEnd()
+	// Refind is scrubd's find after a sign of an unseen owner (or a find
+	// at start that missed a pod): the recorder put on every pod interface
+	// it can follow (all but the last restart's hidden one), and the rule
+	// told it sees again when nothing was missed. Nothing while the CNI
+	// config does not chain ctscrub.
+	Refind()
 	// Born says that a's pod exists now (its sandbox and network
 	// namespace), before anything else of it.
 	Born(a api.Attachment, ip netip.Addr)
@@ -93,11 +102,13 @@ const (
 	OpDeleteMissed               // a pod's DEL bypasses ctscrub, and the watch missed it
 	OpRestartMissed              // scrubd restarts cleanly and its bootstrap's find misses a pod
 	OpPassEnd                    // the bootstrap pass of the last restart ends
+	OpTrafficFree                // a pod sends towards an address no pod holds (Cilium makes its entry at the sender)
+	OpRefind                     // scrubd's find after a sign puts the recorder on every pod it can follow
 	numOps
 )
 
 var opNames = [numOps]string{"create", "create-add-fails", "traffic", "delete", "delete-agent-first", "retry-del",
-	"unchain", "rechain", "gc", "restart", "kill", "create-missed", "delete-missed", "restart-find-misses", "pass-end"}
+	"unchain", "rechain", "gc", "restart", "kill", "create-missed", "delete-missed", "restart-find-misses", "pass-end", "traffic-to-free", "refind"}
 
 // Step is one step: an Op and two choices, taken modulo what is there when
 // the step runs (so any sub-list of steps is a valid walk).
@@ -111,7 +122,7 @@ func (s Step) String() string { return fmt.Sprintf("%s(%d,%d)", opNames[s.Op], s
 // Weights of the ops: pods come and go and talk often; signs, GCs and
 // restarts are rare, as on a node.
 var Weights = [numOps]int{OpCreate: 20, OpCreateFail: 2, OpTraffic: 30, OpDelete: 15, OpDeleteAgentFirst: 4,
-	OpRetryDel: 3, OpUnchain: 2, OpRechain: 3, OpGC: 3, OpRestart: 1, OpKill: 1, OpCreateMissed: 1, OpDeleteMissed: 1, OpRestartMissed: 1, OpPassEnd: 3}
+	OpRetryDel: 3, OpUnchain: 2, OpRechain: 3, OpGC: 3, OpRestart: 1, OpKill: 1, OpCreateMissed: 1, OpDeleteMissed: 1, OpRestartMissed: 1, OpPassEnd: 3, OpTrafficFree: 5, OpRefind: 3}
 
 // Steps generates n steps from seed.
 func Steps(seed uint64, n int) []Step {
@@ -148,7 +159,8 @@ type World struct {
 	holder  map[netip.Addr]*pod // the alive pod holding an IP
 	entries map[netip.Addr][]Entry
 	active  map[int]bool // scrubd's active attachments, as its journal has them
-	found   map[int]bool // live pods the last restart's bootstrap found: recorded since
+	found   map[int]bool // live pods the last restart's bootstrap (or a find since) found: recorded since
+	hidden  int          // the pod the last restart's find missed (-1: none); every find misses it
 	chained bool
 	nextID  int
 	// Violation is the first broken invariant ("" while none).
@@ -167,7 +179,7 @@ func IPs() []netip.Addr {
 // NewWorld starts a walk on sys.
 func NewWorld(sys System) *World {
 	return &World{sys: sys, ips: IPs(), holder: map[netip.Addr]*pod{}, entries: map[netip.Addr][]Entry{},
-		active: map[int]bool{}, found: map[int]bool{}, chained: true}
+		active: map[int]bool{}, found: map[int]bool{}, hidden: -1, chained: true}
 }
 
 func (w *World) fail(format string, args ...any) {
@@ -339,7 +351,7 @@ func (w *World) Run(s Step) {
 			for _, e := range w.entries[ip] {
 				if w.sys.Present(e) {
 					left = append(left, e)
-				} else if before[e.ID] && w.pods[e.Pod].alive && (e.PeerPod < 0 || w.pods[e.PeerPod].alive) {
+				} else if before[e.ID] && !e.Free && w.pods[e.Pod].alive && (e.PeerPod < 0 || w.pods[e.PeerPod].alive) {
 					// A flow between two pods goes with either: only one
 					// whose every pod is alive must stay.
 					w.fail("GC deleted an entry of %s of pod %d, alive (peer %v, pod %d; indexed %v)", ip, e.Pod, e.Peer, e.PeerPod, e.Indexed)
@@ -370,9 +382,12 @@ func (w *World) Run(s Step) {
 			}
 		}
 		clear(w.found)
+		w.hidden = -1
 		for _, p := range w.alive() {
 			if len(hidden) == 0 || p.att != hidden[0] {
 				w.found[p.id] = true
+			} else {
+				w.hidden = p.id
 			}
 		}
 		w.sys.Restart(s.Op == OpKill, gone, hidden, s.Op == OpRestartMissed)
@@ -381,6 +396,45 @@ func (w *World) Run(s Step) {
 		}
 	case OpPassEnd:
 		w.sys.PassEnd()
+	case OpRefind:
+		if !w.chained {
+			return
+		}
+		for _, p := range w.alive() {
+			if p.id != w.hidden {
+				w.found[p.id] = true
+			}
+		}
+		w.sys.Refind()
+	case OpTrafficFree:
+		al := w.alive()
+		var free []netip.Addr
+		for _, ip := range w.ips {
+			if w.holder[ip] == nil {
+				free = append(free, ip)
+			}
+		}
+		if len(al) == 0 || len(free) == 0 {
+			return
+		}
+		var senders []*pod
+		for _, p := range al {
+			// A pod no sign revealed (created outside the chain with the
+			// conflist watch missing it) is outside what any rule can know
+			// until a find records it: the model keeps it to holders'
+			// cases, which the delegate's create names.
+			if !p.bypass || w.recorded(p) {
+				senders = append(senders, p)
+			}
+		}
+		if len(senders) == 0 {
+			return
+		}
+		p, ip := senders[s.A%len(senders)], free[s.B%len(free)]
+		e := Entry{ID: w.nextID, IP: ip, Pod: p.id, Peer: p.ip, PeerPod: p.id, Indexed: w.recorded(p), Free: true}
+		w.nextID++
+		w.sys.Flow(e)
+		w.entries[ip] = append(w.entries[ip], e)
 	}
 }
 
