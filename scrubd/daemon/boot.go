@@ -65,6 +65,11 @@ type bootState struct {
 	scan   func() ([]PodInterface, []string, error)
 	attach func(netns, ifname string) error
 	walked func()
+
+	// poke wakes the find after a sign (sightLoop); noSightLoop (tests
+	// that run the find themselves) keeps the loop from starting.
+	poke        chan struct{}
+	noSightLoop bool
 }
 
 // bootOn reports whether this start runs the bootstrap: it needs the
@@ -143,29 +148,7 @@ func (d *Daemon) findAtStart() {
 		if journal[k] {
 			continue // a restored attachment: restore re-attached it
 		}
-		fp := foundPod{a: foundName(k), key: k, pod: p, ips: ips}
-		for _, ip := range ips {
-			d.ix.Hold(ip)
-			d.ix.MarkIncomplete(ip, index.ReasonOwner)
-		}
-		attach := func() error { _, err := d.rec.Attach(p.Netns, p.IfName); return err }
-		if d.bs.attach != nil {
-			attach = func() error { return d.bs.attach(p.Netns, p.IfName) }
-		}
-		if err := attach(); err != nil {
-			for _, ip := range ips {
-				if errors.Is(err, recorder.ErrForget) {
-					d.ix.MarkIncomplete(ip, recorder.ReasonForgetFailed)
-				} else {
-					d.ix.Unrecorded(ip, reasonFoundNotAttached)
-				}
-			}
-			d.log.Error("bootstrap: attach the recorder to a pod found at start: its addresses stay incomplete", "netns", p.Netns, "ifname", p.IfName, "ips", ips, "err", err)
-		} else {
-			for _, ip := range ips {
-				d.ix.Recorded(ip)
-			}
-		}
+		fp, _ := d.attachFound(p, k, ips)
 		d.bs.found[fp.a] = fp
 		strangers = append(strangers, owner.Found{A: fp.a, IPs: ips})
 	}
@@ -179,6 +162,39 @@ func (d *Daemon) findAtStart() {
 	}
 	d.log.Info("bootstrap: pod interfaces found at start", "pods", len(owned), "not_in_state", len(strangers), "missed", missed,
 		"kept_releases", d.bs.rule.Restored, "cover", d.bs.cover, "took_s", time.Since(began).Seconds())
+}
+
+// attachFound puts the recorder on a pod interface that no attachment
+// names (found at start, or by a find after a sign): its addresses are
+// held and marked (the pod ran unseen until now: its entries are in no
+// set), and recorded from now on, unless the attach fails (then they stay
+// incomplete while it lives).
+func (d *Daemon) attachFound(p PodInterface, k podKey, ips []netip.Addr) (foundPod, error) {
+	fp := foundPod{a: foundName(k), key: k, pod: p, ips: ips}
+	for _, ip := range ips {
+		d.ix.Hold(ip)
+		d.ix.MarkIncomplete(ip, index.ReasonOwner)
+	}
+	attach := func() error { _, err := d.rec.Attach(p.Netns, p.IfName); return err }
+	if d.bs.attach != nil {
+		attach = func() error { return d.bs.attach(p.Netns, p.IfName) }
+	}
+	err := attach()
+	if err != nil {
+		for _, ip := range ips {
+			if errors.Is(err, recorder.ErrForget) {
+				d.ix.MarkIncomplete(ip, recorder.ReasonForgetFailed)
+			} else {
+				d.ix.Unrecorded(ip, reasonFoundNotAttached)
+			}
+		}
+		d.log.Error("attach the recorder to a pod no attachment names: its addresses stay incomplete", "netns", p.Netns, "ifname", p.IfName, "ips", ips, "err", err)
+	} else {
+		for _, ip := range ips {
+			d.ix.Recorded(ip)
+		}
+	}
+	return fp, err
 }
 
 // reasonFoundNotAttached marks the addresses of a pod found at start that

@@ -784,6 +784,7 @@ func (d *Daemon) noteConflist(chained bool, file, missed string) {
 		// SetChained started a new epoch: IPs a DEL released while it did
 		// not chain may have gone to a pod created meanwhile.
 		d.log.Info("the CNI config chains ctscrub again; what was released or indexed before is not trusted", "conf_dir", dir, "file", file, "epoch", d.own.Epoch())
+		d.pokeSight() // pods started meanwhile may still run: find them
 	case chained && missed != "":
 		d.unseenOwner("a version of the CNI config scrubd could not read may not have chained ctscrub", "conf_dir", dir, "file", file, "detail", missed)
 	}

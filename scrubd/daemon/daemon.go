@@ -179,6 +179,7 @@ func New(opts Options) (*Daemon, error) {
 		version:  opts.Version,
 		pods:     newPods(opts.Config.StateFile, opts.Config.StoppedTTL.Duration),
 		own:      owner.New(),
+		bs:       bootState{poke: make(chan struct{}, 1)},
 		flights:  flights{m: make(map[flightKey]*flight)},
 		slots:    make(chan struct{}, opts.Config.MaxInFlight),
 		indexes:  opts.Indexes,
@@ -333,6 +334,9 @@ func (d *Daemon) Run(ctx context.Context) error {
 	if d.bs.rule != nil {
 		// The pass waits for the reader (index.Sync) at its end.
 		bg.Go(func() { d.runBootstrap(bgCtx) })
+	}
+	if d.bootOn() && !d.bs.noSightLoop {
+		bg.Go(func() { d.sightLoop(bgCtx) })
 	}
 	for _, t := range d.tasks {
 		bg.Go(func() {

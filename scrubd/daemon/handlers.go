@@ -691,7 +691,12 @@ func (d *Daemon) handleIndexStop(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	if !known {
-		d.unseenOwner("DEL of an attachment scrubd never indexed", "container_id", req.ContainerID, "ifname", req.IfName)
+		if d.goneBeforeDel(req.Netns) {
+			d.log.Info("DEL of an attachment scrubd never indexed, whose pod was gone before it: no sign of an unseen owner (every pod running is recorded)",
+				"container_id", req.ContainerID, "ifname", req.IfName, "netns", req.Netns)
+		} else {
+			d.unseenOwner("DEL of an attachment scrubd never indexed", "container_id", req.ContainerID, "ifname", req.IfName)
+		}
 	}
 	d.releaseUnheld(pod.IPs)
 	netns := req.Netns

@@ -76,6 +76,7 @@ func newDaemonSystem(t *testing.T) ownermodel.System {
 func (s *daemonSystem) start(walked func()) {
 	s.td = startDaemonWith(s.t, s.cfg, func(d *Daemon) {
 		d.bs.scan, d.bs.walked = s.scan, walked
+		d.bs.noSightLoop = true // the walk's Refind steps run the find
 		d.bs.attach = func(string, string) error { return nil } // recorded: the model applies the records
 		d.bs.cover = []netip.Prefix{netip.MustParsePrefix("10.244.0.8/29")}
 	}, true)
@@ -125,6 +126,9 @@ func (s *daemonSystem) PassEnd() {
 	s.hold = nil
 	waitPass(s.t, s.td)
 }
+
+// Refind is the daemon's find after a sign (refind.go), run now.
+func (s *daemonSystem) Refind() { s.td.Daemon.refind() }
 
 func (s *daemonSystem) waitChained(chained bool) {
 	want := 0.0

@@ -77,6 +77,7 @@ func completed(results []scrub.Result) bool {
 // the rule, in which no earlier release, create or holder vouches for an IP.
 func (d *Daemon) unseenOwner(why string, attrs ...any) {
 	n := d.own.Unseen()
+	d.pokeSight()
 	d.log.Warn("a pod scrubd never indexed existed: released IPs and earlier attachments are no longer trusted, their next scrubs sweep",
 		append([]any{"why", why, "released_ips", n, "epoch", d.own.Epoch()}, attrs...)...)
 }
