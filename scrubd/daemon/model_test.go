@@ -76,7 +76,7 @@ func newDaemonSystem(t *testing.T) ownermodel.System {
 func (s *daemonSystem) start(walked func()) {
 	s.td = startDaemonWith(s.t, s.cfg, func(d *Daemon) {
 		d.bs.scan, d.bs.walked = s.scan, walked
-		d.bs.noSightLoop = true // the walk's Refind steps run the find
+		d.bs.noSightLoop = true                                 // the walk's Refind steps run the find
 		d.bs.attach = func(string, string) error { return nil } // recorded: the model applies the records
 		d.bs.cover = []netip.Prefix{netip.MustParsePrefix("10.244.0.8/29")}
 	}, true)
