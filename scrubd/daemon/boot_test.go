@@ -177,7 +177,9 @@ func TestRestartAnswersFromTheBootstrapPass(t *testing.T) {
 // A pod the find at start misses (its namespace has no path the daemon
 // can open) is not recorded: its address is not vouched for and its scrub
 // sweeps; nor is any free address (the missed pod may have sent towards
-// it). The pods found are still answered from the index.
+// it), nor a found pod's (the rule is blind: the missed pod may send
+// towards it once that pod is dead and its DEL still to come). Once the
+// find can open it (refind), the rule sees again.
 func TestBootstrapMissedPodSweeps(t *testing.T) {
 	b := newBootNode(t)
 	ctx := context.Background()
@@ -195,10 +197,10 @@ func TestBootstrapMissedPodSweeps(t *testing.T) {
 	}
 	td := b.start(t, nil, podIfOptions{NetnsDirs: []string{dir}, Proc: t.TempDir()})
 	waitPass(t, td)
-	if st := td.Index().State(b.found.Addr4); !st.Complete {
-		t.Errorf("the found pod's %s: incomplete (%s)", b.found.Addr4, st.Incomplete)
+	if !td.Daemon.own.Blind() {
+		t.Error("not blind after a find that missed a pod")
 	}
-	for _, ip := range []netip.Addr{b.indexed.Addr4, free} {
+	for _, ip := range []netip.Addr{b.indexed.Addr4, free, b.found.Addr4} {
 		if st := td.Index().State(ip); st.Complete {
 			t.Errorf("%s complete after a pass whose find missed a pod", ip)
 		}
@@ -212,5 +214,15 @@ func TestBootstrapMissedPodSweeps(t *testing.T) {
 	}
 	if left := b.root.entriesOf(t, b.indexed.Addr4); left != 0 {
 		t.Errorf("%d entries of %s left", left, b.indexed.Addr4)
+	}
+	// The missed pod's namespace, and the uplink's (the remote host's: no
+	// pod, but a veth the find must follow), become visible.
+	for name, path := range map[string]string{"indexed": b.indexed.Path, "remote": b.node.Remote.Path} {
+		if err := os.Symlink(path, filepath.Join(dir, name)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if !td.Daemon.refind() || td.Daemon.own.Blind() {
+		t.Error("blind after a find that followed every pod")
 	}
 }

@@ -32,8 +32,10 @@ func (d *Daemon) beginScrub(req api.ScrubRequest, ips []netip.Addr) *owner.Ticke
 		ev = owner.Del
 		if a.IfName == "" {
 			a = d.pods.attachmentOf(req.ContainerID, ips)
-		} else if _, known := d.pods.get(a); !known {
-			d.adoptFound(a, req.Netns) // a pod found at start (boot.go)
+		} else if _, known := d.pods.get(a); !known && !d.adoptFound(a, req.Netns) { // a pod found at start (boot.go)
+			if d.goneBeforeDel(req.Netns) {
+				ev = owner.DelGone // refind.go
+			}
 		}
 	}
 	t := d.own.Begin(ev, a, ips)

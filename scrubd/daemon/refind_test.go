@@ -82,6 +82,11 @@ func TestUnknownDelOfAGonePodIsNoSign(t *testing.T) {
 	if d.own.Epoch() != epoch || d.own.Blind() {
 		t.Fatalf("a DEL of a pod gone before it was a sign: epoch %d -> %d, blind %v", epoch, d.own.Epoch(), d.own.Blind())
 	}
+	// Its address keeps the release the pass gave it: the next ADD on it
+	// trusts the index.
+	if _, ok := d.own.Released(netip.MustParseAddr("10.244.0.10")); !ok {
+		t.Fatal("the DEL of a pod gone before it ended its address's release")
+	}
 	live := api.Attachment{ContainerID: "ran-unseen", IfName: "eth0"}
 	s.Born(live, netip.MustParseAddr("10.244.0.11"))
 	s.Del(live, netip.MustParseAddr("10.244.0.11"))

@@ -156,7 +156,11 @@ func (s *ruleSystem) Del(a api.Attachment, ip netip.Addr) bool {
 			}
 		}
 	}
-	t := s.r.Begin(Del, a, []netip.Addr{ip})
+	ev := Del
+	if !known && !sign {
+		ev = DelGone
+	}
+	t := s.r.Begin(ev, a, []netip.Addr{ip})
 	s.verdicts(t, ip)
 	s.scrub(ip)
 	t.End(true)

@@ -20,10 +20,10 @@
 // it starts a new epoch: every release, create and holder of an earlier epoch
 // stops counting. A pod no recorder sees may still be running after the sign
 // (it started while the config did not chain ctscrub), and it may send
-// towards an address no pod holds: an entry no recorder saw, filed under an
-// address the rule would release. So a sign also makes the rule blind: no
-// release or create counts until a find has put the recorder on every pod
-// of the node (Sight). docs/design.md, "The completeness contract", states the
+// towards an address no pod holds, or whose pod died with its DEL still to
+// come: an entry no recorder saw. So a sign also makes the rule blind:
+// nothing is trusted, and no release or create counts, until a find has put
+// the recorder on every pod of the node (Sight). docs/design.md, "The completeness contract", states the
 // rule as the model-based test (model_test.go) checks it.
 //
 // Rule has no I/O and no clock: events in, verdicts out. It is safe for
@@ -76,9 +76,16 @@ const (
 	// Operator is a scrub with no attachment (scrubctl, the audit): the
 	// index is trusted as it stands, nothing is released.
 	Operator
+	// DelGone is ctscrub's DEL scrub of an attachment scrubd never indexed
+	// whose pod's network namespace was gone before it, while the rule
+	// sees (the kubelet's DELs of the sandboxes of before a node reboot):
+	// no sign of an unseen owner. The pod runs no more and what it made is
+	// older than any release that counts, so a released IP stays released
+	// and its index is trusted; any other IP sweeps, as a Del's.
+	DelGone
 )
 
-var eventNames = [...]string{"add", "del", "gc", "create", "delete", "unknown", "operator"}
+var eventNames = [...]string{"add", "del", "gc", "create", "delete", "unknown", "operator", "del-gone"}
 
 func (e Event) String() string {
 	if int(e) < len(eventNames) {
@@ -274,6 +281,19 @@ func (r *Rule) Begin(ev Event, a api.Attachment, ips []netip.Addr) *Ticket {
 			}
 		case Operator:
 			v = Trust
+		case DelGone:
+			if r.releasedLocked(ip) {
+				v = Trust
+			} else {
+				r.takeLocked(ip)
+			}
+		}
+		if r.blind && ev != Operator {
+			// A pod no recorder sees may send towards this address too,
+			// and a holder's interface records what reaches the address
+			// only while its pod lives: one that died with its DEL still
+			// to come records nothing.
+			v = Sweep
 		}
 		t.verdicts[ip] = v
 		t.gens[ip] = r.ip(ip).gen
@@ -579,7 +599,7 @@ func (b *Boot) Trust(ip netip.Addr, freeNow bool) bool {
 
 func (b *Boot) trustLocked(ip netip.Addr, freeNow bool) bool {
 	r := b.r
-	if r.epoch != b.epoch || r.unchained {
+	if r.epoch != b.epoch || r.unchained || r.blind {
 		return false
 	}
 	if s := r.ips[ip]; s != nil && s.gen > b.seq {
@@ -587,7 +607,7 @@ func (b *Boot) trustLocked(ip netip.Addr, freeNow bool) bool {
 	}
 	switch b.held[ip] {
 	case 0:
-		if !b.free || !freeNow || r.blind {
+		if !b.free || !freeNow {
 			return false
 		}
 		for _, h := range r.holders {

@@ -7,9 +7,10 @@ import (
 	"github.com/ctscrub/ctscrub/scrubd/api"
 )
 
-// After a sign the rule is blind: a DEL of a pod indexed in the new epoch
-// releases nothing, and a create completed meanwhile lets no ADD trust the
-// index, until a find that began in the current epoch says every pod is
+// After a sign the rule is blind: nothing is trusted (even a pod's own DEL
+// sweeps: its pod may have died before it, and a pod no recorder sees may
+// have sent towards its address since), a DEL releases nothing, and a
+// create completed meanwhile lets no ADD trust the index, until a find that began in the current epoch says every pod is
 // recorded (Sight). A create made while blind still names its IP's pod
 // unseen when no index start follows.
 func TestBlindUntilSight(t *testing.T) {
@@ -27,8 +28,8 @@ func TestBlindUntilSight(t *testing.T) {
 	}
 	r.Start(a, []netip.Addr{ip})
 	tk := r.Begin(Del, a, []netip.Addr{ip})
-	if tk.Verdict(ip) != Trust {
-		t.Fatal("the pod's own DEL is not trusted while blind (its holder records what reaches it)")
+	if tk.Verdict(ip) != Sweep {
+		t.Fatal("a pod's own DEL was trusted while blind")
 	}
 	if rel, _ := tk.End(true); len(rel) != 0 {
 		t.Fatalf("a DEL released %v while blind", rel)
@@ -52,12 +53,53 @@ func TestBlindUntilSight(t *testing.T) {
 	if v := r.Begin(Delete, api.Attachment{}, []netip.Addr{other}).Verdict(other); v != Sweep {
 		t.Fatal("the delete of a create no index start followed was trusted")
 	}
-	// Seeing again, a DEL releases.
+	// Seeing again, a DEL is trusted and releases.
 	r.Start(a, []netip.Addr{ip})
-	if rel, _ := r.Begin(Del, a, []netip.Addr{ip}).End(true); len(rel) != 1 {
+	tk = r.Begin(Del, a, []netip.Addr{ip})
+	if tk.Verdict(ip) != Trust {
+		t.Fatal("a pod's own DEL after the sight was not trusted")
+	}
+	if rel, _ := tk.End(true); len(rel) != 1 {
 		t.Fatalf("a DEL after the sight released %v", rel)
 	}
 	if r.SetChained(false); r.Sight(r.Epoch()) {
 		t.Fatal("the rule sees while the config does not chain ctscrub")
+	}
+}
+
+// The DEL of a pod gone before it (DelGone): a released IP stays released
+// and is trusted; an IP not released sweeps and loses what it had; while
+// blind it sweeps.
+func TestDelGone(t *testing.T) {
+	ip := netip.MustParseAddr("10.244.0.10")
+	other := netip.MustParseAddr("10.244.0.11")
+	a := api.Attachment{ContainerID: "a", IfName: "eth0"}
+	old := api.Attachment{ContainerID: "before-reboot", IfName: "eth0"}
+	r := New()
+	r.Start(a, []netip.Addr{ip})
+	r.Begin(Del, a, []netip.Addr{ip}).End(true)
+	r.Stop(a)
+	tk := r.Begin(DelGone, old, []netip.Addr{ip, other})
+	if tk.Verdict(ip) != Trust || tk.Verdict(other) != Sweep {
+		t.Fatalf("verdicts %v / %v, want trust for the released IP, sweep for the other", tk.Verdict(ip), tk.Verdict(other))
+	}
+	if rel, _ := tk.End(true); len(rel) != 0 {
+		t.Fatalf("a DEL of an attachment never indexed released %v", rel)
+	}
+	if _, ok := r.Released(ip); !ok {
+		t.Fatal("the released IP lost its release")
+	}
+	if r.Epoch() != 0 {
+		t.Fatal("DelGone started an epoch")
+	}
+	r.Unseen()
+	r.Start(a, []netip.Addr{ip})
+	r.Sight(r.Epoch())
+	r.Begin(Del, a, []netip.Addr{ip}).End(true)
+	r.Stop(a)
+	r.SetChained(false)
+	r.SetChained(true)
+	if v := r.Begin(DelGone, old, []netip.Addr{ip}).Verdict(ip); v != Sweep {
+		t.Fatal("DelGone trusted while blind")
 	}
 }
