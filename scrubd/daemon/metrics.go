@@ -139,6 +139,10 @@ func newMetrics(d *Daemon, reg *prometheus.Registry) *metrics {
 			Help: "1 while scrubd is ready (/readyz): CT maps open, programs loaded, recorder running; 0 once the recorder stopped or while shutting down.",
 		}, func() float64 { return b2f(d.isReady()) }),
 		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+			Name: "ctscrub_ownership_blind",
+			Help: "1 while a pod no recorder sees may run (after a sign of an unseen owner, until scrubd's find has put the recorder on every pod of the node): every scrub sweeps meanwhile.",
+		}, func() float64 { return b2f(d.own.Blind()) }),
+		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 			Name: "ctscrub_recorder_running",
 			Help: "1 while the recorder feeds the index (or scrubd runs without one); 0 while it is down and every scrub sweeps.",
 		}, func() float64 {

@@ -39,6 +39,9 @@ func TestRefindEndsBlindness(t *testing.T) {
 	if !d.own.Blind() {
 		t.Fatal("after an unchained window the rule is not blind")
 	}
+	if v := counterValue(t, s.td, "ctscrub_ownership_blind", nil); v != 1 {
+		t.Fatalf("ctscrub_ownership_blind %v while blind, want 1", v)
+	}
 	unseen := netip.MustParseAddr("10.244.0.10")
 	if d.holderOf(unseen) != nil {
 		t.Fatalf("the unseen pod's address has a holder before the find: %v", d.holderOf(unseen))
@@ -48,6 +51,9 @@ func TestRefindEndsBlindness(t *testing.T) {
 	}
 	if d.own.Blind() {
 		t.Fatal("blind after a find that followed every pod")
+	}
+	if v := counterValue(t, s.td, "ctscrub_ownership_blind", nil); v != 0 {
+		t.Fatalf("ctscrub_ownership_blind %v after the find, want 0", v)
 	}
 	if a := d.holderOf(unseen); a == nil || a.IfName != "eth0" {
 		t.Fatalf("the unseen pod is no found holder after the find: %v", a)
