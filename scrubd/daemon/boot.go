@@ -94,6 +94,29 @@ func (d *Daemon) scanPods() (pods []PodInterface, missed []string, err error) {
 	return pods, missed, err
 }
 
+// journalKeys are the pod interfaces of the active attachments.
+func (d *Daemon) journalKeys() map[podKey]bool {
+	active, _ := d.pods.list()
+	journal := map[podKey]bool{}
+	for _, p := range active {
+		if k, ok := keyOf(p.Netns, p.IfName); ok {
+			journal[k] = true
+		}
+	}
+	return journal
+}
+
+// ownedIPs are those of ips in the pod CIDRs.
+func (d *Daemon) ownedIPs(ips []netip.Addr) []netip.Addr {
+	var out []netip.Addr
+	for _, ip := range ips {
+		if d.ix.Owns(ip) {
+			out = append(out, ip)
+		}
+	}
+	return out
+}
+
 // foundName is the attachment scrubd gives a found pod until its DEL:
 // no container ID a runtime makes starts with "found:".
 func foundName(k podKey) api.Attachment {
@@ -117,24 +140,13 @@ func (d *Daemon) findAtStart() {
 		d.log.Warn("bootstrap: finding the node's pod interfaces failed in part; free addresses are not vouched for", "err", err)
 		missed = append(missed, "(error)")
 	}
-	active, _ := d.pods.list()
-	journal := map[podKey]bool{}
-	for _, p := range active {
-		if k, ok := keyOf(p.Netns, p.IfName); ok {
-			journal[k] = true
-		}
-	}
+	journal := d.journalKeys()
 	d.bs.keys = map[podKey]bool{}
 	d.bs.found = map[api.Attachment]foundPod{}
 	var strangers []owner.Found
 	var owned []PodInterface
 	for _, p := range pods {
-		var ips []netip.Addr
-		for _, ip := range p.IPs {
-			if d.ix.Owns(ip) {
-				ips = append(ips, ip)
-			}
-		}
+		ips := d.ownedIPs(p.IPs)
 		if len(ips) == 0 {
 			continue // no address in the pod CIDRs: not a pod of this cluster
 		}
@@ -289,13 +301,7 @@ func (d *Daemon) finishBootstrap(res bootstrap.Result) {
 	// have sent towards any address no pod held.
 	pods, missed, err := d.scanPods()
 	freeNow := err == nil && len(missed) == 0
-	active, _ := d.pods.list()
-	journal := map[podKey]bool{}
-	for _, p := range active {
-		if k, ok := keyOf(p.Netns, p.IfName); ok {
-			journal[k] = true
-		}
-	}
+	journal := d.journalKeys()
 	unrecorded := map[netip.Addr]bool{}
 	var strangers []string
 	for _, p := range pods {

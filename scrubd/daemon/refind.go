@@ -3,7 +3,6 @@ package daemon
 import (
 	"context"
 	"errors"
-	"net/netip"
 	"os"
 	"time"
 
@@ -60,13 +59,7 @@ func (d *Daemon) refind() bool {
 	if err != nil {
 		missed = append(missed, "(error: "+err.Error()+")")
 	}
-	active, _ := d.pods.list()
-	journal := map[podKey]bool{}
-	for _, p := range active {
-		if k, ok := keyOf(p.Netns, p.IfName); ok {
-			journal[k] = true
-		}
-	}
+	journal := d.journalKeys()
 	d.bs.mu.Lock()
 	known := map[podKey]bool{}
 	for _, f := range d.bs.found {
@@ -75,12 +68,7 @@ func (d *Daemon) refind() bool {
 	d.bs.mu.Unlock()
 	attached := 0
 	for _, p := range pods {
-		var ips []netip.Addr
-		for _, ip := range p.IPs {
-			if d.ix.Owns(ip) {
-				ips = append(ips, ip)
-			}
-		}
+		ips := d.ownedIPs(p.IPs)
 		if len(ips) == 0 {
 			continue
 		}
