@@ -81,7 +81,8 @@ const (
 	// sees (the kubelet's DELs of the sandboxes of before a node reboot):
 	// no sign of an unseen owner. The pod runs no more and what it made is
 	// older than any release that counts, so a released IP stays released
-	// and its index is trusted; any other IP sweeps, as a Del's.
+	// and its index is trusted; any other IP sweeps, and keeps its state
+	// (no new owner: a bootstrap pass running still vouches for it).
 	DelGone
 )
 
@@ -137,8 +138,10 @@ func New() *Rule {
 func (r *Rule) ip(ip netip.Addr) *ipState {
 	s := r.ips[ip]
 	if s == nil {
-		r.seq++
-		s = &ipState{gen: r.seq}
+		// Generation 0: being asked about is no new owner (a bootstrap
+		// pass's Trust compares generations with its start's); every
+		// owner event takes a new one (takeLocked).
+		s = &ipState{}
 		r.ips[ip] = s
 	}
 	return s
@@ -282,10 +285,10 @@ func (r *Rule) Begin(ev Event, a api.Attachment, ips []netip.Addr) *Ticket {
 		case Operator:
 			v = Trust
 		case DelGone:
+			// No new owner: nothing taken (a pass running now still vouches
+			// for the address at its end).
 			if r.releasedLocked(ip) {
 				v = Trust
-			} else {
-				r.takeLocked(ip)
 			}
 		}
 		if r.blind && ev != Operator {

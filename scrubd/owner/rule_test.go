@@ -68,8 +68,8 @@ func TestBlindUntilSight(t *testing.T) {
 }
 
 // The DEL of a pod gone before it (DelGone): a released IP stays released
-// and is trusted; an IP not released sweeps and loses what it had; while
-// blind it sweeps.
+// and is trusted; an IP not released sweeps, and a bootstrap pass running
+// meanwhile still vouches for it; while blind it sweeps.
 func TestDelGone(t *testing.T) {
 	ip := netip.MustParseAddr("10.244.0.10")
 	other := netip.MustParseAddr("10.244.0.11")
@@ -91,6 +91,16 @@ func TestDelGone(t *testing.T) {
 	}
 	if r.Epoch() != 0 {
 		t.Fatal("DelGone started an epoch")
+	}
+	// During a bootstrap pass: the address it vouches for is still trusted
+	// at its end.
+	r2 := New()
+	boot := r2.BeginBoot(nil, nil, false)
+	if v := r2.Begin(DelGone, old, []netip.Addr{other}).Verdict(other); v != Sweep {
+		t.Fatal("DelGone trusted an address the pass had not vouched for yet")
+	}
+	if !boot.Trust(other, true) {
+		t.Fatal("a DelGone during the pass took its address from the pass")
 	}
 	r.Unseen()
 	r.Start(a, []netip.Addr{ip})
