@@ -78,7 +78,6 @@ apply() (
 # the version is what follows its last v.
 test_series() {
 	local name=$1 version=${1##*v} dir=$PWORK/$1 src pkgs=()
-	added=() # global: the summary line tells whether there were any
 	rm -rf "$dir"; mkdir -p "$dir"
 	ls "$PATCHES/$name"/*.patch >/dev/null 2>&1 || { echo "no *.patch in $PATCHES/$name" >&2; fail=patches; return 1; }
 	src=$("$GO" mod download -json "$mod@v$version" | jq -r .Dir) && [[ -d $src ]] ||
@@ -106,34 +105,40 @@ test_series() {
 	# 1.18.8's pkg/endpoint (bpf.go:598, code no patch touches). The
 	# checks' go vet runs on every touched package and counts what is on
 	# the patches' lines (scripts/cilium-patch-checks.sh).
-	mapfile -t added < <(git -C "$dir/src" diff --name-only --diff-filter=A base HEAD -- '*.go' | xargs -r -n1 dirname | sort -u |
-		while read -r d; do [[ -z $(git -C "$dir/src" ls-tree base -- "$d") ]] && echo "$mod/$d"; done)
 	# Cilium's own offline checks of the touched files (precheck's scripts,
 	# custom vet and lint, go vet, golangci-lint, the cmdref).
 	checks "$dir" "$version" || return 1
 	(cd "$dir/mod" && step test "$dir" env CGO_ENABLED=0 GOFLAGS=-mod=mod "$GO" test "${bflags[@]}" -vet=off -count=1 -p 1 -timeout 30m "${pkgs[@]}") ||
 		{ fail="go test"; return 1; }
 	tested=${#pkgs[@]}
-	# Cilium's privileged tests (TestPrivileged*, PRIVILEGED_TESTS set) of
-	# the packages the patches add, as root: the delegate's trust checks
-	# against a real root socket and a peer of another uid. Only those
-	# packages: the touched packages' own privileged tests create BPF maps.
+	# Cilium's privileged tests (TestPrivileged*, PRIVILEGED_TESTS set) that
+	# the patches add, as root: the delegate's trust checks against a real
+	# root socket and a peer of another uid; the coalesced scrub's walk
+	# against one walk per endpoint on real CT and NAT maps (named *_test).
+	# Only those: the touched packages' own privileged tests create and
+	# pin BPF maps of their own.
+	local ptests=() ppkgs=()
+	mapfile -t ptests < <(git -C "$dir/src" diff base HEAD -- '*_test.go' | sed -n 's/^+func \(TestPrivileged[A-Za-z0-9_]*\)(.*/\1/p' | sort -u)
+	mapfile -t ppkgs < <(git -C "$dir/src" diff --name-only base HEAD -- '*_test.go' |
+		while read -r f; do git -C "$dir/src" diff base HEAD -- "$f" | grep -q '^+func TestPrivileged' && echo "$mod/$(dirname "$f")"; done | sort -u)
 	privileged="not run (not root)"
-	[[ ${#added[@]} -eq 0 ]] && privileged="none (the series adds no package)"
-	if [[ ${#added[@]} -gt 0 && $(id -u) -eq 0 ]]; then
-		(cd "$dir/mod" && step privileged "$dir" env CGO_ENABLED=0 GOFLAGS=-mod=mod PRIVILEGED_TESTS=1 "$GO" test "${bflags[@]}" -vet=off -count=1 -v -run '^TestPrivileged' "${added[@]}") ||
+	[[ ${#ptests[@]} -eq 0 ]] && privileged="none (the series adds none)"
+	if [[ ${#ptests[@]} -gt 0 && $(id -u) -eq 0 ]]; then
+		(cd "$dir/mod" && step privileged "$dir" env CGO_ENABLED=0 GOFLAGS=-mod=mod PRIVILEGED_TESTS=1 "$GO" test "${bflags[@]}" -vet=off -count=1 -v -run "^($(IFS='|'; echo "${ptests[*]}"))\$" "${ppkgs[@]}") ||
 			{ fail="go test of the privileged tests"; return 1; }
-		privileged="passed ($(grep -c '^--- PASS: TestPrivileged' "$dir/privileged.log") tests)"
+		privileged="passed ($(grep -c '^--- PASS: TestPrivileged' "$dir/privileged.log") of ${#ptests[@]}: ${ptests[*]})"
+		[[ $(grep -c '^--- PASS: TestPrivileged' "$dir/privileged.log") -eq ${#ptests[@]} ]] ||
+			{ fail="privileged tests: $(grep -c '^--- PASS: TestPrivileged' "$dir/privileged.log") of ${#ptests[@]} passed (skipped?)"; return 1; }
 	fi
 }
 
 summary=() failed=0
 for name in "${runs[@]}"; do
-	start=$(date +%s) fail= npatches=0 tested=0 privileged= added=() checks_ok= selftest_ok=
+	start=$(date +%s) fail= npatches=0 tested=0 privileged= checks_ok= selftest_ok=
 	[[ -n ${CILIUM_PATCH_SELFTEST:-} ]] || selftest_ok="selftest not run"
 	log "Cilium ${name##*v}: applying $PATCHES/$name, building the agent, testing the packages the patches touch"
 	if test_series "$name"; then
-		line="cilium-patch-test $name: PASS ($npatches patches applied, cilium-agent built, go test of $tested packages passed; privileged tests of the new packages: $privileged; $checks_ok; $selftest_ok) in $(($(date +%s) - start))s"
+		line="cilium-patch-test $name: PASS ($npatches patches applied, cilium-agent built, go test of $tested packages passed; privileged tests the series adds: $privileged; $checks_ok; $selftest_ok) in $(($(date +%s) - start))s"
 		[[ -f $PWORK/$name/test.log ]] && grep -E '^(ok|FAIL|---)' "$PWORK/$name/test.log" | sed 's/^/  /' >&2
 		[[ -f $PWORK/$name/privileged.log ]] && grep -E '^(ok|FAIL|--- )' "$PWORK/$name/privileged.log" | sed 's/^/  /' >&2
 	else
