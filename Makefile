@@ -131,7 +131,7 @@ bench-remote-watch: ## scrubd's EndpointSlice watch beside kube-proxy's on a one
 	./bench/remotewatch/run.sh
 
 .PHONY: cilium-patch-test
-cilium-patch-test: ## Apply each series in cilium/patches (delegate v*, coalesce coalesce-v*) to Cilium's module source, build the agent, go test what they touch (CILIUM_PATCH_SERIES, CILIUM_PATCH_VERSIONS; slow)
+cilium-patch-test: ## Apply each series in cilium/patches (delegate v*, coalesce coalesce-v*) to Cilium's module source, build the agent, run Cilium's offline checks (vet, lint, cmdref, Helm docs) and go test on what they touch (CILIUM_PATCH_SERIES, CILIUM_PATCH_VERSIONS, CILIUM_PATCH_SELFTEST=1; slow)
 	./scripts/cilium-patch-test.sh
 
 .PHONY: e2e-kind
