@@ -63,7 +63,11 @@ import (
 //     CILIUM_DELEGATE=1 run can find an inherited entry: there the agent
 //     skips that walk when scrubd answers complete, and the entries made
 //     after the DEL are gone only because the marked address's slot was
-//     dropped, so the reuser's ADD swept.
+//     dropped, so the reuser's ADD swept. With the nodeport_backends
+//     branch of scrubd's nodeReasonFor disabled (a scratch build, not
+//     committed), CILIUM_DELEGATE=1 on 2026-12-03 found all 19 entries
+//     made after the DELs inherited by the 6 reusing pods, every answer
+//     from the index (docs/kind.md, "NodePort backends churned").
 //
 // How each deleted backend was scrubbed, from scrubd's log: the CNI DEL
 // scrubs (nodeport_del_scrubs, by method: a marked backend sweeps), and
