@@ -93,6 +93,11 @@ down() {
 	if docker network inspect kind >/dev/null 2>&1; then
 		bridge=br-$(docker network inspect kind -f '{{.Id}}' | cut -c1-12)
 	fi
+	# Containers the tests ran on kind's network (TestKindNodePortChurn's
+	# clients), if a test ended before its cleanup.
+	local ids
+	ids=$(docker ps -aq --filter "label=org.ctscrub.kind.cluster=$CLUSTER" 2>/dev/null || true)
+	[[ -z $ids ]] || docker rm -f $ids >/dev/null 2>&1 || true
 	if kind get clusters 2>/dev/null | grep -qx "$CLUSTER"; then
 		log "deleting cluster $CLUSTER"
 		kind delete cluster --name "$CLUSTER" >/dev/null 2>&1 || log "kind delete cluster failed"

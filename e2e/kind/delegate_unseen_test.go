@@ -328,6 +328,18 @@ spec:
 // them, and returns IP -> pod of those that got one.
 func (c *cluster) fill(ns, name, node, agent, image string) map[string]string {
 	c.t.Helper()
+	return c.fillAs(ns, name, "unseen-"+name, node, agent, image)
+}
+
+// fillPods is fill with pods named <app>-<i>, label app=<app>.
+func (c *cluster) fillPods(ns, app, node, agent, image string) map[string]string {
+	c.t.Helper()
+	return c.fillAs(ns, app, app, node, agent, image)
+}
+
+// fillAs is fill with pods named <name>-<i>, label app=<app>.
+func (c *cluster) fillAs(ns, name, app, node, agent, image string) map[string]string {
+	c.t.Helper()
 	alloc, size := c.ipamAllocated(agent)
 	free := size - alloc
 	c.t.Logf("%s: %d of %d addresses allocated on %s: %d pods take every free one", name, alloc, size, node, free)
@@ -335,14 +347,14 @@ func (c *cluster) fill(ns, name, node, agent, image string) map[string]string {
 	for i := range free {
 		fmt.Fprintf(&b, `apiVersion: v1
 kind: Pod
-metadata: {name: %[5]s-%[1]d, namespace: %[2]s, labels: {app: unseen-%[5]s}}
+metadata: {name: %[5]s-%[1]d, namespace: %[2]s, labels: {app: %[6]s}}
 spec:
   nodeName: %[3]s
   terminationGracePeriodSeconds: 1
   containers:
     - {name: sleep, image: %[4]s, imagePullPolicy: IfNotPresent, command: ["sleep", "36000"]}
 ---
-`, i, ns, node, image, name)
+`, i, ns, node, image, name, app)
 	}
 	c.kubectl("apply", "-f", writeFile(c.t, c.t.TempDir(), name+".yaml", b.String()))
 	// Done when every pod is Ready, or when the range is full and every
@@ -354,7 +366,7 @@ spec:
 	var noIP []string
 	settledAt, settledSince := -1, time.Time{}
 	eventually(c.t, c.ctx, 10*time.Minute, name+": pods on every free address of "+node, func() (bool, string) {
-		out := c.kubectl("-n", ns, "get", "pods", "-l", "app=unseen-"+name, "-o",
+		out := c.kubectl("-n", ns, "get", "pods", "-l", "app="+app, "-o",
 			`jsonpath={range .items[*]}{.metadata.name} {.status.conditions[?(@.type=="Ready")].status} {.status.podIP}{"\n"}{end}`)
 		ready, withIP := 0, 0
 		noIP = nil
@@ -392,7 +404,7 @@ spec:
 		c.t.Logf("%s: the range is full; %d pods got no address and are deleted: %v", name, len(noIP), noIP)
 		c.must(5*time.Minute, "kubectl", append([]string{"-n", ns, "delete", "pod", "--wait=true"}, noIP...)...)
 	}
-	return c.podIPs(ns, "app=unseen-"+name)
+	return c.podIPs(ns, "app="+app)
 }
 
 // waitReleased waits until Cilium's agent has none of ips allocated (other
