@@ -78,18 +78,20 @@ type BootstrapPrefix6 struct {
 //
 // Used for safe lookups in a Collection or CollectionSpec.
 const (
-	BootstrapMapCt4        = "ct4"
-	BootstrapMapCt6        = "ct6"
-	BootstrapMapOut4       = "out4"
-	BootstrapMapOut6       = "out6"
-	BootstrapProgPass4     = "pass4"
-	BootstrapProgPass6     = "pass6"
-	BootstrapVarAll        = "all"
-	BootstrapVarNprefixes4 = "nprefixes4"
-	BootstrapVarNprefixes6 = "nprefixes6"
-	BootstrapVarPrefixes4  = "prefixes4"
-	BootstrapVarPrefixes6  = "prefixes6"
-	BootstrapVarStop       = "stop"
+	BootstrapMapCt4              = "ct4"
+	BootstrapMapCt6              = "ct6"
+	BootstrapMapOut4             = "out4"
+	BootstrapMapOut6             = "out6"
+	BootstrapProgPass4           = "pass4"
+	BootstrapProgPass6           = "pass6"
+	BootstrapVarAll              = "all"
+	BootstrapVarNprefixes4       = "nprefixes4"
+	BootstrapVarNprefixes6       = "nprefixes6"
+	BootstrapVarPrefixes4        = "prefixes4"
+	BootstrapVarPrefixes6        = "prefixes6"
+	BootstrapVarPublishedVisited = "published_visited"
+	BootstrapVarPublishedWritten = "published_written"
+	BootstrapVarStop             = "stop"
 )
 
 // LoadBootstrap returns the embedded CollectionSpec for Bootstrap.
@@ -152,12 +154,14 @@ type BootstrapMapSpecs struct {
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type BootstrapVariableSpecs struct {
-	All        *ebpf.VariableSpec `ebpf:"all"`
-	Nprefixes4 *ebpf.VariableSpec `ebpf:"nprefixes4"`
-	Nprefixes6 *ebpf.VariableSpec `ebpf:"nprefixes6"`
-	Prefixes4  *ebpf.VariableSpec `ebpf:"prefixes4"`
-	Prefixes6  *ebpf.VariableSpec `ebpf:"prefixes6"`
-	Stop       *ebpf.VariableSpec `ebpf:"stop"`
+	All              *ebpf.VariableSpec `ebpf:"all"`
+	Nprefixes4       *ebpf.VariableSpec `ebpf:"nprefixes4"`
+	Nprefixes6       *ebpf.VariableSpec `ebpf:"nprefixes6"`
+	Prefixes4        *ebpf.VariableSpec `ebpf:"prefixes4"`
+	Prefixes6        *ebpf.VariableSpec `ebpf:"prefixes6"`
+	PublishedVisited *ebpf.VariableSpec `ebpf:"published_visited"`
+	PublishedWritten *ebpf.VariableSpec `ebpf:"published_written"`
+	Stop             *ebpf.VariableSpec `ebpf:"stop"`
 }
 
 // BootstrapObjects contains all objects after they have been loaded into the kernel.
@@ -199,12 +203,14 @@ func (m *BootstrapMaps) Close() error {
 //
 // It can be passed to LoadBootstrapObjects or ebpf.CollectionSpec.LoadAndAssign.
 type BootstrapVariables struct {
-	All        *ebpf.Variable `ebpf:"all"`
-	Nprefixes4 *ebpf.Variable `ebpf:"nprefixes4"`
-	Nprefixes6 *ebpf.Variable `ebpf:"nprefixes6"`
-	Prefixes4  *ebpf.Variable `ebpf:"prefixes4"`
-	Prefixes6  *ebpf.Variable `ebpf:"prefixes6"`
-	Stop       *ebpf.Variable `ebpf:"stop"`
+	All              *ebpf.Variable `ebpf:"all"`
+	Nprefixes4       *ebpf.Variable `ebpf:"nprefixes4"`
+	Nprefixes6       *ebpf.Variable `ebpf:"nprefixes6"`
+	Prefixes4        *ebpf.Variable `ebpf:"prefixes4"`
+	Prefixes6        *ebpf.Variable `ebpf:"prefixes6"`
+	PublishedVisited *ebpf.Variable `ebpf:"published_visited"`
+	PublishedWritten *ebpf.Variable `ebpf:"published_written"`
+	Stop             *ebpf.Variable `ebpf:"stop"`
 }
 
 // BootstrapPrograms contains all programs after they have been loaded into the kernel.

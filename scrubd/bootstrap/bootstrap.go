@@ -32,7 +32,6 @@ import (
 	"runtime"
 	"sync"
 	"time"
-	"unsafe"
 
 	"github.com/cilium/ebpf"
 	"golang.org/x/sys/unix"
@@ -234,12 +233,10 @@ type chunk struct {
 	k6   []ctmap.CTKey6
 	vals []ctmap.Entry // the batch lookup's values; not used
 	n    int
-	// A kernel read's keys, in place in its output array (kernel.go),
-	// instead of k4/k6; release is called once they are filed, instead of
-	// returning the chunk to free.
-	out4    []out4Elem
-	out6    []out6Elem
-	release func()
+	// A kernel read (kernel.go), instead of k4/k6: its keys are filed
+	// as its program publishes them, and it is released, not returned to
+	// free.
+	stream *stream
 }
 
 // walker reads batches on walking goroutines (one map each) and files them
@@ -268,15 +265,8 @@ func newWalker(f *index.Filing, size int, p *Progress, walkers int) *walker {
 	go func() {
 		defer w.done.Done()
 		for c := range w.full {
-			if c.release != nil {
-				// One key at a time: the output array's keys are padded.
-				for i := range c.out4 {
-					w.f.Add4(unsafe.Slice(&c.out4[i].k, 1))
-				}
-				for i := range c.out6 {
-					w.f.Add6(unsafe.Slice(&c.out6[i].k, 1))
-				}
-				c.release()
+			if c.stream != nil {
+				w.fileStream(c.v6, c.stream)
 				continue
 			}
 			if c.v6 {

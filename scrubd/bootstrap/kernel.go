@@ -6,6 +6,10 @@ import (
 	"errors"
 	"fmt"
 	"net/netip"
+	"runtime"
+	"sync"
+	"sync/atomic"
+	"time"
 	"unsafe"
 
 	"github.com/cilium/ebpf"
@@ -68,6 +72,10 @@ type kernelRead struct {
 	stop *ebpf.Variable
 	out  *ebpf.Map
 	mem  []byte // out, mmapped read-only
+	// The program's .bss, mmapped read-only, and in it what the running
+	// program last published.
+	bss              []byte
+	written, visited *uint64
 }
 
 // cidrFilter is the pod CIDRs as bpf/bootstrap.c takes them.
@@ -139,7 +147,15 @@ func loadKernelRead(m *ebpf.Map, kind ctmap.Kind, filter *cidrFilter, keys uint3
 	}
 	ct, out := spec.Maps["ct"+fam], spec.Maps["out"+fam]
 	ct.Type, ct.MaxEntries, ct.Flags = m.Type(), m.MaxEntries(), m.Flags()
-	out.MaxEntries = max(1, keys)
+	out.MaxEntries = keys
+	var offs [2]uint32
+	for i, name := range []string{"published_written", "published_visited"} {
+		v := spec.Variables[name]
+		if v == nil || v.Offset%8 != 0 {
+			return nil, fmt.Errorf("the program's %s: %v", name, v)
+		}
+		offs[i] = v.Offset
+	}
 	spec.Programs = map[string]*ebpf.ProgramSpec{"pass" + fam: spec.Programs["pass"+fam]}
 	spec.Maps = map[string]*ebpf.MapSpec{"ct" + fam: ct, "out" + fam: out, ".bss": spec.Maps[".bss"]}
 	// The output array is made here and goes with the read (close): Run
@@ -175,6 +191,12 @@ func loadKernelRead(m *ebpf.Map, kind ctmap.Kind, filter *cidrFilter, keys uint3
 	if kr.mem, err = unix.Mmap(kr.out.FD(), 0, size, unix.PROT_READ, unix.MAP_SHARED); err != nil {
 		return nil, fmt.Errorf("mmap the output array (%d bytes): %w", size, err)
 	}
+	bss := coll.Maps[".bss"]
+	if kr.bss, err = unix.Mmap(bss.FD(), 0, int(bss.ValueSize()), unix.PROT_READ, unix.MAP_SHARED); err != nil {
+		return nil, fmt.Errorf("mmap the program's .bss: %w", err)
+	}
+	kr.written = (*uint64)(unsafe.Pointer(&kr.bss[offs[0]]))
+	kr.visited = (*uint64)(unsafe.Pointer(&kr.bss[offs[1]]))
 	return kr, nil
 }
 
@@ -204,66 +226,107 @@ func (kr *kernelRead) run(ctx context.Context) (passArgs, error) {
 	return args, nil
 }
 
-// keys4 and keys6 are the run's keys, in place in the output array: valid
-// until close.
-func (kr *kernelRead) keys4(n uint64) []out4Elem {
-	if n == 0 {
-		return nil
-	}
-	return unsafe.Slice((*out4Elem)(unsafe.Pointer(&kr.mem[0])), n)
+// published is the keys written and the entries visited so far, as the
+// running program last published them.
+func (kr *kernelRead) published() (written, visited uint64) {
+	return atomic.LoadUint64(kr.written), atomic.LoadUint64(kr.visited)
 }
 
-func (kr *kernelRead) keys6(n uint64) []out6Elem {
-	if n == 0 {
-		return nil
-	}
-	return unsafe.Slice((*out6Elem)(unsafe.Pointer(&kr.mem[0])), n)
+// keys4 and keys6 are the keys [from, to) the run wrote, in place in the
+// output array (after its header): valid until close.
+func (kr *kernelRead) keys4(from, to uint64) []out4Elem {
+	all := unsafe.Slice((*out4Elem)(unsafe.Pointer(&kr.mem[0])), len(kr.mem)/int(unsafe.Sizeof(out4Elem{})))
+	return all[from:to]
+}
+
+func (kr *kernelRead) keys6(from, to uint64) []out6Elem {
+	all := unsafe.Slice((*out6Elem)(unsafe.Pointer(&kr.mem[0])), len(kr.mem)/int(unsafe.Sizeof(out6Elem{})))
+	return all[from:to]
 }
 
 // close unmaps and closes the output array (the kernel frees it) and the
 // program.
 func (kr *kernelRead) close() {
-	if kr.mem != nil {
-		_ = unix.Munmap(kr.mem)
-		kr.mem = nil
+	for _, m := range [][]byte{kr.mem, kr.bss} {
+		if m != nil {
+			_ = unix.Munmap(m)
+		}
 	}
+	kr.mem, kr.bss = nil, nil
 	kr.coll.Close()
 }
 
-// readKernel reads kinds' maps one after the other, each with one run of
-// bpf/bootstrap.c, and hands each map's keys to the filing goroutine in
-// place: the filing of one map overlaps the run over the next. At most two
-// output arrays exist at once (one run, one filed), each sized from its
-// map's max_entries. A map whose program cannot load, or whose output
-// array filled, is read with the batch walk; read says how each was read.
+// readKernel reads kinds' maps, each with one run of bpf/bootstrap.c,
+// GOMAXPROCS-1 runs at once (at least one): a run holds its CPU until it
+// ends (the kernel does not preempt it inside the walk), so one CPU is
+// left to the filing and the rest of the node. The filing goroutine files
+// each run's keys in place as the program publishes them, so the filing
+// of a map overlaps its walk. At most runs+1 output arrays exist at once,
+// each sized from its map's max_entries. A map whose program cannot load,
+// or whose output array filled, is read with the batch walk; read says
+// how each was read.
 //
 // A run cannot be preempted, but it can be stopped: a cancelled ctx sets
 // the program's stop flag, read on every element.
 func (w *walker) readKernel(ctx context.Context, maps *ctmap.Maps, kinds []ctmap.Kind, cidrs []netip.Prefix, keys uint32, read map[string]string) error {
 	defer w.close()
+	ctx, cancel := context.WithCancelCause(ctx)
+	defer cancel(nil)
 	filter, ferr := newCIDRFilter(cidrs)
-	slots := make(chan struct{}, 2)
+	runs := max(1, min(len(kinds), runtime.GOMAXPROCS(0)-1))
+	slots := make(chan struct{}, runs+1)
+	next := make(chan ctmap.Kind, len(kinds))
 	for _, k := range kinds {
-		m := maps.Map(k)
-		why, err := w.readOne(ctx, m, k, filter, ferr, keys, slots)
-		if err != nil {
-			return fmt.Errorf("bootstrap: read %s in the kernel: %w", k.Name(), err)
-		}
-		if why == "" {
-			read[k.Name()] = ReadKernel
-			continue
-		}
-		read[k.Name()] = "batch: " + why
-		if err := w.walk(ctx, m, k); err != nil {
-			return fmt.Errorf("bootstrap: walk %s: %w", k.Name(), err)
-		}
+		next <- k
 	}
-	return nil
+	close(next)
+	var mu sync.Mutex
+	var wg sync.WaitGroup
+	for range runs {
+		wg.Go(func() {
+			for k := range next {
+				m := maps.Map(k)
+				why, err := w.readOne(ctx, m, k, filter, ferr, keys, slots)
+				if err != nil {
+					cancel(fmt.Errorf("bootstrap: read %s in the kernel: %w", k.Name(), err))
+					return
+				}
+				mu.Lock()
+				if why == "" {
+					read[k.Name()] = ReadKernel
+				} else {
+					read[k.Name()] = "batch: " + why
+				}
+				mu.Unlock()
+				if why == "" {
+					continue
+				}
+				if err := w.walk(ctx, m, k); err != nil {
+					cancel(fmt.Errorf("bootstrap: walk %s: %w", k.Name(), err))
+					return
+				}
+			}
+		})
+	}
+	wg.Wait()
+	return context.Cause(ctx)
 }
 
-// readOne reads one map in the kernel and queues its keys for filing. It
-// returns why the map must be read with the batch walk instead, or an
-// error that fails the pass (a cancel, a run that failed).
+// stream is one kernel run's keys on their way to the filing goroutine.
+type stream struct {
+	kr   *kernelRead
+	done chan struct{} // closed when the run ended; args and ok set then
+	args passArgs
+	ok   bool // the keys written are the map's (the run ended, or filled its output)
+	// release closes the run's program and output once its keys are filed.
+	release func()
+}
+
+// readOne reads one map in the kernel, its keys filed as the program
+// publishes them. It returns why the map must be read with the batch walk
+// instead (the keys filed before the output filled stay: they were in the
+// map, and the index keeps one of each key), or an error that fails the
+// pass (a cancel, a run that failed).
 func (w *walker) readOne(ctx context.Context, m *ebpf.Map, k ctmap.Kind, filter *cidrFilter, ferr error, keys uint32, slots chan struct{}) (why string, err error) {
 	if ferr != nil {
 		return ferr.Error(), nil
@@ -278,31 +341,72 @@ func (w *walker) readOne(ctx context.Context, m *ebpf.Map, k ctmap.Kind, filter 
 		<-slots
 		return err.Error(), nil
 	}
-	release := func() {
+	s := &stream{kr: kr, done: make(chan struct{}), release: func() {
 		kr.close()
 		<-slots
-	}
-	args, err := kr.run(ctx)
-	if errors.Is(err, errOutputFull) {
-		release()
-		return fmt.Sprintf("%v after %d keys of %d entries visited", err, args.Written, args.Visited), nil
+	}}
+	w.full <- &chunk{v6: k.IPv6(), stream: s}
+	s.args, err = kr.run(ctx)
+	full := errors.Is(err, errOutputFull)
+	s.ok = err == nil || full
+	close(s.done)
+	if full {
+		return fmt.Sprintf("%v after %d keys of %d entries visited", err, s.args.Written, s.args.Visited), nil
 	}
 	if err != nil {
-		release()
 		return "", err
 	}
-	w.p.visited.Add(int64(args.Visited))
-	c := &chunk{v6: k.IPv6(), n: int(args.Written), release: release}
-	if c.v6 {
-		c.out6 = kr.keys6(args.Written)
-	} else {
-		c.out4 = kr.keys4(args.Written)
-	}
-	w.full <- c
 	if w.afterBatch != nil {
 		w.hookMu.Lock()
 		w.afterBatch(k, 1)
 		w.hookMu.Unlock()
 	}
 	return "", nil
+}
+
+// fileStream files a run's keys as its program publishes them, until the
+// run ended and every key it wrote is filed, then releases the run.
+func (w *walker) fileStream(v6 bool, s *stream) {
+	defer s.release()
+	var filed, seen uint64
+	for {
+		var ended bool
+		select {
+		case <-s.done:
+			ended = true
+		default:
+		}
+		written, visited := s.kr.published()
+		if ended {
+			if !s.ok {
+				return
+			}
+			written, visited = s.args.Written, s.args.Visited
+		}
+		if visited > seen {
+			w.p.visited.Add(int64(visited - seen))
+			seen = visited
+		}
+		if written > filed {
+			// One key at a time: the output array's keys are padded.
+			if v6 {
+				for _, e := range s.kr.keys6(filed, written) {
+					w.f.Add6(unsafe.Slice(&e.k, 1))
+				}
+			} else {
+				for _, e := range s.kr.keys4(filed, written) {
+					w.f.Add4(unsafe.Slice(&e.k, 1))
+				}
+			}
+			filed = written
+			continue
+		}
+		if ended {
+			return
+		}
+		select {
+		case <-s.done:
+		case <-time.After(200 * time.Microsecond):
+		}
+	}
 }
