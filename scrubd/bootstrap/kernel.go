@@ -261,10 +261,11 @@ func (kr *kernelRead) close() {
 // ends (the kernel does not preempt it inside the walk), so one CPU is
 // left to the filing and the rest of the node. The filing goroutine files
 // each run's keys in place as the program publishes them, so the filing
-// of a map overlaps its walk. At most runs+1 output arrays exist at once,
-// each sized from its map's max_entries. A map whose program cannot load,
-// or whose output array filled, is read with the batch walk; read says
-// how each was read.
+// of a map overlaps its walk, and a loader prepares the next map's program
+// and output array (verifier, and zeroed pages) while a run goes on. At
+// most runs+1 output arrays exist at once, each sized from its map's
+// max_entries. A map whose program cannot load, or whose output array
+// filled, is read with the batch walk; read says how each was read.
 //
 // A run cannot be preempted, but it can be stopped: a cancelled ctx sets
 // the program's stop flag, read on every element.
@@ -275,35 +276,66 @@ func (w *walker) readKernel(ctx context.Context, maps *ctmap.Maps, kinds []ctmap
 	filter, ferr := newCIDRFilter(cidrs)
 	runs := max(1, min(len(kinds), runtime.GOMAXPROCS(0)-1))
 	slots := make(chan struct{}, runs+1)
-	next := make(chan ctmap.Kind, len(kinds))
-	for _, k := range kinds {
-		next <- k
+	type loaded struct {
+		k   ctmap.Kind
+		kr  *kernelRead
+		why string // the program did not load: read with the batch walk
 	}
-	close(next)
+	next := make(chan loaded)
+	go func() {
+		defer close(next)
+		for _, k := range kinds {
+			l := loaded{k: k}
+			if ferr != nil {
+				l.why = ferr.Error()
+			} else {
+				select {
+				case slots <- struct{}{}:
+				case <-ctx.Done():
+					return
+				}
+				var err error
+				if l.kr, err = loadKernelRead(maps.Map(k), k, filter, keys); err != nil {
+					<-slots
+					l.why = err.Error()
+				}
+			}
+			select {
+			case next <- l:
+			case <-ctx.Done():
+				if l.kr != nil {
+					l.kr.close()
+					<-slots
+				}
+				return
+			}
+		}
+	}()
 	var mu sync.Mutex
 	var wg sync.WaitGroup
 	for range runs {
 		wg.Go(func() {
-			for k := range next {
-				m := maps.Map(k)
-				why, err := w.readOne(ctx, m, k, filter, ferr, keys, slots)
-				if err != nil {
-					cancel(fmt.Errorf("bootstrap: read %s in the kernel: %w", k.Name(), err))
-					return
+			for l := range next {
+				why := l.why
+				if l.kr != nil {
+					var err error
+					if why, err = w.readOne(ctx, l.kr, l.k, slots); err != nil {
+						cancel(fmt.Errorf("bootstrap: read %s in the kernel: %w", l.k.Name(), err))
+						continue // the loader stops; drain what it made
+					}
 				}
 				mu.Lock()
 				if why == "" {
-					read[k.Name()] = ReadKernel
+					read[l.k.Name()] = ReadKernel
 				} else {
-					read[k.Name()] = "batch: " + why
+					read[l.k.Name()] = "batch: " + why
 				}
 				mu.Unlock()
-				if why == "" {
+				if why == "" || ctx.Err() != nil {
 					continue
 				}
-				if err := w.walk(ctx, m, k); err != nil {
-					cancel(fmt.Errorf("bootstrap: walk %s: %w", k.Name(), err))
-					return
+				if err := w.walk(ctx, maps.Map(l.k), l.k); err != nil {
+					cancel(fmt.Errorf("bootstrap: walk %s: %w", l.k.Name(), err))
 				}
 			}
 		})
@@ -322,25 +354,12 @@ type stream struct {
 	release func()
 }
 
-// readOne reads one map in the kernel, its keys filed as the program
-// publishes them. It returns why the map must be read with the batch walk
+// readOne runs one map's loaded program, its keys filed as the program
+// publishes them (kr and its slot are released once they are). It returns why the map must be read with the batch walk
 // instead (the keys filed before the output filled stay: they were in the
 // map, and the index keeps one of each key), or an error that fails the
 // pass (a cancel, a run that failed).
-func (w *walker) readOne(ctx context.Context, m *ebpf.Map, k ctmap.Kind, filter *cidrFilter, ferr error, keys uint32, slots chan struct{}) (why string, err error) {
-	if ferr != nil {
-		return ferr.Error(), nil
-	}
-	select {
-	case slots <- struct{}{}:
-	case <-ctx.Done():
-		return "", context.Cause(ctx)
-	}
-	kr, err := loadKernelRead(m, k, filter, keys)
-	if err != nil {
-		<-slots
-		return err.Error(), nil
-	}
+func (w *walker) readOne(ctx context.Context, kr *kernelRead, k ctmap.Kind, slots chan struct{}) (why string, err error) {
 	s := &stream{kr: kr, done: make(chan struct{}), release: func() {
 		kr.close()
 		<-slots
