@@ -51,13 +51,14 @@ type Options struct {
 	// Walk is how the maps are read (0: WalkKernel).
 	Walk Walk
 	// Batch is the entries per BPF_MAP_LOOKUP_BATCH (0: 8192; doubled
-	// when a hash bucket does not fit).
+	// when a hash bucket does not fit), for maps read by the batch walk.
 	Batch int
-	// Walkers is how many maps are read at once (0: GOMAXPROCS, at most
-	// the maps there are). The kernel's copy is most of the pass; on a
-	// Cilium node the TCP map holds about 40 % of the entries and the any
-	// map 60 %, so two walkers take the copy's wall time to that of the
-	// larger map.
+	// Walkers is how many maps WalkBatch reads at once (0: GOMAXPROCS,
+	// at most the maps there are). The kernel's copy is most of that
+	// walk; on a Cilium node the TCP map holds about 40 % of the entries
+	// and the any map 60 %, so two walkers take the copy's wall time to
+	// that of the larger map. WalkKernel runs GOMAXPROCS-1 programs at
+	// once instead (kernel.go: a run holds its CPU).
 	Walkers int
 	// Progress, when set, follows the pass (metrics, `scrubd status`).
 	Progress *Progress
