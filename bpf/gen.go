@@ -13,6 +13,10 @@ package bpf
 // deletes the entries of a set of IPs.
 //go:generate go tool bpf2go -target bpfel -go-package bpf Sweep sweep.c -- -I./include
 
+// The bootstrap pass's walk: SEC("syscall") program that walks one CT map in
+// the kernel and copies out the keys holding a pod-CIDR address.
+//go:generate go tool bpf2go -target bpfel -go-package bpf Bootstrap bootstrap.c -- -I./include
+
 // The expiry pass: counts live and expired CT entries and deletes expired ones.
 //go:generate go tool bpf2go -target bpfel -go-package bpf Expiry expiry.c -- -I./include
 

@@ -5,13 +5,16 @@
 // recorded) without one sweep of the table per address. The argument, and
 // what it does not cover, is in docs/design.md ("The bootstrap pass").
 //
-// The walk reads each global CT map with BPF_MAP_LOOKUP_BATCH, as Cilium
-// 1.18+ walks them (internal/ciliumwalk is that walk as the benchmarks'
-// baseline), the maps on up to GOMAXPROCS goroutines at once (Cilium walks
-// them one after the other), and hands each batch to one goroutine
-// that buffers each key's record under its addresses (index.Filing.Add4/
-// Add6), so the kernel's copy and the filing overlap where a second CPU is
-// free. After the walk each address's table is built from its buffer
+// The walk reads each global CT map in the kernel (kernel.go,
+// bpf/bootstrap.c): one run of a syscall program per map copies the keys
+// holding a pod-CIDR address into an mmapped array, and one goroutine
+// buffers each key's record under its addresses (index.Filing.Add4/Add6)
+// from that array in place while the program walks the next map. Where
+// the program cannot load (or its output array fills) a map is read with
+// BPF_MAP_LOOKUP_BATCH instead, as Cilium 1.18+ walks them
+// (internal/ciliumwalk is that walk as the benchmarks' baseline), the maps
+// on up to GOMAXPROCS goroutines at once, each batch handed to the same
+// filing goroutine. After the walk each address's table is built from its buffer
 // without a lock and joined with its slot under the IP's lock
 // (Filing.Merge). It holds no lock a scrub needs for longer than that
 // join: no lock at all during the walk.
@@ -45,14 +48,17 @@ type Options struct {
 	// and comes back behind the walk, is then recorded again. Nil only
 	// where no recorder's cache predates the pass (tests of the walk).
 	Forget func() error
+	// Walk is how the maps are read (0: WalkKernel).
+	Walk Walk
 	// Batch is the entries per BPF_MAP_LOOKUP_BATCH (0: 8192; doubled
-	// when a hash bucket does not fit).
+	// when a hash bucket does not fit), for maps read by the batch walk.
 	Batch int
-	// Walkers is how many maps are read at once (0: GOMAXPROCS, at most
-	// the maps there are). The kernel's copy is most of the pass; on a
-	// Cilium node the TCP map holds about 40 % of the entries and the any
-	// map 60 %, so two walkers take the copy's wall time to that of the
-	// larger map.
+	// Walkers is how many maps WalkBatch reads at once (0: GOMAXPROCS,
+	// at most the maps there are). The kernel's copy is most of that
+	// walk; on a Cilium node the TCP map holds about 40 % of the entries
+	// and the any map 60 %, so two walkers take the copy's wall time to
+	// that of the larger map. WalkKernel runs GOMAXPROCS-1 programs at
+	// once instead (kernel.go: a run holds its CPU).
 	Walkers int
 	// Progress, when set, follows the pass (metrics, `scrubd status`).
 	Progress *Progress
@@ -80,9 +86,28 @@ type Options struct {
 	Finish func(Result)
 
 	// afterBatch, tests only: called on the walking goroutine after each
-	// batch read (the batch's number in its map, from 1).
+	// batch read (the batch's number in its map, from 1), and after each
+	// map's kernel run (1).
 	afterBatch func(kind ctmap.Kind, batch int)
+	// outKeys, tests only: the kernel read's output array holds this many
+	// keys instead of the map's max_entries.
+	outKeys uint32
 }
+
+// Walk is how a pass reads the CT maps.
+type Walk int
+
+const (
+	// WalkKernel reads each map with one run of bpf/bootstrap.c, and with
+	// the batch walk where the program cannot load or its output fills.
+	WalkKernel Walk = iota
+	// WalkBatch reads every map with BPF_MAP_LOOKUP_BATCH.
+	WalkBatch
+)
+
+// ReadKernel is Result.Read's value for a map read by bpf/bootstrap.c;
+// a map read by the batch walk has "batch" and, on the kernel path, why.
+const ReadKernel = "kernel"
 
 // Result is what one pass did.
 type Result struct {
@@ -99,7 +124,10 @@ type Result struct {
 	// or a snapshot, are not counted).
 	Visited, Pairs int64
 	// Maps is the maps walked (nil ones skipped), by name.
-	Maps        []string
+	Maps []string
+	// Read says how each map was read, by name: ReadKernel, or "batch"
+	// (with the reason the kernel read was not used, on WalkKernel).
+	Read        map[string]string
 	Start, Done time.Time
 }
 
@@ -157,7 +185,16 @@ func Run(ctx context.Context, ix *index.Index, maps *ctmap.Maps, opts Options) (
 	walkers = max(1, min(walkers, len(kinds)))
 	w := newWalker(f, batch, p, walkers)
 	w.afterBatch = opts.afterBatch
-	if err := w.walkAll(ctx, maps, kinds, walkers); err != nil {
+	res.Read = map[string]string{}
+	if opts.Walk == WalkBatch {
+		for _, k := range kinds {
+			res.Read[k.Name()] = "batch"
+		}
+		err = w.walkAll(ctx, maps, kinds, walkers)
+	} else {
+		err = w.readKernel(ctx, maps, kinds, ix.PodCIDRs(), opts.outKeys, res.Read)
+	}
+	if err != nil {
 		return res, err
 	}
 	res.Visited = p.visited.Load() - p.visitedAt
@@ -197,6 +234,10 @@ type chunk struct {
 	k6   []ctmap.CTKey6
 	vals []ctmap.Entry // the batch lookup's values; not used
 	n    int
+	// A kernel read (kernel.go), instead of k4/k6: its keys are filed
+	// as its program publishes them, and it is released, not returned to
+	// free.
+	stream *stream
 }
 
 // walker reads batches on walking goroutines (one map each) and files them
@@ -225,6 +266,10 @@ func newWalker(f *index.Filing, size int, p *Progress, walkers int) *walker {
 	go func() {
 		defer w.done.Done()
 		for c := range w.full {
+			if c.stream != nil {
+				w.fileStream(c.v6, c.stream)
+				continue
+			}
 			if c.v6 {
 				w.f.Add6(c.k6[:c.n])
 			} else {

@@ -81,6 +81,35 @@ func pod6(i int) netip.Addr {
 	return netip.AddrFrom16(b)
 }
 
+// walks are the two ways a pass reads the maps; the tests of what a pass
+// files run under both (the batch walk is the kernel read's fallback).
+var walks = []struct {
+	name string
+	walk Walk
+}{{"kernel", WalkKernel}, {"batch", WalkBatch}}
+
+// readAt is the read after which a test's hook acts: the batch-th batch
+// of a map, or its one kernel run.
+func readAt(w Walk, batch int) int {
+	if w == WalkKernel {
+		return 1
+	}
+	return batch
+}
+
+// checkRead fails unless every map was read the way w says.
+func checkRead(t testing.TB, res Result, w Walk) {
+	t.Helper()
+	if len(res.Read) != len(res.Maps) {
+		t.Fatalf("read %v, maps %v", res.Read, res.Maps)
+	}
+	for m, how := range res.Read {
+		if (w == WalkKernel) != (how == ReadKernel) {
+			t.Fatalf("walk %d read %s: %q", w, m, how)
+		}
+	}
+}
+
 func owned(a netip.Addr) bool { return podCIDR4.Contains(a) || podCIDR6.Contains(a) }
 
 // flowRec is a flow as the recorder reports it: the key Cilium creates
@@ -225,6 +254,12 @@ func checkWhole(t *testing.T, ix *index.Index, maps *ctmap.Maps, vouched []netip
 // else.
 func TestPassFilesWhatTheRecorderFiles(t *testing.T) {
 	needRoot(t)
+	for _, w := range walks {
+		t.Run(w.name, func(t *testing.T) { testPassFilesWhatTheRecorderFiles(t, w.walk) })
+	}
+}
+
+func testPassFilesWhatTheRecorderFiles(t *testing.T, walk Walk) {
 	maps := pinnedMaps(t, 65536)
 	pods := []netip.Addr{pod4(1), pod4(2), pod4(3)}
 	released := pod4(77) // no pod now; flows of live pods still go to it
@@ -274,10 +309,11 @@ func TestPassFilesWhatTheRecorderFiles(t *testing.T) {
 		ix.Hold(ip)
 	}
 	p := &Progress{}
-	res, err := Run(context.Background(), ix, maps, Options{Batch: 64, Progress: p})
+	res, err := Run(context.Background(), ix, maps, Options{Walk: walk, Batch: 64, Progress: p})
 	if err != nil {
 		t.Fatal(err)
 	}
+	checkRead(t, res, walk)
 	wantAddrs := []netip.Addr{pods[0], pods[1], pods[2], released, p6}
 	if !slices.Equal(res.Addrs, wantAddrs) {
 		t.Fatalf("the pass vouches for %v, want %v", res.Addrs, wantAddrs)
@@ -371,6 +407,12 @@ func TestPassFilesServiceKeyUnderPod(t *testing.T) {
 // their addresses out of what the pass vouches for.
 func TestPassWithRecordsDuringIt(t *testing.T) {
 	needRoot(t)
+	for _, w := range walks {
+		t.Run(w.name, func(t *testing.T) { testPassWithRecordsDuringIt(t, w.walk) })
+	}
+}
+
+func testPassWithRecordsDuringIt(t *testing.T, walk Walk) {
 	maps := pinnedMaps(t, 1<<16)
 	ix := fedIndex()
 	var pods []netip.Addr
@@ -387,7 +429,7 @@ func TestPassWithRecordsDuringIt(t *testing.T) {
 	put4(t, maps, cilium4(ctmap.NewKey4(pods[0], unslotted, 80, 9, ctmap.ProtoTCP, ctmap.FlagOut))...)
 	ran := false
 	hook := func(kind ctmap.Kind, batch int) {
-		if kind != ctmap.TCP4 || batch != 5 || ran {
+		if kind != ctmap.TCP4 || batch != readAt(walk, 5) || ran {
 			return
 		}
 		ran = true
@@ -404,10 +446,11 @@ func TestPassWithRecordsDuringIt(t *testing.T) {
 		ix.MarkIncomplete(marked, index.ReasonLost)
 		ix.MarkIncomplete(unslotted, index.ReasonLost)
 	}
-	res, err := Run(context.Background(), ix, maps, Options{Batch: 256, afterBatch: hook})
+	res, err := Run(context.Background(), ix, maps, Options{Walk: walk, Batch: 256, afterBatch: hook})
 	if err != nil {
 		t.Fatal(err)
 	}
+	checkRead(t, res, walk)
 	if !ran {
 		t.Fatal("the hook never ran: the walk read fewer than 5 batches")
 	}
@@ -434,12 +477,18 @@ func TestPassWithRecordsDuringIt(t *testing.T) {
 // pod holds go.
 func TestSpoiledPassVouchesForNothing(t *testing.T) {
 	needRoot(t)
+	for _, w := range walks {
+		t.Run(w.name, func(t *testing.T) { testSpoiledPassVouchesForNothing(t, w.walk) })
+	}
+}
+
+func testSpoiledPassVouchesForNothing(t *testing.T, walk Walk) {
 	maps := pinnedMaps(t, 4096)
 	ix := fedIndex()
 	held, peer := pod4(1), pod4(2)
 	ix.Hold(held)
 	put4(t, maps, cilium4(ctmap.NewKey4(held, peer, 80, 1, ctmap.ProtoTCP, ctmap.FlagOut))...)
-	res, err := Run(context.Background(), ix, maps, Options{Batch: 1, afterBatch: func(ctmap.Kind, int) { ix.SpoilFiling() }})
+	res, err := Run(context.Background(), ix, maps, Options{Walk: walk, Batch: 1, afterBatch: func(ctmap.Kind, int) { ix.SpoilFiling() }})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -497,6 +546,12 @@ func TestTrackFiledFollowsTheRule(t *testing.T) {
 // slot a pod does not hold.
 func TestFailedPassLeavesNoSlots(t *testing.T) {
 	needRoot(t)
+	for _, w := range walks {
+		t.Run(w.name, func(t *testing.T) { testFailedPassLeavesNoSlots(t, w.walk) })
+	}
+}
+
+func testFailedPassLeavesNoSlots(t *testing.T, walk Walk) {
 	maps := pinnedMaps(t, 4096)
 	ix := fedIndex()
 	ix.Hold(pod4(1))
@@ -504,7 +559,7 @@ func TestFailedPassLeavesNoSlots(t *testing.T) {
 		put4(t, maps, cilium4(ctmap.NewKey4(pod4(1), pod4(100+i), 80, 1, ctmap.ProtoTCP, ctmap.FlagOut))...)
 	}
 	ctx, cancel := context.WithCancel(context.Background())
-	res, err := Run(ctx, ix, maps, Options{Batch: 8, afterBatch: func(ctmap.Kind, int) { cancel() }})
+	res, err := Run(ctx, ix, maps, Options{Walk: walk, Batch: 8, afterBatch: func(ctmap.Kind, int) { cancel() }})
 	if err == nil {
 		t.Fatal("a cancelled pass succeeded")
 	}
@@ -512,7 +567,7 @@ func TestFailedPassLeavesNoSlots(t *testing.T) {
 		t.Fatalf("after a failed pass: filing %v, vouched %v, slots %v", res.Filing, res.Addrs, ix.IPs())
 	}
 	// And the next pass may run.
-	if _, err := Run(context.Background(), ix, maps, Options{}); err != nil {
+	if _, err := Run(context.Background(), ix, maps, Options{Walk: walk}); err != nil {
 		t.Fatal(err)
 	}
 }

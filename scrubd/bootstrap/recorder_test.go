@@ -85,6 +85,12 @@ func missing(t *testing.T, ix *index.Index, maps *ctmap.Maps, ips []netip.Addr) 
 // misses some: the test shows both.
 func TestPassWithTheRecorder(t *testing.T) {
 	needRoot(t)
+	for _, w := range walks {
+		t.Run(w.name, func(t *testing.T) { testPassWithTheRecorder(t, w.walk) })
+	}
+}
+
+func testPassWithTheRecorder(t *testing.T, walk Walk) {
 	for _, forget := range []bool{true, false} {
 		maps := pinnedMaps(t, 1<<16)
 		pinDir, err := os.MkdirTemp("/sys/fs/bpf", "ctscrub-test-rec-")
@@ -138,8 +144,8 @@ func TestPassWithTheRecorder(t *testing.T) {
 			// UDP: the any map, where the evicted flows' entries go.
 			put4(t, maps, cilium4(ctmap.NewKey4(pod4(2+i%50), remote4, 443, uint16(i), ctmap.ProtoUDP, ctmap.FlagOut))...)
 		}
-		opts := Options{Batch: 256, afterBatch: func(k ctmap.Kind, batch int) {
-			if k != ctmap.Any4 || batch != 16 {
+		opts := Options{Walk: walk, Batch: 256, afterBatch: func(k ctmap.Kind, batch int) {
+			if k != ctmap.Any4 || batch != readAt(walk, 16) {
 				return
 			}
 			// Cilium makes the evicted flows' entries again; their
@@ -157,6 +163,7 @@ func TestPassWithTheRecorder(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
+		checkRead(t, res, walk)
 		n := missing(t, ix, maps, res.Addrs)
 		t.Logf("forget=%v: %d addresses vouched for, %d keys of them missing", forget, len(res.Addrs), n)
 		switch {

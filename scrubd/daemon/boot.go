@@ -326,7 +326,7 @@ func (d *Daemon) finishBootstrap(res bootstrap.Result) {
 	released := d.bs.rule.Release(tracked, freeNow)
 	d.log.Info("bootstrap pass done", "duration_s", res.Duration().Seconds(), "entries", res.Visited, "keys", res.Pairs, "vouched", len(res.Addrs),
 		"complete", len(tracked), "released", len(released), "dropped_slots", dropped, "free_addresses_trusted", freeNow,
-		"missed_at_end", missed, "unattached_pods_at_end", strangers)
+		"missed_at_end", missed, "unattached_pods_at_end", strangers, "read", res.Read)
 }
 
 // adoptFound gives a pod found at start the attachment its CNI DEL (or a

@@ -297,6 +297,10 @@ func New(cfg Config) *Index {
 	return ix
 }
 
+// PodCIDRs is the index's pod CIDRs (Config.PodCIDRs; none: every
+// address is owned).
+func (ix *Index) PodCIDRs() []netip.Prefix { return slices.Clone(ix.cfg.PodCIDRs) }
+
 // Owns reports whether ip lies in the configured pod CIDRs.
 func (ix *Index) Owns(ip netip.Addr) bool {
 	if len(ix.cfg.PodCIDRs) == 0 {
