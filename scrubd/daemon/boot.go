@@ -362,6 +362,27 @@ func (d *Daemon) adoptFound(a api.Attachment, netns string) bool {
 	return true
 }
 
+// foundOf is the found pod whose interface is ifname in the namespace at
+// netns, if any: an ADD for it is the found pod's own (its runtime's ADD
+// was still in the chain while scrubd was down).
+func (d *Daemon) foundOf(netns, ifname string) *api.Attachment {
+	if netns == "" {
+		return nil
+	}
+	k, ok := keyOf(netns, ifname)
+	if !ok {
+		return nil
+	}
+	d.bs.mu.Lock()
+	defer d.bs.mu.Unlock()
+	for a, f := range d.bs.found {
+		if f.key == k {
+			return &a
+		}
+	}
+	return nil
+}
+
 // foundHolder is the found pod holding ip, if any.
 func (d *Daemon) foundHolder(ip netip.Addr) *api.Attachment {
 	d.bs.mu.Lock()

@@ -28,6 +28,9 @@ func (d *Daemon) beginScrub(req api.ScrubRequest, ips []netip.Addr) *owner.Ticke
 		// A dry run or an operator's scrub: no attachment to judge.
 	case req.Reason == scrub.ReasonAdd:
 		ev = owner.Add
+		if fa := d.foundOf(req.Netns, a.IfName); fa != nil {
+			ev, a = owner.AddFound, *fa // boot.go
+		}
 	case req.Reason == scrub.ReasonDel:
 		ev = owner.Del
 		if a.IfName == "" {

@@ -1,11 +1,13 @@
 package daemon
 
 import (
+	"context"
 	"net/netip"
 	"testing"
 
 	"github.com/ctscrub/ctscrub/internal/testsupport/ownermodel"
 	"github.com/ctscrub/ctscrub/scrubd/api"
+	"github.com/ctscrub/ctscrub/scrubd/scrub"
 )
 
 // A pod that started while the CNI config did not chain ctscrub runs on
@@ -103,5 +105,39 @@ func TestUnknownDelOfAGonePodIsNoSign(t *testing.T) {
 	s.Del(old, netip.MustParseAddr("10.244.0.10"))
 	if d.own.Epoch() != epoch+2 {
 		t.Fatalf("a DEL while blind was no sign: epoch %d", d.own.Epoch())
+	}
+}
+
+// A runtime's ADD still in the chain while scrubd was down: the find at
+// start found its interface (the pod ran no app yet), and its ADD, once
+// scrubd serves, is the found pod's own: trusted from the index after the
+// pass, not swept (the day-2 node restart's ADDs).
+func TestAddOfAFoundPodIsTrusted(t *testing.T) {
+	s := newDaemonSystem(t).(*daemonSystem)
+	a := api.Attachment{ContainerID: "in-flight", IfName: "eth0"}
+	ip := netip.MustParseAddr("10.244.0.12")
+	s.Born(a, ip)
+	s.Restart(false, nil, nil, false)
+	s.PassEnd()
+	d := s.td.Daemon
+	if d.foundOf(s.netnsOf(a), a.IfName) == nil {
+		t.Fatal("the pod is not found at start")
+	}
+	res, err := s.td.c.Scrub(context.Background(), api.ScrubRequest{IPs: []netip.Addr{ip}, Reason: scrub.ReasonAdd, ContainerID: a.ContainerID, Netns: s.netnsOf(a), IfName: a.IfName})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if r := res.Results[0]; r.Outcome != scrub.Complete || r.Method != scrub.MethodIndex {
+		t.Fatalf("the found pod's own ADD: %s by %s (swept: %v), want complete by the index", r.Outcome, r.Method, r.SweptWhy)
+	}
+	// Another pod's ADD on an address a found pod holds sweeps.
+	b := api.Attachment{ContainerID: "other", IfName: "eth0"}
+	s.Born(b, netip.MustParseAddr("10.244.0.13"))
+	res, err = s.td.c.Scrub(context.Background(), api.ScrubRequest{IPs: []netip.Addr{ip}, Reason: scrub.ReasonAdd, ContainerID: b.ContainerID, Netns: s.netnsOf(b), IfName: b.IfName})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if r := res.Results[0]; r.Method != scrub.MethodSweep {
+		t.Fatalf("another pod's ADD on a found pod's address: %s, want a sweep", r.Method)
 	}
 }

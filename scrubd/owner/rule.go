@@ -84,9 +84,16 @@ const (
 	// and its index is trusted; any other IP sweeps, and keeps its state
 	// (no new owner: a bootstrap pass running still vouches for it).
 	DelGone
+	// AddFound is ctscrub's ADD scrub for the interface of a pod found at
+	// start (Begin's a is the found pod's name): a runtime's ADD that was
+	// still in the chain while scrubd was down. The found pod is the ADD's
+	// own pod, recorded since the find, its older entries read by the pass:
+	// while it holds the IP in this epoch, the index is trusted. Otherwise
+	// as an Add.
+	AddFound
 )
 
-var eventNames = [...]string{"add", "del", "gc", "create", "delete", "unknown", "operator", "del-gone"}
+var eventNames = [...]string{"add", "del", "gc", "create", "delete", "unknown", "operator", "del-gone", "add-found"}
 
 func (e Event) String() string {
 	if int(e) < len(eventNames) {
@@ -242,6 +249,11 @@ func (r *Rule) Begin(ev Event, a api.Attachment, ips []netip.Addr) *Ticket {
 		switch ev {
 		case Add:
 			if r.releasedLocked(ip) || r.createdLocked(ip) {
+				v = Trust
+			}
+			r.takeLocked(ip)
+		case AddFound:
+			if r.releasedLocked(ip) || r.createdLocked(ip) || (known && h.epoch == r.epoch && !r.unchained && holds(h, ip)) {
 				v = Trust
 			}
 			r.takeLocked(ip)

@@ -113,3 +113,23 @@ func TestDelGone(t *testing.T) {
 		t.Fatal("DelGone trusted while blind")
 	}
 }
+
+// AddFound: the ADD of a found pod's own interface trusts the index while
+// the found pod holds the IP in this epoch; not after a sign, nor for an
+// IP it does not hold.
+func TestAddFound(t *testing.T) {
+	ip := netip.MustParseAddr("10.244.0.10")
+	other := netip.MustParseAddr("10.244.0.11")
+	found := api.Attachment{ContainerID: "found:1:2", IfName: "eth0"}
+	r := New()
+	r.BeginBoot(nil, []Found{{A: found, IPs: []netip.Addr{ip}}}, false)
+	tk := r.Begin(AddFound, found, []netip.Addr{ip, other})
+	if tk.Verdict(ip) != Trust || tk.Verdict(other) != Sweep {
+		t.Fatalf("verdicts %v / %v, want trust for the found pod's IP only", tk.Verdict(ip), tk.Verdict(other))
+	}
+	r.Unseen()
+	r.Sight(r.Epoch())
+	if v := r.Begin(AddFound, found, []netip.Addr{ip}).Verdict(ip); v != Sweep {
+		t.Fatal("AddFound trusted a holder of an earlier epoch")
+	}
+}
