@@ -119,9 +119,13 @@ type scrubAnswer struct {
 	beforeReady bool // a status answer after it still said not ready
 	refused     bool // scrubd answered with an API error (fails closed)
 	swept       bool // every IP swept
-	// afterPass: a status read just before it said the new scrubd's
-	// bootstrap pass had ended: the pass read the maps, the entries made
-	// while scrubd was dead included, so an answer by the index is sound.
+	// afterPass: a status read just before it, or right after it, said
+	// the new scrubd's bootstrap pass had ended: the pass read the maps,
+	// the entries made while scrubd was dead included, so an answer by the
+	// index is sound. After it counts too: the pass declares its addresses
+	// complete before its status says done, so a scrub may use them first
+	// (the in-kernel pass, about a second at 4 M entries, often ends
+	// between the two reads).
 	afterPass bool
 	why       []string
 	err       error
@@ -262,7 +266,7 @@ wait:
 			pctx, pcancel := context.WithTimeout(ctx, 2*time.Second)
 			pst, perr := c.Status(pctx)
 			pcancel()
-			afterPass := perr == nil && pst.Bootstrap != nil && !pst.Bootstrap.Running && pst.Bootstrap.Error == "" && pst.Bootstrap.Passes > 0
+			afterPass := perr == nil && passEnded(pst)
 			sctx, cancel := context.WithTimeout(ctx, 2*time.Second)
 			resp, err := c.Scrub(sctx, api.ScrubRequest{IPs: victimIPs, Reason: scrub.ReasonDel})
 			cancel()
@@ -296,6 +300,7 @@ wait:
 			st, serr := c.Status(stctx)
 			cancel()
 			a.beforeReady = serr != nil || !st.Ready
+			a.afterPass = a.afterPass || (serr == nil && passEnded(st))
 			answers = append(answers, a)
 			time.Sleep(10 * time.Millisecond)
 		}
@@ -484,4 +489,10 @@ wait:
 		r.Outcome += " (no record lost: the ring was not overrun)"
 	}
 	return r
+}
+
+// passEnded reports whether a status says scrubd's bootstrap pass ended
+// without an error.
+func passEnded(st *api.Status) bool {
+	return st != nil && st.Bootstrap != nil && !st.Bootstrap.Running && st.Bootstrap.Error == "" && st.Bootstrap.Passes > 0
 }
