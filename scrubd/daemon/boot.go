@@ -140,29 +140,13 @@ func (d *Daemon) findAtStart() {
 		d.log.Warn("bootstrap: finding the node's pod interfaces failed in part; free addresses are not vouched for", "err", err)
 		missed = append(missed, "(error)")
 	}
-	journal := d.journalKeys()
-	d.bs.keys = map[podKey]bool{}
 	d.bs.found = map[api.Attachment]foundPod{}
+	fr := d.findStrangers(pods, d.journalKeys())
+	missed = append(missed, fr.missed...)
+	d.bs.keys = fr.keys
 	var strangers []owner.Found
-	var owned []PodInterface
-	for _, p := range pods {
-		ips := d.ownedIPs(p.IPs)
-		if len(ips) == 0 {
-			continue // no address in the pod CIDRs: not a pod of this cluster
-		}
-		owned = append(owned, p)
-		k, ok := keyOf(p.Netns, p.IfName)
-		if !ok {
-			missed = append(missed, p.HostIf) // gone meanwhile
-			continue
-		}
-		d.bs.keys[k] = true
-		if journal[k] {
-			continue // a restored attachment: restore re-attached it
-		}
-		fp, _ := d.attachFound(p, k, ips)
-		d.bs.found[fp.a] = fp
-		strangers = append(strangers, owner.Found{A: fp.a, IPs: ips})
+	for _, fp := range fr.found {
+		strangers = append(strangers, owner.Found{A: fp.a, IPs: fp.ips})
 	}
 	d.bs.rule = d.own.BeginBoot(d.bs.kept, strangers, len(missed) > 0)
 	if d.bs.kept != nil && !d.bs.rule.Restored {
@@ -170,10 +154,60 @@ func (d *Daemon) findAtStart() {
 			"found_pods", len(strangers), "missed", missed)
 	}
 	if d.bs.scan == nil {
-		d.bs.cover = d.coverRanges(owned)
+		d.bs.cover = d.coverRanges(fr.owned)
 	}
-	d.log.Info("bootstrap: pod interfaces found at start", "pods", len(owned), "not_in_state", len(strangers), "missed", missed,
+	d.log.Info("bootstrap: pod interfaces found at start", "pods", len(fr.owned), "not_in_state", len(strangers), "missed", missed,
 		"kept_releases", d.bs.rule.Restored, "cover", d.bs.cover, "took_s", time.Since(began).Seconds())
+}
+
+// findResult is what one find did with the node's pod interfaces.
+type findResult struct {
+	owned  []PodInterface  // those with an address in the pod CIDRs
+	keys   map[podKey]bool // their keys
+	found  []foundPod      // those no attachment or earlier find named: attached now
+	missed []string        // gone meanwhile, or the recorder could not attach
+}
+
+// findStrangers attaches the recorder to every pod interface of pods that
+// skip and no earlier find name, and files each as a found pod (d.bs.found).
+// An interface gone meanwhile, or one the recorder could not attach to
+// (its addresses stay incomplete), is missed: a pod may run unrecorded.
+// The find at start and the find after a sign (refind.go) both use it.
+func (d *Daemon) findStrangers(pods []PodInterface, skip map[podKey]bool) findResult {
+	fr := findResult{keys: map[podKey]bool{}}
+	d.bs.mu.Lock()
+	for _, f := range d.bs.found {
+		skip[f.key] = true
+	}
+	d.bs.mu.Unlock()
+	for _, p := range pods {
+		ips := d.ownedIPs(p.IPs)
+		if len(ips) == 0 {
+			continue // no address in the pod CIDRs: not a pod of this cluster
+		}
+		fr.owned = append(fr.owned, p)
+		k, ok := keyOf(p.Netns, p.IfName)
+		if !ok {
+			fr.missed = append(fr.missed, p.HostIf) // gone meanwhile
+			continue
+		}
+		fr.keys[k] = true
+		if skip[k] {
+			continue // an attachment (re-attached by restore), or found before
+		}
+		fp, err := d.attachFound(p, k, ips)
+		if err != nil {
+			fr.missed = append(fr.missed, p.Netns+"/"+p.IfName)
+		}
+		d.bs.mu.Lock()
+		if d.bs.found == nil {
+			d.bs.found = map[api.Attachment]foundPod{}
+		}
+		d.bs.found[fp.a] = fp
+		d.bs.mu.Unlock()
+		fr.found = append(fr.found, fp)
+	}
+	return fr
 }
 
 // attachFound puts the recorder on a pod interface that no attachment

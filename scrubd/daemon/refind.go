@@ -5,8 +5,6 @@ import (
 	"errors"
 	"os"
 	"time"
-
-	"github.com/ctscrub/ctscrub/scrubd/api"
 )
 
 // After a sign of an unseen owner the rule is blind (owner.Rule.Sight): a
@@ -59,42 +57,13 @@ func (d *Daemon) refind() bool {
 	if err != nil {
 		missed = append(missed, "(error: "+err.Error()+")")
 	}
-	journal := d.journalKeys()
-	d.bs.mu.Lock()
-	known := map[podKey]bool{}
-	for _, f := range d.bs.found {
-		known[f.key] = true
-	}
-	d.bs.mu.Unlock()
-	attached := 0
-	for _, p := range pods {
-		ips := d.ownedIPs(p.IPs)
-		if len(ips) == 0 {
-			continue
-		}
-		k, ok := keyOf(p.Netns, p.IfName)
-		if !ok {
-			missed = append(missed, p.HostIf) // gone meanwhile, or not followed
-			continue
-		}
-		if journal[k] || known[k] {
-			continue
-		}
-		fp, err := d.attachFound(p, k, ips)
-		if err != nil {
-			missed = append(missed, p.Netns+"/"+p.IfName)
-		}
-		d.bs.mu.Lock()
-		if d.bs.found == nil {
-			d.bs.found = map[api.Attachment]foundPod{}
-		}
-		d.bs.found[fp.a] = fp
-		d.bs.mu.Unlock()
-		d.own.Start(fp.a, ips)
-		attached++
+	fr := d.findStrangers(pods, d.journalKeys())
+	missed = append(missed, fr.missed...)
+	for _, fp := range fr.found {
+		d.own.Start(fp.a, fp.ips)
 	}
 	seen := len(missed) == 0 && d.own.Sight(epoch)
-	d.log.Info("find after a sign of an unseen owner", "attached", attached, "missed", missed, "sees_again", seen, "epoch", epoch)
+	d.log.Info("find after a sign of an unseen owner", "attached", len(fr.found), "missed", missed, "sees_again", seen, "epoch", epoch)
 	return seen
 }
 
